@@ -1,0 +1,102 @@
+"""Argument checks shared by the public transforms.
+
+Every error names the argument at fault and says how to fix it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REDUCTIONS = ("mean", "sum", "weighted")
+
+
+def check_k(k: Any, name: str = "k") -> int | Callable[[jax.Array], Any]:
+  """Returns ``k`` if it is a positive int or a callable schedule, else raises."""
+  if callable(k):
+    return k
+  if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
+    raise TypeError(
+        f"`{name}` must be a positive int (micro-batches per optimizer step) or"
+        f" a schedule `f(gradient_step) -> int`; got {k!r} of type"
+        f" {type(k).__name__}. Pass e.g. `{name}=4`."
+    )
+  if k < 1:
+    raise ValueError(
+        f"`{name}` must be >= 1 (the number of micro-batches per optimizer"
+        f" step); got {k}. Use `{name}=1` for no accumulation."
+    )
+  return int(k)
+
+
+def check_reduction(reduction: Any) -> str:
+  if reduction not in REDUCTIONS:
+    raise ValueError(
+        f"`reduction` must be one of {REDUCTIONS}; got {reduction!r}. Use"
+        " 'mean' for sum/k, 'sum' for the plain sum, or 'weighted' with"
+        " `update(..., weight=w)` for sum(w_i g_i) / sum(w_i)."
+    )
+  return reduction
+
+
+def check_accumulator_dtype(dtype: Any) -> jnp.dtype | None:
+  if dtype is None:
+    return None
+  try:
+    canonical = jnp.dtype(dtype)
+  except TypeError as e:
+    raise TypeError(
+        f"`accumulator_dtype` must be a floating dtype such as jnp.float32, or"
+        f" None for the parameters' dtype; got {dtype!r}."
+    ) from e
+  if not jnp.issubdtype(canonical, jnp.floating):
+    raise TypeError(
+        f"`accumulator_dtype` must be a floating dtype such as jnp.float32, or"
+        f" None for the parameters' dtype; got {canonical}."
+    )
+  return canonical
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+  return jax.tree_util.keystr(path) or "<root>"
+
+
+def check_tree_matches(grads: Any, buffer: Any, *, what: str = "gradients") -> None:
+  """Raises if ``grads`` does not have the structure and shapes of ``buffer``.
+
+  The message names the first path at which the two trees differ.
+  """
+  g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
+  b_leaves, b_def = jax.tree_util.tree_flatten_with_path(buffer)
+  if g_def != b_def:
+    g_paths = [_path_str(p) for p, _ in g_leaves]
+    b_paths = [_path_str(p) for p, _ in b_leaves]
+    for gp, bp in zip(g_paths, b_paths):
+      if gp != bp:
+        raise ValueError(
+            f"The {what} tree does not match the accumulator built by"
+            f" `init(params)`: first difference at {gp} (gradients) vs {bp}"
+            " (state). Pass gradients with the same structure as the params"
+            " given to `init`, or re-run `init` on the new params."
+        )
+    longer, shorter = (g_paths, b_paths) if len(g_paths) > len(b_paths) else (
+        b_paths, g_paths)
+    side = "gradients" if longer is g_paths else "state"
+    extra = longer[len(shorter)] if len(longer) > len(shorter) else "<node types>"
+    raise ValueError(
+        f"The {what} tree does not match the accumulator built by"
+        f" `init(params)`: first difference at {extra} (only in the {side};"
+        f" structures {g_def} vs {b_def}). Pass gradients with the same"
+        " structure as the params given to `init`."
+    )
+  for (path, g), (_, b) in zip(g_leaves, b_leaves):
+    if jnp.shape(g) != jnp.shape(b):
+      raise ValueError(
+          f"The {what} leaf at {_path_str(path)} has shape {jnp.shape(g)} but"
+          f" the accumulator holds shape {jnp.shape(b)}. Pass gradients shaped"
+          " like the params given to `init`."
+      )
