@@ -1,6 +1,6 @@
 """optax_accum: exact gradient accumulation for JAX and Optax."""
 
-from optax_accum.accumulation import AccumulateState, accumulate, has_updated
+from optax_accum.accumulation import AccumulateState, accumulate, has_updated, update_and_apply
 from optax_accum.multi_steps import (
     MultiSteps,
     MultiStepsState,
@@ -20,4 +20,5 @@ __all__ = [
     "has_updated",
     "skip_large_updates",
     "skip_not_finite",
+    "update_and_apply",
 ]

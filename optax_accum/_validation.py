@@ -75,7 +75,7 @@ def check_tree_matches(grads: Any, buffer: Any, *, what: str = "gradients") -> N
   if g_def != b_def:
     g_paths = [_path_str(p) for p, _ in g_leaves]
     b_paths = [_path_str(p) for p, _ in b_leaves]
-    for gp, bp in zip(g_paths, b_paths):
+    for gp, bp in zip(g_paths, b_paths, strict=False):
       if gp != bp:
         raise ValueError(
             f"The {what} tree does not match the accumulator built by"
@@ -93,7 +93,7 @@ def check_tree_matches(grads: Any, buffer: Any, *, what: str = "gradients") -> N
         f" structures {g_def} vs {b_def}). Pass gradients with the same"
         " structure as the params given to `init`."
     )
-  for (path, g), (_, b) in zip(g_leaves, b_leaves):
+  for (path, g), (_, b) in zip(g_leaves, b_leaves, strict=True):
     if jnp.shape(g) != jnp.shape(b):
       raise ValueError(
           f"The {what} leaf at {_path_str(path)} has shape {jnp.shape(g)} but"

@@ -28,7 +28,11 @@ class AccumulateState(NamedTuple):
   Attributes:
     mini_step: micro-batches accepted in the current window (int32).
     gradient_step: windows closed so far, i.e. optimizer steps (int32).
-    acc_grads: the accumulation buffer, a pytree like the params.
+    acc_grads: the accumulation buffer, a pytree like the params. It holds the
+      running sum of the current window while ``mini_step > 0``; when
+      ``mini_step == 0`` its contents are stale (the last window's sum, kept
+      for inspection) and the next accepted micro-batch overwrites them. This
+      lazy reset saves a full pass over the buffer per window.
     acc_weight: sum of the weights seen in the current window (float32; only
       used by ``reduction="weighted"``).
     num_skipped: non-finite micro-batches dropped so far (int32; only counts
@@ -114,13 +118,17 @@ def _all_finite(tree: Any) -> jax.Array:
 
 
 class _StepOut(NamedTuple):
-  updates: optax.Updates
+  updates: optax.Updates  # or the new params, with ``apply_to=params``
   acc_grads: optax.Updates
   acc_weight: jax.Array
   mini_step: jax.Array
   gradient_step: jax.Array
   inner_opt_state: optax.OptState
   emitted: jax.Array
+
+
+def _zeros_like_shapes(shapes: Any) -> Any:
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
 
 
 def accumulation_step(
@@ -140,17 +148,27 @@ def accumulation_step(
     axis_name: Any,
     extra_args: dict[str, Any],
     emit_now: Any = False,
+    apply_to_params: bool = False,
 ) -> _StepOut:
   """One micro-step of accumulation; shared by `accumulate` and `MultiSteps`.
 
   ``accept`` (a bool scalar, or None for always) says whether this micro-batch
   counts. A rejected one leaves every buffer and counter as it was.
+
+  The buffer is reset lazily: its contents only count while ``mini_step > 0``.
+  The first micro-batch of a window overwrites it (``where(mini_step == 0, 0,
+  acc) + g``, one fused pass), so no step ever spends a separate pass zeroing
+  it, and a NaN left by a past window is discarded by a select, never
+  multiplied. The ``lax.cond`` then only reads the buffer: XLA updates it in
+  place with no copy (a branch that wrote it would force one; see
+  benchmarks/NOTES.md).
   """
   k_now = _resolve_k(k, gradient_step)
   weighted = reduction == "weighted"
+  stale = mini_step == 0
   if weighted:
     w = jnp.asarray(weight, jnp.float32)
-    new_weight = acc_weight + w
+    new_weight = jnp.where(stale, 0.0, acc_weight) + w
   else:
     w = None
     new_weight = acc_weight
@@ -161,11 +179,13 @@ def accumulation_step(
       # A zero-weight micro-batch (e.g. all padding, whose mean loss is 0/0)
       # must contribute nothing, even if its gradient is NaN.
       g = jnp.where(w != 0, g * w.astype(acc.dtype), jnp.zeros((), acc.dtype))
-    return acc + g
+    new = jnp.where(stale, jnp.zeros((), acc.dtype), acc) + g
+    if accept is not None:
+      new = jnp.where(accept, new, acc)
+    return new
 
   new_acc = jax.tree.map(add, acc_grads, grads)
   if accept is not None:
-    new_acc = jax.tree.map(lambda n, o: jnp.where(accept, n, o), new_acc, acc_grads)
     new_weight = jnp.where(accept, new_weight, acc_weight)
     count = mini_step + accept.astype(mini_step.dtype)
     emit = jnp.logical_and(count > 0, jnp.logical_or(count >= k_now, emit_now))
@@ -197,41 +217,48 @@ def accumulation_step(
 
     return jax.tree.map(finish, acc, grads), total_weight
 
+  def inner_update(reduced, inner_state, params):
+    if inner is None:
+      return reduced, inner_state
+    return inner.update(reduced, inner_state, params, **extra_args)
+
   def emit_branch(acc, total_weight, count, inner_state, params):
     reduced, total_weight = reduce_window(acc, total_weight, count)
-    if inner is None:
-      updates, new_inner = reduced, inner_state
-    elif weighted:
+    if weighted and inner is not None and axis_name is not None:
+      # A window without a single real token anywhere: no step, no state
+      # change. (Without an axis this test is folded into the outer cond.)
+      shapes = jax.eval_shape(inner_update, reduced, inner_state, params)[0]
       updates, new_inner = lax.cond(
           total_weight > 0,
-          lambda r, s, p: inner.update(r, s, p, **extra_args),
-          lambda r, s, p: (_zeros_like_updates(r, s, p), s),
+          inner_update,
+          lambda r, s, p: (_zeros_like_shapes(shapes), s),
           reduced, inner_state, params,
       )
     else:
-      updates, new_inner = inner.update(reduced, inner_state, params, **extra_args)
-    zero_acc = jax.tree.map(jnp.zeros_like, acc)
-    return updates, zero_acc, jnp.zeros_like(total_weight), new_inner
-
-  def _zeros_like_updates(r, s, p):
-    shapes, _ = jax.eval_shape(lambda r, s, p: inner.update(r, s, p, **extra_args), r, s, p)
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+      updates, new_inner = inner_update(reduced, inner_state, params)
+    if apply_to_params:
+      return optax.apply_updates(params, updates), new_inner
+    return updates, new_inner
 
   update_shapes = jax.eval_shape(
       emit_branch, new_acc, new_weight, count, inner_opt_state, params)[0]
 
   def mid_branch(acc, total_weight, count, inner_state, params):
-    del count, params
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), update_shapes)
-    return zeros, acc, total_weight, inner_state
+    del acc, total_weight, count
+    if apply_to_params:
+      return params, inner_state
+    return _zeros_like_shapes(update_shapes), inner_state
 
-  updates, out_acc, out_weight, out_inner = lax.cond(
-      emit, emit_branch, mid_branch,
+  run_inner = emit
+  if weighted and inner is not None and axis_name is None:
+    run_inner = jnp.logical_and(emit, new_weight > 0)
+  updates, out_inner = lax.cond(
+      run_inner, emit_branch, mid_branch,
       new_acc, new_weight, count, inner_opt_state, params)
   return _StepOut(
       updates=updates,
-      acc_grads=out_acc,
-      acc_weight=out_weight,
+      acc_grads=new_acc,
+      acc_weight=jnp.where(emit, jnp.zeros_like(new_weight), new_weight),
       mini_step=jnp.where(emit, jnp.zeros_like(count), count),
       gradient_step=gradient_step + emit.astype(gradient_step.dtype),
       inner_opt_state=out_inner,
@@ -336,22 +363,43 @@ def accumulate(
   acc_dtype = _validation.check_accumulator_dtype(accumulator_dtype)
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"`skip_nonfinite` must be a bool; got {skip_nonfinite!r}.")
-  inner = None if optimizer is None else optax.with_extra_args_support(optimizer)
   if not isinstance(k, int):
     _check_schedule_at_zero(k)
+  accumulator = _Accumulator(
+      k=k,
+      inner=None if optimizer is None else optax.with_extra_args_support(optimizer),
+      reduction=reduction,
+      acc_dtype=acc_dtype,
+      skip_nonfinite=skip_nonfinite,
+      axis_name=axis_name,
+  )
+  return optax.GradientTransformationExtraArgs(accumulator.init, accumulator.update)
 
-  def init_fn(params: optax.Params) -> AccumulateState:
+
+class _Accumulator:
+  """The configuration behind one :func:`accumulate` transform."""
+
+  def __init__(self, *, k, inner, reduction, acc_dtype, skip_nonfinite, axis_name):
+    self.k = k
+    self.inner = inner
+    self.reduction = reduction
+    self.acc_dtype = acc_dtype
+    self.skip_nonfinite = skip_nonfinite
+    self.axis_name = axis_name
+
+  def init(self, params: optax.Params) -> AccumulateState:
     return AccumulateState(
         mini_step=jnp.zeros([], jnp.int32),
         gradient_step=jnp.zeros([], jnp.int32),
-        acc_grads=init_buffer(params, acc_dtype),
+        acc_grads=init_buffer(params, self.acc_dtype),
         acc_weight=jnp.zeros([], jnp.float32),
         num_skipped=jnp.zeros([], jnp.int32),
         emitted=jnp.zeros([], jnp.bool_),
-        inner_opt_state=() if inner is None else inner.init(params),
+        inner_opt_state=() if self.inner is None else self.inner.init(params),
     )
 
-  def update_fn(
+  def update(
+      self,
       updates: optax.Updates,
       state: AccumulateState,
       params: optax.Params | None = None,
@@ -360,22 +408,37 @@ def accumulate(
       emit_now: Any = False,
       **extra_args: Any,
   ) -> tuple[optax.Updates, AccumulateState]:
+    return self._step(updates, state, params, weight, emit_now, extra_args, False)
+
+  def update_and_apply(
+      self,
+      grads: optax.Updates,
+      state: AccumulateState,
+      params: optax.Params,
+      *,
+      weight: Any = None,
+      emit_now: Any = False,
+      **extra_args: Any,
+  ) -> tuple[optax.Params, AccumulateState]:
+    return self._step(grads, state, params, weight, emit_now, extra_args, True)
+
+  def _step(self, updates, state, params, weight, emit_now, extra_args, apply_to_params):
     if not isinstance(state, AccumulateState):
       raise TypeError(
           "`state` must be the AccumulateState returned by this transform's"
           f" `init`; got {type(state).__name__}."
       )
     _validation.check_tree_matches(updates, state.acc_grads)
-    if reduction == "weighted" and weight is None:
+    if self.reduction == "weighted" and weight is None:
       raise ValueError(
           "reduction='weighted' needs a per-micro-batch weight: call"
           " `update(grads, state, params, weight=w)` with w e.g. the number of"
           " real tokens in the micro-batch."
       )
-    if reduction != "weighted" and weight is not None:
+    if self.reduction != "weighted" and weight is not None:
       raise ValueError(
-          f"`weight` was given but reduction={reduction!r} ignores it. Build the"
-          " transform with `accumulate(k, ..., reduction='weighted')`."
+          f"`weight` was given but reduction={self.reduction!r} ignores it. Build"
+          " the transform with `accumulate(k, ..., reduction='weighted')`."
       )
     if weight is not None and jnp.ndim(weight) != 0:
       raise ValueError(
@@ -384,12 +447,12 @@ def accumulate(
       )
     accept = None
     num_skipped = state.num_skipped
-    if skip_nonfinite:
+    if self.skip_nonfinite:
       accept = _all_finite(updates)
       if weight is not None:
         accept = jnp.logical_and(accept, jnp.isfinite(weight))
-      if axis_name is not None:
-        accept = lax.pmin(accept.astype(jnp.int32), axis_name).astype(jnp.bool_)
+      if self.axis_name is not None:
+        accept = lax.pmin(accept.astype(jnp.int32), self.axis_name).astype(jnp.bool_)
       num_skipped = num_skipped + jnp.logical_not(accept).astype(jnp.int32)
     out = accumulation_step(
         updates,
@@ -399,14 +462,15 @@ def accumulate(
         gradient_step=state.gradient_step,
         inner_opt_state=state.inner_opt_state,
         params=params,
-        k=k,
-        inner=inner,
-        reduction=reduction,
+        k=self.k,
+        inner=self.inner,
+        reduction=self.reduction,
         weight=weight,
         accept=accept,
-        axis_name=axis_name,
+        axis_name=self.axis_name,
         extra_args=extra_args,
         emit_now=emit_now,
+        apply_to_params=apply_to_params,
     )
     new_state = AccumulateState(
         mini_step=out.mini_step,
@@ -419,7 +483,56 @@ def accumulate(
     )
     return out.updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+def update_and_apply(
+    tx: optax.GradientTransformation,
+    grads: optax.Updates,
+    state: AccumulateState,
+    params: optax.Params,
+    **kwargs: Any,
+) -> tuple[optax.Params, AccumulateState]:
+  """``tx.update`` and ``optax.apply_updates`` fused inside the window's cond.
+
+  The optax protocol returns an update on every call, so a mid-step must
+  write a tree of zeros and the caller's ``apply_updates`` must read the
+  params, read the zeros and write the params back: three parameter-sized
+  passes for nothing. This helper applies the update inside the emitting
+  branch instead; on mid-steps the params pass through the ``lax.cond``
+  untouched (no copy when they are donated), so a mid-step costs only the
+  buffer update ``acc += g``. Results are identical to ``tx.update`` followed
+  by ``optax.apply_updates``.
+
+  Args:
+    tx: a transform built by :func:`accumulate` (not a chain holding one).
+    grads: this micro-batch's gradients.
+    state: the transform's state.
+    params: the current params (donate them to the jitted step).
+    **kwargs: ``weight``, ``emit_now`` and extra args, as for ``tx.update``.
+
+  Returns:
+    ``(new_params, new_state)``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum as oa
+    >>> tx = oa.accumulate(2, optax.sgd(0.5))
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> step = jax.jit(lambda g, s, p: oa.update_and_apply(tx, g, s, p))
+    >>> params, state = step({"w": jnp.ones(2)}, state, params)
+    >>> params["w"].tolist()
+    [0.0, 0.0]
+    >>> params, state = step({"w": jnp.full(2, 3.0)}, state, params)
+    >>> params["w"].tolist()
+    [-1.0, -1.0]
+  """
+  accumulator = getattr(tx.update, "__self__", None)
+  if not isinstance(accumulator, _Accumulator):
+    raise TypeError(
+        "`update_and_apply` needs a transform returned by `optax_accum.accumulate`"
+        f" (its `update` is {tx.update!r}). For a chain, put the chain inside:"
+        " `accumulate(k, optax.chain(...))`."
+    )
+  return accumulator.update_and_apply(grads, state, params, **kwargs)
 
 
 def _check_schedule_at_zero(schedule: KSchedule) -> None:
@@ -427,7 +540,7 @@ def _check_schedule_at_zero(schedule: KSchedule) -> None:
   try:
     value = schedule(jnp.zeros([], jnp.int32))
     concrete = int(jnp.asarray(value))
-  except Exception as e:  # noqa: BLE001 - the schedule may only work traced
+  except Exception as e:  # the schedule may only work on traced values
     warnings.warn(
         f"Could not evaluate the `k` schedule at step 0 ({e!r}); it will be"
         " checked when first called.",
