@@ -144,6 +144,15 @@ def _map_per_device(state: Any, fn: Any) -> Any:
   return jax.tree.map(visit, state, is_leaf=lambda n: isinstance(n, AccumulateState))
 
 
+def _varying_axes(x: Any) -> frozenset[Any]:
+  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty if unchecked)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)  # jax >= 0.9
+  if mat is not None and hasattr(mat, "varying"):
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))  # earlier releases
+
+
 def _check_has_accumulate_state(state: Any, where: str) -> None:
   found = []
   _map_per_device(state, lambda x: found.append(x) or x)
@@ -223,19 +232,23 @@ def per_device_state(
   def update_fn(
       updates: optax.Updates, state: Any, params: optax.Params | None = None, **kwargs: Any
   ) -> tuple[optax.Updates, Any]:
-    for g in jax.tree.leaves(updates):
-      vma = getattr(jax.typeof(g), "vma", None)
-      if vma is not None and not set(axes) <= set(vma):
-        raise ValueError(
-            f"The gradients passed to `update` are already reduced over {axis_name!r}"
-            " (they are the same on every device): inside shard_map, jax.grad"
-            " with respect to replicated params sums over the devices on every"
-            " micro-step. Differentiate with respect to"
-            f" `jax.lax.pcast(params, {axis_name!r}, to='varying')` so each"
-            " device accumulates its local gradient and the all-reduce runs"
-            " once per window."
-        )
     local = _map_per_device(state, lambda x: jnp.squeeze(x, 0))
+    # With shard_map's type checks on, the buffer is typed as varying over the
+    # axis; gradients that are not were already summed over the devices.
+    buffers = []
+    _map_per_device(local, lambda x: buffers.append(x) or x)
+    if set(axes) <= _varying_axes(buffers[0]):
+      for g in jax.tree.leaves(updates):
+        if not set(axes) <= _varying_axes(g):
+          raise ValueError(
+              f"The gradients passed to `update` are already reduced over {axis_name!r}"
+              " (they are the same on every device): inside shard_map, jax.grad"
+              " with respect to replicated params sums over the devices on every"
+              " micro-step. Differentiate with respect to"
+              f" `jax.lax.pcast(params, {axis_name!r}, to='varying')` so each"
+              " device accumulates its local gradient and the all-reduce runs"
+              " once per window."
+          )
     new_updates, new_state = inner.update(updates, local, params, **kwargs)
     return new_updates, _map_per_device(new_state, lambda x: x[None])
 

@@ -1,0 +1,404 @@
+"""Data-parallel and sharded accumulation on 8 host CPU devices.
+
+``tests/conftest.py`` forces 8 CPU devices before jax is imported. Every run
+is compared with an independent single-device reference: the inner optimizer
+applied to the gradient of the whole window's data as one large batch.
+SGD with momentum is used where the scale matters (Adam would hide a gradient
+scaled by the number of devices).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum as oa
+from optax_accum.sharding import (
+    hlo_collectives,
+    per_device_state,
+    shard_map_specs,
+    state_shardings,
+)
+
+N_DEV = 8
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < N_DEV,
+    reason="needs 8 devices: run through pytest so tests/conftest.py sets XLA_FLAGS",
+)
+
+D_IN, D_HID, D_OUT = 8, 8, 4
+
+
+def make_params(seed: int = 0) -> dict[str, jax.Array]:
+  rng = np.random.default_rng(seed)
+  return {
+      "w1": jnp.asarray(rng.normal(size=(D_IN, D_HID)) / np.sqrt(D_IN), jnp.float32),
+      "b1": jnp.zeros((D_HID,), jnp.float32),
+      "w2": jnp.asarray(rng.normal(size=(D_HID, D_OUT)) / np.sqrt(D_HID), jnp.float32),
+      "b2": jnp.zeros((D_OUT,), jnp.float32),
+  }
+
+
+def make_data(windows: int, k: int, batch: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+  """``(windows, k, batch, ...)`` inputs and targets."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(windows, k, batch, D_IN)).astype(np.float32)
+  y = rng.normal(size=(windows, k, batch, D_OUT)).astype(np.float32)
+  return x, y
+
+
+def per_example_loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+  h = jnp.tanh(x @ params["w1"] + params["b1"])
+  return jnp.sum((h @ params["w2"] + params["b2"] - y) ** 2, axis=-1)
+
+
+def loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+  return jnp.mean(per_example_loss(params, x, y))
+
+
+def large_batch_reference(
+    params: Any, opt: optax.GradientTransformation, x: np.ndarray, y: np.ndarray
+) -> Any:
+  """The inner optimizer on the gradient of each whole window, on one device."""
+  state = opt.init(params)
+  for w in range(x.shape[0]):
+    xs = x[w].reshape(-1, x.shape[-1])
+    ys = y[w].reshape(-1, y.shape[-1])
+    grads = jax.grad(loss)(params, xs, ys)
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+def assert_trees_close(actual: Any, expected: Any, rtol: float = 2e-5, atol: float = 2e-6) -> None:
+  jax.tree.map(
+      lambda a, e: np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol),
+      actual, expected)
+
+
+def inner_opt() -> optax.GradientTransformation:
+  return optax.sgd(0.3, momentum=0.9)
+
+
+def data_mesh() -> Mesh:
+  return Mesh(np.array(jax.devices()[:N_DEV]), ("data",))
+
+
+# --- pmap ---------------------------------------------------------------------------------
+
+
+def test_pmap_matches_large_batch() -> None:
+  k, windows, per_dev = 4, 2, 2
+  x, y = make_data(windows, k, N_DEV * per_dev)
+  params = make_params()
+  tx = oa.accumulate(k, inner_opt(), axis_name="batch")
+
+  @partial(jax.pmap, axis_name="batch")
+  def step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> tuple[Any, Any]:
+    grads = jax.grad(loss)(p, xb, yb)
+    updates, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, updates), s
+
+  stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (N_DEV, *a.shape)), t)
+  p, s = stack(params), stack(tx.init(params))
+  for w in range(windows):
+    for i in range(k):
+      xb = x[w, i].reshape(N_DEV, per_dev, D_IN)
+      yb = y[w, i].reshape(N_DEV, per_dev, D_OUT)
+      p, s = step(p, s, xb, yb)
+      assert bool(s.emitted[0]) == (i == k - 1)
+  expected = large_batch_reference(params, inner_opt(), x, y)
+  for d in (0, N_DEV - 1):
+    assert_trees_close(jax.tree.map(lambda a, d=d: a[d], p), expected)
+  assert int(s.gradient_step[0]) == windows
+
+
+# --- shard_map ----------------------------------------------------------------------------
+
+
+def shard_map_step(tx: Any, mesh: Mesh, params: Any, *, weighted: bool = False) -> Any:
+  specs = shard_map_specs(tx, params, "data")
+
+  def body(p: Any, s: Any, xb: jax.Array, yb: jax.Array, mb: jax.Array) -> tuple[Any, Any]:
+    local = lax.pcast(p, "data", to="varying")
+    if weighted:
+      count = jnp.sum(mb)
+
+      def masked_loss(q: Any) -> jax.Array:
+        return jnp.sum(per_example_loss(q, xb, yb) * mb) / jnp.maximum(count, 1.0)
+
+      grads = jax.grad(masked_loss)(local)
+      updates, s = tx.update(grads, s, p, weight=count)
+    else:
+      grads = jax.grad(loss)(local, xb, yb)
+      updates, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, updates), s
+
+  return jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(P(), specs, P("data"), P("data"), P("data")),
+      out_specs=(P(), specs)))
+
+
+def shard_map_init(tx: Any, mesh: Mesh, params: Any) -> Any:
+  specs = shard_map_specs(tx, params, "data")
+  return jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+
+def test_shard_map_matches_large_batch_and_accumulates_locally() -> None:
+  k, windows, per_dev = 3, 2, 2
+  x, y = make_data(windows, k, N_DEV * per_dev, seed=2)
+  params = make_params()
+  mesh = data_mesh()
+  tx = per_device_state(oa.accumulate(k, inner_opt(), axis_name="data"), "data")
+  step = shard_map_step(tx, mesh, params)
+  state = shard_map_init(tx, mesh, params)
+  assert state.acc_grads["w1"].shape == (N_DEV, D_IN, D_HID)
+  ones = np.ones((N_DEV * per_dev,), np.float32)
+  p = params
+  for w in range(windows):
+    for i in range(k):
+      p_before = p
+      p, state = step(p, state, x[w, i], y[w, i], ones)
+      if i == 0:
+        # First micro-step of a window: each device holds exactly its own local
+        # gradient (nothing reduced, nothing left over from the last window).
+        for d in range(N_DEV):
+          sl = slice(d * per_dev, (d + 1) * per_dev)
+          local = jax.grad(loss)(p_before, x[w, 0, sl], y[w, 0, sl])
+          assert_trees_close(jax.tree.map(lambda a, d=d: a[d], state.acc_grads), local)
+        assert not np.allclose(state.acc_grads["w1"][0], state.acc_grads["w1"][1])
+      if i < k - 1:
+        assert_trees_close(p, p_before, rtol=0, atol=0)
+  expected = large_batch_reference(params, inner_opt(), x, y)
+  assert_trees_close(p, expected)
+  assert int(state.gradient_step) == windows
+
+
+def test_shard_map_weighted_with_skipped_nonfinite_micro_batch() -> None:
+  """Token-weighted mean across devices; a NaN on one device skips the step on all."""
+  k, per_dev = 3, 4
+  x, y = make_data(1, k + 1, N_DEV * per_dev, seed=3)
+  rng = np.random.default_rng(4)
+  mask = (rng.random(size=x.shape[:3]) < 0.6).astype(np.float32)
+  mask[0, 0, :per_dev] = 0.0  # device 0 has only padding in its first micro-batch
+  bad = 2  # micro-step with a NaN input on device 5 only: skipped everywhere
+  x_bad = x.copy()
+  x_bad[0, bad, 5 * per_dev] = np.nan
+  params = make_params()
+  mesh = data_mesh()
+  tx = per_device_state(
+      oa.accumulate(k, inner_opt(), reduction="weighted", skip_nonfinite=True, axis_name="data"),
+      "data")
+  step = shard_map_step(tx, mesh, params, weighted=True)
+  state = shard_map_init(tx, mesh, params)
+  p = params
+  for i in range(k + 1):
+    p, state = step(p, state, x_bad[0, i], y[0, i], mask[0, i])
+  assert int(state.num_skipped) == 1
+  assert int(state.gradient_step) == 1
+
+  # Reference: one step on sum(token losses) / total tokens of the accepted micro-batches.
+  keep = [i for i in range(k + 1) if i != bad]
+  xs = x[0, keep].reshape(-1, D_IN)
+  ys = y[0, keep].reshape(-1, D_OUT)
+  ms = mask[0, keep].reshape(-1)
+  grads = jax.grad(lambda q: jnp.sum(per_example_loss(q, xs, ys) * ms) / ms.sum())(params)
+  opt = inner_opt()
+  updates, _ = opt.update(grads, opt.init(params), params)
+  assert_trees_close(p, optax.apply_updates(params, updates))
+
+
+def test_per_device_state_rejects_already_reduced_gradients() -> None:
+  mesh = data_mesh()
+  params = make_params()
+  tx = per_device_state(oa.accumulate(2, inner_opt(), axis_name="data"), "data")
+  specs = shard_map_specs(tx, params, "data")
+  state = shard_map_init(tx, mesh, params)
+
+  def body(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> tuple[Any, Any]:
+    grads = jax.grad(loss)(p, xb, yb)  # w.r.t. replicated params: summed over devices
+    return tx.update(grads, s, p)
+
+  step = jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")), out_specs=(P(), specs)))
+  x, y = make_data(1, 1, 16)
+  with pytest.raises(ValueError, match=r"pcast\(params, 'data', to='varying'\)"):
+    step(params, state, x[0, 0], y[0, 0])
+
+
+def test_per_device_state_needs_an_accumulate_transform() -> None:
+  with pytest.raises(TypeError, match="accumulate"):
+    per_device_state(optax.sgd(0.1), "data").init(make_params())
+
+
+# --- the communication claim, read from the compiled HLO -----------------------------------
+
+
+def _all_reduces(compiled: Any) -> list[Any]:
+  return [c for c in hlo_collectives(compiled) if c.op in ("all-reduce", "all-reduce-start")]
+
+
+def _param_bytes(params: Any) -> int:
+  return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
+
+
+def test_hlo_all_reduce_only_in_emitting_branch() -> None:
+  k = 8
+  mesh = data_mesh()
+  params = make_params()
+  x, y = make_data(1, 1, 16)
+  ones = np.ones((16,), np.float32)
+
+  # Ours: shard_map with per-device buffers.
+  tx = per_device_state(oa.accumulate(k, inner_opt(), axis_name="data"), "data")
+  state = shard_map_init(tx, mesh, params)
+  compiled = shard_map_step(tx, mesh, params).lower(
+      params, state, x[0, 0], y[0, 0], ones).compile()
+  ours = _all_reduces(compiled)
+  assert ours, "expected the window's gradient all-reduce in the compiled step"
+  assert all(c.context == (("conditional", 1),) for c in ours), ours
+  assert sum(c.bytes for c in ours) >= _param_bytes(params)
+
+  # Ours under pmap.
+  ptx = oa.accumulate(k, inner_opt(), axis_name="batch")
+
+  def pstep(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> tuple[Any, Any]:
+    updates, s = ptx.update(jax.grad(loss)(p, xb, yb), s, p)
+    return optax.apply_updates(p, updates), s
+
+  stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (N_DEV, *a.shape)), t)
+  pcompiled = jax.pmap(pstep, axis_name="batch").lower(
+      stack(params), stack(ptx.init(params)), x[0, 0].reshape(N_DEV, 2, D_IN),
+      y[0, 0].reshape(N_DEV, 2, D_OUT)).compile()
+  pours = _all_reduces(pcompiled)
+  assert pours and all(c.context == (("conditional", 1),) for c in pours), pours
+
+  # Naive: pmean of the gradients on every micro-step, then accumulate.
+  naive_tx = oa.accumulate(k, inner_opt())
+
+  def naive_body(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> tuple[Any, Any]:
+    grads = lax.pmean(jax.grad(loss)(lax.pcast(p, "data", to="varying"), xb, yb), "data")
+    updates, s = naive_tx.update(grads, s, p)
+    return optax.apply_updates(p, updates), s
+
+  naive = jax.jit(jax.shard_map(
+      naive_body, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), P())))
+  naive_compiled = naive.lower(params, naive_tx.init(params), x[0, 0], y[0, 0]).compile()
+  naive_ar = _all_reduces(naive_compiled)
+  in_step_path = [c for c in naive_ar if c.context == ()]
+  assert sum(c.bytes for c in in_step_path) >= _param_bytes(params), naive_ar
+
+
+# --- jit with NamedSharding (FSDP / tensor parallel on a 2-D mesh) --------------------------
+
+
+def fsdp_mesh() -> Mesh:
+  return Mesh(np.array(jax.devices()[:N_DEV]).reshape(4, 2), ("data", "model"))
+
+
+FSDP_SPECS = {"w1": P("data", "model"), "b1": P("model"), "w2": P("model", "data"), "b2": P()}
+
+
+def test_state_shardings_leaf_by_leaf_for_nested_states() -> None:
+  mesh = fsdp_mesh()
+  params = jax.tree.map(
+      lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), make_params(), FSDP_SPECS)
+  opt = optax.chain(
+      optax.clip_by_global_norm(1.0),
+      optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
+  )
+  tx = oa.accumulate(4, opt, accumulator_dtype=jnp.bfloat16)
+  shardings = state_shardings(tx, params)
+  state = jax.jit(tx.init, out_shardings=shardings)(params)
+  replicated = NamedSharding(mesh, P())
+  adam_state = state.inner_opt_state[1].inner_state[0]
+  for tree, tree_shardings in (
+      (state.acc_grads, shardings.acc_grads),
+      (adam_state.mu, shardings.inner_opt_state[1].inner_state[0].mu),
+      (adam_state.nu, shardings.inner_opt_state[1].inner_state[0].nu),
+  ):
+    for name in params:
+      expected = NamedSharding(mesh, FSDP_SPECS[name])
+      assert tree_shardings[name] == params[name].sharding
+      assert tree[name].sharding.is_equivalent_to(expected, tree[name].ndim), name
+  assert state.acc_grads["w1"].dtype == jnp.bfloat16
+  for leaf in (state.mini_step, state.acc_weight, adam_state.count,
+               state.inner_opt_state[1].hyperparams["learning_rate"]):
+    assert leaf.sharding.is_equivalent_to(replicated, leaf.ndim)
+  # Eager init on sharded params keeps the layout too.
+  eager = tx.init(params)
+  for name in params:
+    assert eager.acc_grads[name].sharding.is_equivalent_to(
+        params[name].sharding, params[name].ndim), name
+  # Abstract params (ShapeDtypeStruct with a sharding) work without any array.
+  abstract = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
+  assert jax.tree.structure(state_shardings(tx, abstract)) == jax.tree.structure(shardings)
+
+
+def test_state_shardings_errors() -> None:
+  tx = oa.accumulate(2, optax.sgd(0.1))
+  with pytest.raises(TypeError, match="sharding"):
+    state_shardings(tx, {"w": np.zeros(3)})
+  params = {"w": jnp.zeros(3)}
+  with pytest.raises(ValueError, match="structure of `params`"):
+    state_shardings(tx, params, [params["w"].sharding])
+
+
+def test_jit_fsdp_buffer_keeps_param_sharding_and_matches_large_batch() -> None:
+  k, windows, batch = 3, 2, 16
+  mesh = fsdp_mesh()
+  host_params = make_params(seed=5)
+  params = jax.tree.map(
+      lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), host_params, FSDP_SPECS)
+  tx = oa.accumulate(k, inner_opt())
+  shardings = state_shardings(tx, params)
+  state = jax.jit(tx.init, out_shardings=shardings)(params)
+  batch_sharding = NamedSharding(mesh, P("data"))
+
+  @jax.jit
+  def step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> tuple[Any, Any]:
+    updates, s = tx.update(jax.grad(loss)(p, xb, yb), s, p)
+    return optax.apply_updates(p, updates), s
+
+  x, y = make_data(windows, k, batch, seed=6)
+  p = params
+  for w in range(windows):
+    for i in range(k):
+      p, state = step(p, state, jax.device_put(x[w, i], batch_sharding),
+                      jax.device_put(y[w, i], batch_sharding))
+      for name in params:  # leaf by leaf, after every step
+        nd = params[name].ndim
+        assert state.acc_grads[name].sharding.is_equivalent_to(params[name].sharding, nd), name
+        assert state.inner_opt_state[0].trace[name].sharding.is_equivalent_to(
+            params[name].sharding, nd), name
+        assert p[name].sharding.is_equivalent_to(params[name].sharding, nd), name
+  assert_trees_close(p, large_batch_reference(host_params, inner_opt(), x, y))
+
+
+def test_fsdp_example_trains() -> None:
+  fsdp = _load_example("fsdp")
+  result = fsdp.main(["--windows", "3", "--k", "4", "--quiet"])
+  assert result["max_abs_diff_vs_large_batch"] < 1e-5
+  assert result["final_loss"] < result["initial_loss"]
+
+
+def _load_example(name: str) -> Any:
+  from pathlib import Path
+
+  path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"optax_accum_example_{name}", path)
+  assert spec is not None and spec.loader is not None
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
