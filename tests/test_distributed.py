@@ -402,3 +402,81 @@ def _load_example(name: str) -> Any:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+# --- microbatched under data parallelism -------------------------------------------------
+
+
+def _microbatching() -> Any:
+  return pytest.importorskip(
+      "optax_accum.microbatching", reason="optax_accum/microbatching.py (issue 4) not present yet")
+
+
+def _batch_loss(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+  return loss(params, batch[0], batch[1])
+
+
+def _check_microbatched_step(
+    compiled: Any, run: Any, params: Any, x: np.ndarray, y: np.ndarray
+) -> None:
+  """One all-reduce of the gradients, after the micro-batch loop; full-batch numbers."""
+  reduces = _all_reduces(compiled)
+  assert reduces, "expected one gradient all-reduce after the loop"
+  assert all(("while", "body") not in c.context for c in reduces), reduces
+  # Once per step: the gradients (+ the loss) are all-reduced exactly once.
+  assert sum(c.bytes for c in reduces) == _param_bytes(params) + 4, reduces
+  value, grads = run()
+  ref_value, ref_grads = jax.value_and_grad(_batch_loss)(params, (x, y))
+  np.testing.assert_allclose(float(value), float(ref_value), rtol=2e-5)
+  assert_trees_close(grads, ref_grads)
+
+
+def test_microbatched_shard_map_reduces_once_after_the_loop() -> None:
+  mesh = data_mesh()
+  params = make_params()
+  x, y = (a[0, 0] for a in make_data(1, 1, N_DEV * 8, seed=7))
+  grad_fn = _microbatching().microbatched(
+      jax.value_and_grad(_batch_loss), 4, axis_name="data")
+  step = jax.jit(jax.shard_map(
+      grad_fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+  compiled = step.lower(params, (x, y)).compile()
+  _check_microbatched_step(compiled, lambda: step(params, (x, y)), params, x, y)
+
+
+def test_microbatched_pmap_reduces_once_after_the_loop() -> None:
+  params = make_params()
+  x, y = (a[0, 0] for a in make_data(1, 1, N_DEV * 8, seed=8))
+  grad_fn = _microbatching().microbatched(
+      jax.value_and_grad(_batch_loss), 4, axis_name="data")
+  step = jax.pmap(grad_fn, axis_name="data", in_axes=(None, 0))
+  batch = (x.reshape(N_DEV, 8, D_IN), y.reshape(N_DEV, 8, D_OUT))
+  compiled = step.lower(params, batch).compile()
+
+  def run() -> Any:
+    value, grads = step(params, batch)
+    for d in range(1, N_DEV):  # replicated after the one reduction
+      assert_trees_close(jax.tree.map(lambda a, d=d: a[d], grads),
+                         jax.tree.map(lambda a: a[0], grads), rtol=0, atol=0)
+    return value[0], jax.tree.map(lambda a: a[0], grads)
+
+  _check_microbatched_step(compiled, run, params, x, y)
+
+
+def test_microbatched_jit_strided_split_does_not_reshard_the_batch() -> None:
+  """Under plain jit a batch-sharded input stays put with the strided split."""
+  mesh = data_mesh()
+  params = make_params()
+  x, y = (a[0, 0] for a in make_data(1, 1, N_DEV * 8, seed=9))
+  batch_sharding = NamedSharding(mesh, P("data"))
+  batch = (jax.device_put(x, batch_sharding), jax.device_put(y, batch_sharding))
+  moves = ("all-gather", "all-gather-start", "all-to-all", "collective-permute",
+           "collective-permute-start")
+  for split, expect_moves in (("strided", False), ("contiguous", True)):
+    fn = jax.jit(_microbatching().microbatched(
+        jax.value_and_grad(_batch_loss), 4, split=split))
+    ops = [c.op for c in hlo_collectives(fn.lower(params, batch).compile())]
+    assert any(op in moves for op in ops) == expect_moves, (split, ops)
+    value, grads = fn(params, batch)
+    ref_value, ref_grads = jax.value_and_grad(_batch_loss)(params, (x, y))
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=2e-5)
+    assert_trees_close(grads, ref_grads)
