@@ -1,0 +1,619 @@
+"""Demo: train a small character-level transformer four ways and compare.
+
+Run ``python -m optax_accum.demo`` (after ``pip install "optax_accum[demo]"``;
+about a minute and a half on two CPU cores; ``--help`` lists the sizes). The
+model is a Flax NNX decoder-only transformer; the text is the source code of
+Python's own standard library, cut into lines of varying length and padded to
+``--seq-len``. The loss is token-weighted: the sum of per-token cross-entropy
+over the real (non-padding) tokens of the whole batch, divided by their
+number.
+
+Four arms start from the same initialisation and see the same batches in the
+same order:
+
+* ``full_batch``: one jitted step on the whole batch of ``--batch-size``.
+* ``accumulate``: ``k`` jitted calls on micro-batches of ``batch_size / k``
+  with ``accumulate(k, adam, reduction="weighted")``, each micro-batch weighted
+  by its number of real tokens: exactly the full batch's step.
+* ``microbatched``: one jitted step that scans over the ``k`` micro-batches
+  (``microbatched(..., normalize="weighted")``): also exactly the full batch.
+* ``mean_of_means``: ``accumulate(k, adam)`` on per-micro-batch *mean*
+  losses, the common normalisation bug: a micro-batch of short lines weighs as
+  much as one of long lines, so it trains on a different objective.
+
+By default each batch is sorted by length before it is cut into
+micro-batches (as length-bucketing loaders do), so micro-batches hold very
+different numbers of real tokens and the mean-of-means error shows.
+
+The arms run in lockstep (step ``i`` of every arm before step ``i + 1`` of
+any), so the load of a shared machine hits them alike. The output folder
+(default ``demo_out/``) gets ``results.json``, ``loss_curves.png`` and
+``memory.png``; a table is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_accum as oa
+from optax_accum.microbatching import microbatched
+
+try:
+  from flax import nnx
+except ImportError as e:  # pragma: no cover - depends on the environment
+  raise ImportError(
+      "optax_accum.demo needs Flax. Install the demo extra: pip install 'optax_accum[demo]'."
+  ) from e
+
+PAD = 0
+UNK = 1
+CHARS = "\n\t" + "".join(chr(c) for c in range(32, 127))
+VOCAB_SIZE = 128  # PAD, UNK and the characters above, rounded up
+_CHAR_TO_ID = {c: i + 2 for i, c in enumerate(CHARS)}
+
+ARMS = ("full_batch", "accumulate", "microbatched", "mean_of_means")
+ARM_LABELS = {
+    "full_batch": "full batch",
+    "accumulate": "accumulate (weighted)",
+    "microbatched": "microbatched (weighted)",
+    "mean_of_means": "mean of means (naive)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """The demo's settings, one per command-line flag."""
+
+  steps: int = 300
+  k: int = 4
+  batch_size: int = 32
+  seq_len: int = 64
+  d_model: int = 64
+  layers: int = 2
+  heads: int = 4
+  lr: float = 3e-3
+  seed: int = 0
+  unit: str = "line"
+  max_files: int = 40
+  eval_batches: int = 8
+  group_by_length: bool = True
+  out: str = "demo_out"
+  progress: bool = True
+
+
+# ----------------------------------------------------------------------------- data
+
+def encode(text: str, length: int) -> np.ndarray:
+  """Character ids of ``text``, cut or padded with ``PAD`` (0) to ``length``.
+
+  Characters outside printable ASCII (plus newline and tab) map to ``UNK`` (1).
+
+  Example:
+    >>> from optax_accum.demo import encode
+    >>> encode("ab\\n", 5).tolist()
+    [69, 70, 2, 0, 0]
+  """
+  ids = [_CHAR_TO_ID.get(c, UNK) for c in text[:length]]
+  out = np.full(length, PAD, np.int32)
+  out[: len(ids)] = ids
+  return out
+
+
+def split_text(text: str, max_chars: int, unit: str = "line") -> list[str]:
+  """Lines (or blank-line separated paragraphs) with at least 2 visible characters.
+
+  Trailing whitespace is dropped and each piece is cut to ``max_chars``.
+
+  Example:
+    >>> from optax_accum.demo import split_text
+    >>> src = "def f():\\n  return 1\\n\\n\\nx = 2\\n"
+    >>> split_text(src, 100)
+    ['def f():', '  return 1', 'x = 2']
+    >>> split_text(src, 100, unit="paragraph")
+    ['def f():\\n  return 1', 'x = 2']
+  """
+  if unit == "line":
+    pieces = text.splitlines()
+  elif unit == "paragraph":
+    pieces = [p.strip("\n") for p in re.split(r"\n[ \t]*\n", text)]
+  else:
+    raise ValueError(f"`unit` must be 'line' or 'paragraph'; got {unit!r}.")
+  return [p.rstrip()[:max_chars] for p in pieces if len(p.strip()) >= 2]
+
+
+def load_corpus(max_chars: int, max_files: int, unit: str = "line",
+                root: str | None = None) -> list[str]:
+  """Text pieces from the first ``max_files`` ``.py`` files of the standard library.
+
+  Files are taken in sorted order from ``root`` (default: the folder of the
+  ``os`` module), so the corpus is the same on every run with the same Python.
+  """
+  root = root or os.path.dirname(os.__file__)
+  files = sorted(f for f in os.listdir(root) if f.endswith(".py"))[:max_files]
+  pieces: list[str] = []
+  for name in files:
+    with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
+      pieces.extend(split_text(f.read(), max_chars, unit))
+  if not pieces:
+    raise RuntimeError(f"No text found in {root}; raise `--max-files`.")
+  return pieces
+
+
+def make_batches(pieces: list[str], cfg: Config, num_batches: int, seed: int,
+                 ) -> dict[str, np.ndarray]:
+  """``num_batches`` batches: ``inputs``/``targets`` int32, ``mask`` float32, each [n, B, L].
+
+  Pieces are shuffled (epochs repeat in a new order). With
+  ``cfg.group_by_length`` each batch is sorted by length, so its contiguous
+  micro-batches hold very different numbers of real tokens.
+  """
+  rng = np.random.default_rng(seed)
+  need = num_batches * cfg.batch_size
+  order: list[int] = []
+  while len(order) < need:
+    order.extend(rng.permutation(len(pieces)).tolist())
+  seqs = np.stack([encode(pieces[i], cfg.seq_len + 1) for i in order[:need]])
+  seqs = seqs.reshape(num_batches, cfg.batch_size, cfg.seq_len + 1)
+  if cfg.group_by_length:
+    lengths = (seqs != PAD).sum(-1)
+    seqs = np.take_along_axis(seqs, np.argsort(lengths, axis=1, kind="stable")[..., None], 1)
+  targets = seqs[..., 1:]
+  return {
+      "inputs": seqs[..., :-1].astype(np.int32),
+      "targets": targets.astype(np.int32),
+      "mask": (targets != PAD).astype(np.float32),
+  }
+
+
+def _host_micro(batches: dict[str, np.ndarray], i: int, j: int, k: int) -> dict[str, np.ndarray]:
+  """Micro-batch ``j`` of ``k`` (contiguous rows) of batch ``i``, on the host."""
+  size = batches["inputs"].shape[1] // k
+  return {name: v[i, j * size:(j + 1) * size] for name, v in batches.items()}
+
+
+# ----------------------------------------------------------------------------- model
+
+class Block(nnx.Module):
+  """A pre-LayerNorm transformer block: causal self-attention, then an MLP."""
+
+  def __init__(self, d_model: int, heads: int, rngs: nnx.Rngs) -> None:
+    self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(
+        num_heads=heads, in_features=d_model, decode=False, keep_rngs=False, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
+    self.fc1 = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
+    self.fc2 = nnx.Linear(4 * d_model, d_model, rngs=rngs)
+
+  def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+    x = x + self.attn(self.ln1(x), mask=mask)
+    return x + self.fc2(nnx.gelu(self.fc1(self.ln2(x))))
+
+
+class CharTransformer(nnx.Module):
+  """A small decoder-only character language model.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from optax_accum.demo import CharTransformer
+    >>> model = CharTransformer(seq_len=8, d_model=16, layers=1, heads=2, rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 8), jnp.int32)).shape
+    (2, 8, 128)
+  """
+
+  def __init__(self, *, seq_len: int, d_model: int, layers: int, heads: int,
+               rngs: nnx.Rngs) -> None:
+    self.embed = nnx.Embed(VOCAB_SIZE, d_model, rngs=rngs)
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq_len, d_model)))
+    self.blocks = nnx.List([Block(d_model, heads, rngs) for _ in range(layers)])
+    self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
+    self.head = nnx.Linear(d_model, VOCAB_SIZE, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    x = self.embed(tokens) + self.pos[...][: tokens.shape[1]]
+    # A causal mask suffices: padding sits at the end, so no real token sees it.
+    mask = nnx.make_causal_mask(tokens)
+    for block in self.blocks:
+      x = block(x, mask)
+    return self.head(self.ln_f(x))
+
+
+# ----------------------------------------------------------------------------- the four arms
+
+LossTerms = Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]
+
+
+def make_loss_terms(graphdef: Any) -> LossTerms:
+  """``(params, batch) -> (sum of per-token CE over real tokens, number of real tokens)``."""
+  def loss_terms(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    logits = nnx.merge(graphdef, params)(batch["inputs"]).astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"])
+  return loss_terms
+
+
+def _own_mean(loss_terms: LossTerms) -> Callable[..., Any]:
+  """The batch's own mean over its real tokens, with ``(sum, count)`` as aux."""
+  def loss(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+    total, count = loss_terms(params, batch)
+    return total / jnp.maximum(count, 1.0), (total, count)
+  return loss
+
+
+def build_step(arm: str, loss_terms: LossTerms, base: optax.GradientTransformation,
+               k: int) -> tuple[optax.GradientTransformation, Callable[..., Any], int]:
+  """``(tx, step, calls_per_batch)`` for one arm.
+
+  ``step(params, opt_state, batch) -> (params, opt_state, loss_sum, tokens)``
+  is called ``calls_per_batch`` times per global batch, on micro-batches when
+  that is ``k``.
+  """
+  if arm == "full_batch":
+    grad_fn = jax.value_and_grad(_own_mean(loss_terms), has_aux=True)
+
+    def step(params, opt_state, batch):
+      (_, (total, count)), grads = grad_fn(params, batch)
+      updates, opt_state = base.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, total, count
+    return base, step, 1
+
+  if arm in ("accumulate", "mean_of_means"):
+    weighted = arm == "accumulate"
+    tx = oa.accumulate(k, base, reduction="weighted" if weighted else "mean")
+    grad_fn = jax.value_and_grad(_own_mean(loss_terms), has_aux=True)
+
+    def step(params, opt_state, micro):
+      (_, (total, count)), grads = grad_fn(params, micro)
+      # accumulate: sum_i n_i g_i / sum_i n_i, the full batch's gradient.
+      # mean_of_means: sum_i g_i / k, every micro-batch's mean weighted alike.
+      extra = {"weight": count} if weighted else {}
+      updates, opt_state = tx.update(grads, opt_state, params, **extra)
+      return optax.apply_updates(params, updates), opt_state, total, count
+    return tx, step, k
+
+  if arm == "microbatched":
+    grad_fn = microbatched(jax.value_and_grad(loss_terms, has_aux=True), k,
+                           normalize="weighted", split="contiguous")
+
+    def step(params, opt_state, batch):
+      loss, grads = grad_fn(params, batch)  # sum_i s_i / sum_i n_i, and its gradient
+      updates, opt_state = base.update(grads, opt_state, params)
+      count = jnp.sum(batch["mask"])
+      return optax.apply_updates(params, updates), opt_state, loss * count, count
+    return base, step, 1
+
+  raise ValueError(f"`arm` must be one of {ARMS}; got {arm!r}.")
+
+
+def _temp_bytes(compiled: Any) -> int | None:
+  try:
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+  except Exception:  # memory_analysis is backend-dependent
+    return None
+
+
+@dataclasses.dataclass
+class _Arm:
+  """One arm's compiled step, training state and measurements."""
+
+  name: str
+  calls: int
+  compiled: Any
+  params: Any
+  opt_state: Any
+  compile_s: float
+  losses: list[float] = dataclasses.field(default_factory=list)
+  step_s: list[float] = dataclasses.field(default_factory=list)
+  tokens: float = 0.0
+
+
+def setup_arm(arm: str, cfg: Config, loss_terms: LossTerms, params0: Any,
+              batches: dict[str, np.ndarray]) -> _Arm:
+  """Builds and compiles one arm's step and runs it once (a discarded warm-up)."""
+  tx, step, calls = build_step(arm, loss_terms, optax.adam(cfg.lr), cfg.k)
+  opt_state = tx.init(params0)
+  example = jax.tree.map(jnp.asarray, _host_micro(batches, 0, 0, calls))
+  t0 = time.perf_counter()
+  compiled = jax.jit(step).lower(params0, opt_state, example).compile()
+  jax.block_until_ready(compiled(params0, opt_state, example))  # warm-up, discarded
+  return _Arm(arm, calls, compiled, params0, opt_state, time.perf_counter() - t0)
+
+
+def train_step(a: _Arm, batches: dict[str, np.ndarray], i: int) -> None:
+  """One optimizer step of arm ``a`` on global batch ``i`` (``a.calls`` jitted calls)."""
+  t0 = time.perf_counter()
+  total = count = 0.0
+  for j in range(a.calls):
+    micro = jax.tree.map(jnp.asarray, _host_micro(batches, i, j, a.calls))
+    a.params, a.opt_state, s, n = a.compiled(a.params, a.opt_state, micro)
+    total, count = total + s, count + n
+  total, count = float(total), float(count)  # waits for the step to finish
+  a.step_s.append(time.perf_counter() - t0)
+  a.losses.append(total / max(count, 1.0))
+  a.tokens += count
+
+
+def _summarise(a: _Arm, evaluate: Callable[..., Any], eval_batches: dict[str, np.ndarray],
+               ) -> dict[str, Any]:
+  ev_sum = ev_count = 0.0
+  for i in range(eval_batches["inputs"].shape[0]):
+    s, n = evaluate(a.params, jax.tree.map(jnp.asarray, _host_micro(eval_batches, i, 0, 1)))
+    ev_sum, ev_count = ev_sum + float(s), ev_count + float(n)
+  tail = a.losses[-min(10, len(a.losses)):]
+  train_s = float(np.sum(a.step_s))
+  return {
+      "label": ARM_LABELS[a.name],
+      "losses": a.losses,
+      "final_loss": float(np.mean(tail)),
+      "eval_loss": ev_sum / max(ev_count, 1.0),
+      # Median step time: robust to the bursts of load on a shared machine.
+      "tokens_per_s": a.tokens / len(a.step_s) / float(np.median(a.step_s)),
+      "tokens_per_s_overall": a.tokens / train_s,
+      "median_step_s": float(np.median(a.step_s)),
+      "real_tokens": a.tokens,
+      "temp_bytes": _temp_bytes(a.compiled),
+      "compile_s": a.compile_s,
+      "train_s": train_s,
+      "calls_per_step": a.calls,
+  }
+
+
+def _progress(cfg: Config) -> Any:
+  if not cfg.progress:
+    return None
+  from tqdm.auto import tqdm
+
+  return tqdm(total=cfg.steps, desc="training 4 arms", unit="step", dynamic_ncols=True)
+
+
+# ----------------------------------------------------------------------------- reporting
+
+def _fmt_bytes(n: float | None) -> str:
+  if n is None:
+    return "n/a"
+  for unit in ("B", "KiB", "MiB"):
+    if abs(n) < 1024:
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n:.2f} GiB"
+
+
+def format_table(results: dict[str, Any]) -> str:
+  """The summary table printed at the end of a run (Markdown)."""
+  rows = [
+      "| arm | jitted calls / step | final train loss | eval loss |"
+      " max abs loss diff vs full | tokens/s | compiled temporaries |",
+      "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for arm in ARMS:
+    r = results["arms"][arm]
+    rows.append(
+        f"| {r['label']} | {r['calls_per_step']} | {r['final_loss']:.4f} |"
+        f" {r['eval_loss']:.4f} | {r['max_abs_loss_diff_vs_full']:.1e} |"
+        f" {r['tokens_per_s']:,.0f} | {_fmt_bytes(r['temp_bytes'])} |")
+  return "\n".join(rows)
+
+
+def _plot(results: dict[str, Any], out: Path) -> list[str]:
+  import matplotlib
+
+  matplotlib.use("Agg", force=True)
+  import matplotlib.pyplot as plt
+
+  cfg = results["config"]
+  arms = results["arms"]
+  styles = {
+      "full_batch": {"color": "black", "lw": 2.5, "ls": "-"},
+      "accumulate": {"color": "tab:blue", "lw": 1.5, "ls": "--"},
+      "microbatched": {"color": "tab:green", "lw": 1.5, "ls": ":"},
+      "mean_of_means": {"color": "tab:red", "lw": 1.2, "ls": "-"},
+  }
+  title = (f"{cfg['steps']} steps, batch {cfg['batch_size']} = {cfg['k']} x"
+           f" {cfg['batch_size'] // cfg['k']} sequences of <= {cfg['seq_len']} tokens,"
+           f" d_model {cfg['d_model']}, {cfg['layers']} layers")
+
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+  for arm in ARMS:
+    ax1.plot(np.arange(1, len(arms[arm]["losses"]) + 1), arms[arm]["losses"],
+             label=arms[arm]["label"], **styles[arm])
+  ax1.set_xlabel("optimizer step")
+  ax1.set_ylabel("training loss (CE per real token)")
+  ax1.set_title("Loss curves")
+  ax1.legend()
+  ax1.grid(alpha=0.3)
+  full = np.asarray(arms["full_batch"]["losses"])
+  for arm in ARMS[1:]:
+    diff = np.abs(np.asarray(arms[arm]["losses"]) - full)
+    ax2.semilogy(np.arange(1, len(diff) + 1), np.maximum(diff, 1e-9),
+                 label=arms[arm]["label"], **{**styles[arm], "lw": 1.5})
+  ax2.set_xlabel("optimizer step")
+  ax2.set_ylabel("|loss - full-batch loss| (floored at 1e-9)")
+  ax2.set_title("Deviation from the full batch")
+  ax2.legend()
+  ax2.grid(alpha=0.3, which="both")
+  fig.suptitle(title)
+  fig.tight_layout()
+  curves = out / "loss_curves.png"
+  fig.savefig(curves, dpi=110)
+  plt.close(fig)
+
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+  labels = [arms[a]["label"].replace(" (", "\n(") for a in ARMS]
+  colors = [styles[a]["color"] for a in ARMS]
+  mib = [(arms[a]["temp_bytes"] or 0) / 2**20 for a in ARMS]
+  bars = ax1.bar(labels, mib, color=colors)
+  ax1.bar_label(bars, labels=[_fmt_bytes(arms[a]["temp_bytes"]) for a in ARMS])
+  ax1.set_ylabel("MiB")
+  ax1.set_title("Compiled temporaries of one jitted call")
+  tps = [arms[a]["tokens_per_s"] for a in ARMS]
+  bars = ax2.bar(labels, tps, color=colors)
+  ax2.bar_label(bars, labels=[f"{t:,.0f}" for t in tps])
+  ax2.set_ylabel("real tokens / s")
+  ax2.set_title("Throughput (this machine)")
+  for ax in (ax1, ax2):
+    ax.tick_params(axis="x", labelsize=8)
+    ax.margins(y=0.15)
+  fig.suptitle(title)
+  fig.tight_layout()
+  memory = out / "memory.png"
+  fig.savefig(memory, dpi=110)
+  plt.close(fig)
+  return [str(curves), str(memory)]
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv: Sequence[str] | None) -> Config:
+  """The demo's command line, as a :class:`Config`.
+
+  Example:
+    >>> from optax_accum.demo import parse_args
+    >>> parse_args(["--steps", "10", "--k", "2"]).batch_size
+    32
+  """
+  d = Config()
+  p = argparse.ArgumentParser(
+      prog="python -m optax_accum.demo",
+      description="Train a small Flax NNX character-level transformer on the Python"
+      " standard library's source four ways (full batch, accumulate, microbatched,"
+      " naive mean of means) and compare loss, speed and memory.")
+  p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per arm")
+  p.add_argument("--k", type=int, default=d.k, help="micro-batches per optimizer step")
+  p.add_argument("--batch-size", type=int, default=d.batch_size,
+                 help="sequences per optimizer step (the large batch); divisible by --k")
+  p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+  p.add_argument("--d-model", type=int, default=d.d_model, help="model width")
+  p.add_argument("--layers", type=int, default=d.layers, help="transformer blocks")
+  p.add_argument("--heads", type=int, default=d.heads, help="attention heads")
+  p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate")
+  p.add_argument("--seed", type=int, default=d.seed, help="init and data-order seed")
+  p.add_argument("--unit", choices=("line", "paragraph"), default=d.unit,
+                 help="one training sequence per source line or per paragraph")
+  p.add_argument("--max-files", type=int, default=d.max_files,
+                 help="standard-library .py files to read (sorted by name)")
+  p.add_argument("--eval-batches", type=int, default=d.eval_batches,
+                 help="held-out batches for the final eval loss")
+  p.add_argument("--group-by-length", action=argparse.BooleanOptionalAction,
+                 default=d.group_by_length,
+                 help="sort each batch by length before cutting micro-batches, as"
+                 " length-bucketing loaders do")
+  p.add_argument("--out", default=d.out, help="output folder")
+  p.add_argument("--no-progress", dest="progress", action="store_false",
+                 help="no progress bar")
+  a = p.parse_args(argv)
+  for name in ("steps", "k", "batch_size", "seq_len", "d_model", "layers", "heads",
+               "eval_batches", "max_files"):
+    if getattr(a, name) < 1:
+      p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(a, name)}.")
+  if a.batch_size % a.k:
+    p.error(f"--batch-size ({a.batch_size}) must be divisible by --k ({a.k}); e.g."
+            f" --batch-size {a.k * max(1, a.batch_size // a.k)}.")
+  if a.d_model % a.heads:
+    p.error(f"--d-model ({a.d_model}) must be divisible by --heads ({a.heads}).")
+  return Config(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Config)})
+
+
+def _max_abs_diff(a: Any, b: Any) -> float:
+  return float(max(jnp.max(jnp.abs(x - y))
+                   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)))
+
+
+def run(cfg: Config) -> dict[str, Any]:
+  """Runs the four arms and writes the outputs; returns the results (as in the JSON)."""
+  start = time.perf_counter()
+  out = Path(cfg.out)
+  out.mkdir(parents=True, exist_ok=True)
+  pieces = load_corpus(cfg.seq_len + 1, cfg.max_files, cfg.unit)
+  held_out = max(1, len(pieces) // 10)
+  batches = make_batches(pieces[:-held_out], cfg, cfg.steps, cfg.seed)
+  eval_batches = make_batches(pieces[-held_out:], cfg, cfg.eval_batches, cfg.seed + 1)
+  model = CharTransformer(seq_len=cfg.seq_len, d_model=cfg.d_model, layers=cfg.layers,
+                          heads=cfg.heads, rngs=nnx.Rngs(cfg.seed))
+  graphdef, params0 = nnx.split(model)
+  n_params = sum(x.size for x in jax.tree.leaves(params0))
+  micro_tokens = batches["mask"].reshape(cfg.steps, cfg.k, -1).sum(-1)
+  print(f"optax_accum demo: {len(pieces):,} {cfg.unit}s from {cfg.max_files} stdlib files,"
+        f" {n_params:,} parameters, {cfg.steps} steps of {cfg.batch_size} sequences"
+        f" (k={cfg.k} micro-batches of {cfg.batch_size // cfg.k}); real tokens per"
+        f" micro-batch {micro_tokens.min():.0f}..{micro_tokens.max():.0f}"
+        f" (padding {1 - batches['mask'].mean():.0%}).", flush=True)
+
+  loss_terms = make_loss_terms(graphdef)
+  print("compiling the four steps ...", flush=True)
+  runs = [setup_arm(arm, cfg, loss_terms, params0, batches) for arm in ARMS]
+  bar = _progress(cfg)
+  for i in range(cfg.steps):  # lockstep: a shared machine's load hits every arm alike
+    for a in runs:
+      train_step(a, batches, i)
+    if bar is not None:
+      bar.update(1)
+      bar.set_postfix(loss=f"{runs[0].losses[-1]:.3f}", refresh=False)
+  if bar is not None:
+    bar.close()
+  for a in runs:
+    if a.calls > 1 and int(a.opt_state.gradient_step) != cfg.steps:
+      raise AssertionError(f"{a.name}: {int(a.opt_state.gradient_step)} optimizer steps,"
+                           f" expected {cfg.steps} (one per window).")
+
+  evaluate = jax.jit(loss_terms)
+  arms = {a.name: _summarise(a, evaluate, eval_batches) for a in runs}
+  full = np.asarray(arms["full_batch"]["losses"])
+  for a in runs:
+    r = arms[a.name]
+    r["max_abs_loss_diff_vs_full"] = float(np.max(np.abs(np.asarray(r["losses"]) - full)))
+    r["max_abs_param_diff_vs_full"] = _max_abs_diff(a.params, runs[0].params)
+  exact = max(arms[a]["max_abs_loss_diff_vs_full"] for a in ("accumulate", "microbatched"))
+  naive = arms["mean_of_means"]["max_abs_loss_diff_vs_full"]
+  results: dict[str, Any] = {
+      "config": dataclasses.asdict(cfg),
+      "num_params": int(n_params),
+      "num_sequences_available": len(pieces),
+      "padding_fraction": float(1 - batches["mask"].mean()),
+      "micro_batch_real_tokens": {"min": float(micro_tokens.min()),
+                                  "max": float(micro_tokens.max())},
+      "arms": arms,
+      "exact_arms_max_abs_loss_diff": exact,
+      "mean_of_means_max_abs_loss_diff": naive,
+      "mean_of_means_eval_loss_minus_full": (
+          arms["mean_of_means"]["eval_loss"] - arms["full_batch"]["eval_loss"]),
+      "jax": {"version": jax.__version__, "backend": jax.default_backend()},
+  }
+  results["plots"] = _plot(results, out)
+  results["wall_s"] = time.perf_counter() - start
+  with open(out / "results.json", "w") as f:
+    json.dump(results, f, indent=1)
+
+  print()
+  print(format_table(results))
+  print()
+  print(f"accumulate and microbatched vs full batch: max |loss diff| = {exact:.1e}"
+        " (float rounding: the same large-batch step)")
+  print(f"mean of means vs full batch:               max |loss diff| = {naive:.1e}"
+        f" ({naive / max(exact, 1e-12):,.0f}x larger; eval loss"
+        f" {results['mean_of_means_eval_loss_minus_full']:+.4f}): a different objective")
+  print(f"wrote {out / 'results.json'}, {', '.join(results['plots'])}"
+        f" in {results['wall_s']:.0f} s")
+  return results
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """Entry point of ``python -m optax_accum.demo``; ``argv`` defaults to ``sys.argv[1:]``."""
+  return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
