@@ -1,0 +1,655 @@
+"""Tests of `microbatched`: every result is checked against an independent
+reference — the full-batch `jax.value_and_grad` call, or micro-batches cut by
+hand with NumPy indexing — never against the code under test."""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optax_accum.microbatching import AuxRule, microbatched, split_microbatches
+
+RTOL, ATOL = 2e-5, 1e-6
+
+
+def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
+  a_leaves, a_def = jax.tree.flatten(actual)
+  e_leaves, e_def = jax.tree.flatten(expected)
+  assert a_def == e_def, (a_def, e_def)
+  for a, e in zip(a_leaves, e_leaves, strict=True):
+    assert jnp.shape(a) == jnp.shape(e)
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64),
+                               rtol=rtol, atol=atol)
+
+
+def maybe_jit(f, jit: bool):
+  return jax.jit(f) if jit else f
+
+
+# ------------------------------------------------------------------- models
+def init_mlp(key, d_in=5, d_hidden=7):
+  k1, k2 = jax.random.split(key)
+  return {"w1": jax.random.normal(k1, (d_in, d_hidden)) * 0.5,
+          "b1": jnp.zeros(d_hidden),
+          "w2": jax.random.normal(k2, (d_hidden,)) * 0.5}
+
+
+def per_example_loss(params, batch):
+  h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+  return (h @ params["w2"] - batch["y"]) ** 2
+
+
+def mean_loss(params, batch):
+  return jnp.mean(per_example_loss(params, batch))
+
+
+def make_batch(key, n, d_in=5):
+  kx, ky = jax.random.split(key)
+  return {"x": jax.random.normal(kx, (n, d_in)), "y": jax.random.normal(ky, (n,))}
+
+
+def manual_microbatches(batch, k, split):
+  """Micro-batches cut by hand (independent of `split_microbatches`)."""
+  n = jax.tree.leaves(batch)[0].shape[0]
+  m = n // k
+  if split == "strided":
+    idx = [np.arange(i, n, k) for i in range(k)]
+  else:
+    idx = [np.arange(i * m, (i + 1) * m) for i in range(k)]
+  return [jax.tree.map(lambda x, ix=ix: np.asarray(x)[ix], batch) for ix in idx]
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_mlp(jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def batch():
+  return make_batch(jax.random.key(1), 16)
+
+
+# ------------------------------------------------------------- mean / sum
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+@pytest.mark.parametrize("split", ["strided", "contiguous"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 16])
+def test_mean_equals_full_batch(params, batch, k, split, jit):
+  ref_loss, ref_grads = jax.value_and_grad(mean_loss)(params, batch)
+  fn = maybe_jit(microbatched(jax.value_and_grad(mean_loss), k, split=split), jit)
+  loss, grads = fn(params, batch)
+  assert_trees_close(loss, ref_loss)
+  assert_trees_close(grads, ref_grads)
+  assert loss.dtype == ref_loss.dtype
+  assert jax.tree.map(lambda g: g.dtype, grads) == jax.tree.map(lambda g: g.dtype, ref_grads)
+
+
+def test_k1_is_identity(params, batch):
+  fn = jax.value_and_grad(mean_loss)
+  out = microbatched(fn, 1)(params, batch)
+  ref = fn(params, batch)
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+    np.testing.assert_array_equal(a, b)  # bitwise: no scan, no casts
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+def test_sum_equals_full_batch(params, batch, jit):
+  sum_loss = lambda p, b: jnp.sum(per_example_loss(p, b))
+  ref_loss, ref_grads = jax.value_and_grad(sum_loss)(params, batch)
+  fn = maybe_jit(microbatched(jax.value_and_grad(sum_loss), 4, normalize="sum"), jit)
+  loss, grads = fn(params, batch)
+  assert_trees_close(loss, ref_loss)
+  assert_trees_close(grads, ref_grads)
+
+
+def test_mean_of_sum_loss_is_not_the_sum(params, batch):
+  # Guards against "mean" silently summing: the two must differ by k.
+  sum_loss = lambda p, b: jnp.sum(per_example_loss(p, b))
+  ref_loss, _ = jax.value_and_grad(sum_loss)(params, batch)
+  loss, _ = microbatched(jax.value_and_grad(sum_loss), 4)(params, batch)
+  np.testing.assert_allclose(loss, ref_loss / 4, rtol=RTOL)
+
+
+def test_multiple_batch_args_and_extra_args(params, batch):
+  def loss(p, x, scale, y):
+    return scale * jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2)
+  ref = jax.value_and_grad(loss)(params, batch["x"], 3.0, batch["y"])
+  fn = microbatched(jax.value_and_grad(loss), 4, batch_argnums=(1, 3))
+  out = jax.jit(fn)(params, batch["x"], 3.0, batch["y"])
+  assert_trees_close(out, ref)
+
+
+def test_kwargs_pass_through_unsplit(params, batch):
+  def loss(p, b, *, offset):
+    return mean_loss(p, b) + offset
+  fn = microbatched(jax.value_and_grad(loss), 4)
+  loss_val, grads = fn(params, batch, offset=2.0)
+  ref_loss, ref_grads = jax.value_and_grad(loss)(params, batch, offset=2.0)
+  assert_trees_close((loss_val, grads), (ref_loss, ref_grads))
+
+
+def test_nested_batch_pytree(params):
+  batch = make_batch(jax.random.key(3), 12)
+  nested = {"inputs": {"x": batch["x"]}, "targets": [batch["y"]]}
+  def loss(p, b):
+    return mean_loss(p, {"x": b["inputs"]["x"], "y": b["targets"][0]})
+  ref = jax.value_and_grad(loss)(params, nested)
+  out = jax.jit(microbatched(jax.value_and_grad(loss), 3))(params, nested)
+  assert_trees_close(out, ref)
+
+
+# ----------------------------------------------------------------------- aux
+def loss_with_aux(params, batch):
+  per_ex = per_example_loss(params, batch)
+  aux = {
+      "mean_abs_err": jnp.mean(jnp.sqrt(per_ex)),
+      "count": jnp.asarray(per_ex.shape[0], jnp.int32),
+      "max_err": jnp.max(per_ex),
+      "min_err": jnp.min(per_ex),
+      "per_example": per_ex,
+      "mb_mean": jnp.mean(per_ex),
+      "last_y0": batch["y"][0],
+  }
+  return jnp.mean(per_ex), aux
+
+
+AUX_RULES = {"mean_abs_err": "mean", "count": "sum", "max_err": "max", "min_err": "min",
+             "per_example": "concat", "mb_mean": "stack", "last_y0": "last"}
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+@pytest.mark.parametrize("split", ["strided", "contiguous"])
+def test_aux_rules_against_full_batch_and_manual_split(params, batch, split, jit):
+  k = 4
+  fn = jax.value_and_grad(loss_with_aux, has_aux=True)
+  (ref_loss, ref_aux), ref_grads = fn(params, batch)
+  wrapped = maybe_jit(
+      microbatched(fn, k, has_aux=True, aux_rules=AUX_RULES, split=split), jit)
+  (loss, aux), grads = wrapped(params, batch)
+  assert_trees_close(loss, ref_loss)
+  assert_trees_close(grads, ref_grads)
+  # Full-batch quantities.
+  np.testing.assert_allclose(aux["mean_abs_err"], ref_aux["mean_abs_err"], rtol=RTOL)
+  assert aux["count"] == 16 and aux["count"].dtype == jnp.int32
+  np.testing.assert_allclose(aux["max_err"], ref_aux["max_err"], rtol=RTOL)
+  np.testing.assert_allclose(aux["min_err"], ref_aux["min_err"], rtol=RTOL)
+  # concat restores the original batch order, whatever the split.
+  np.testing.assert_allclose(aux["per_example"], ref_aux["per_example"], rtol=RTOL, atol=ATOL)
+  # Per-micro-batch quantities, against micro-batches cut by hand.
+  mbs = manual_microbatches(batch, k, split)
+  expected_stack = [float(mean_loss(params, mb)) for mb in mbs]
+  np.testing.assert_allclose(aux["mb_mean"], expected_stack, rtol=RTOL)
+  np.testing.assert_allclose(aux["last_y0"], mbs[-1]["y"][0], rtol=RTOL)
+
+
+def test_aux_single_rule_broadcasts_and_prefix_trees(params, batch):
+  def loss(p, b):
+    per_ex = per_example_loss(p, b)
+    return jnp.mean(per_ex), {"a": jnp.mean(per_ex), "b": (jnp.mean(b["y"]), jnp.max(b["y"]))}
+  fn = jax.value_and_grad(loss, has_aux=True)
+  (_, ref_aux), _ = fn(params, batch)
+  (_, aux), _ = microbatched(fn, 4, has_aux=True)(params, batch)  # "mean" for all
+  np.testing.assert_allclose(aux["a"], ref_aux["a"], rtol=RTOL)
+  np.testing.assert_allclose(aux["b"][0], ref_aux["b"][0], rtol=RTOL, atol=ATOL)
+  assert not np.isclose(aux["b"][1], ref_aux["b"][1])  # mean of maxes != max
+  (_, aux), _ = microbatched(fn, 4, has_aux=True, aux_rules={"a": "mean", "b": "max"})(
+      params, batch)
+  np.testing.assert_allclose(aux["b"][1], ref_aux["b"][1], rtol=RTOL)
+
+
+def test_custom_aux_rule(params, batch):
+  # Weighted mean of a per-micro-batch metric, weights = micro-batch index + 1.
+  rule = AuxRule(
+      init=lambda s: (jnp.zeros(s.shape, jnp.float32), jnp.zeros([], jnp.float32)),
+      update=lambda c, v, i: (c[0] + (i + 1) * v, c[1] + (i + 1)),
+      finalize=lambda c: c[0] / c[1],
+  )
+  fn = jax.value_and_grad(lambda p, b: (mean_loss(p, b), mean_loss(p, b)), has_aux=True)
+  (_, aux), _ = jax.jit(microbatched(fn, 4, has_aux=True, aux_rules=rule))(params, batch)
+  mbs = manual_microbatches(batch, 4, "strided")
+  vals = np.array([float(mean_loss(params, mb)) for mb in mbs])
+  np.testing.assert_allclose(aux, np.sum(vals * np.arange(1, 5)) / 10, rtol=RTOL)
+
+
+# ------------------------------------------------------------- token-weighted
+SEQ = 6
+
+
+def token_batch(n=8, seed=0, lengths=None):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, SEQ, 5)).astype(np.float32)
+  y = rng.normal(size=(n, SEQ)).astype(np.float32)
+  if lengths is None:
+    lengths = rng.integers(0, SEQ + 1, size=n)
+  mask = (np.arange(SEQ)[None, :] < np.asarray(lengths)[:, None]).astype(np.float32)
+  return {"x": jnp.asarray(x), "y": jnp.asarray(y), "mask": jnp.asarray(mask)}
+
+
+def token_losses(params, batch):
+  h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+  return (h @ params["w2"] - batch["y"]) ** 2
+
+
+def token_sum_loss(params, batch):
+  """(sum of real-token losses, number of real tokens)."""
+  return jnp.sum(token_losses(params, batch) * batch["mask"]), jnp.sum(batch["mask"])
+
+
+def token_mean_loss(params, batch):
+  """The full-batch reference: mean over all real tokens of the batch."""
+  num, den = token_sum_loss(params, batch)
+  return num / den
+
+
+# Uneven padding: micro-batch 0 (strided rows 0, 4) has 12 real tokens, the
+# others very few, so the mean of per-micro-batch means is far from the truth.
+UNEVEN = [6, 1, 0, 1, 6, 0, 1, 0]
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+@pytest.mark.parametrize("split", ["strided", "contiguous"])
+def test_weighted_equals_full_batch_and_mean_of_means_does_not(params, split, jit):
+  batch = token_batch(lengths=UNEVEN)
+  ref_loss, ref_grads = jax.value_and_grad(token_mean_loss)(params, batch)
+  fn = jax.value_and_grad(token_sum_loss, has_aux=True)
+  loss, grads = maybe_jit(microbatched(fn, 4, normalize="weighted", split=split), jit)(
+      params, batch)
+  assert_trees_close(loss, ref_loss)
+  assert_trees_close(grads, ref_grads)
+  # The trap: the mean over micro-batches of per-micro-batch token means.
+  def mb_token_mean(p, b):
+    num, den = token_sum_loss(p, b)
+    return num / jnp.maximum(den, 1.0)
+  mom_loss, mom_grads = microbatched(jax.value_and_grad(mb_token_mean), 4, split=split)(
+      params, batch)
+  assert abs(float(mom_loss) - float(ref_loss)) > 0.05 * abs(float(ref_loss))
+  assert not np.allclose(mom_grads["w2"], ref_grads["w2"], rtol=1e-2)
+
+
+def test_weighted_with_aux(params):
+  batch = token_batch(lengths=UNEVEN)
+  def loss(p, b):
+    num, den = token_sum_loss(p, b)
+    return num, (den, {"tokens": den, "max_loss": jnp.max(token_losses(p, b) * b["mask"])})
+  fn = jax.value_and_grad(loss, has_aux=True)
+  (loss_val, aux), g = jax.jit(microbatched(
+      fn, 2, normalize="weighted", has_aux=True, aux_rules={"tokens": "sum", "max_loss": "max"}))(
+          params, batch)
+  ref_loss, ref_grads = jax.value_and_grad(token_mean_loss)(params, batch)
+  assert_trees_close((loss_val, g), (ref_loss, ref_grads))
+  assert float(aux["tokens"]) == sum(UNEVEN)
+  np.testing.assert_allclose(
+      aux["max_loss"], jnp.max(token_losses(params, batch) * batch["mask"]), rtol=RTOL)
+
+
+def test_weighted_all_padding_is_zero_not_nan(params):
+  batch = token_batch(lengths=[0] * 8)
+  fn = jax.value_and_grad(token_sum_loss, has_aux=True)
+  for k in (1, 4):
+    loss, grads = jax.jit(microbatched(fn, k, normalize="weighted"))(params, batch)
+    assert float(loss) == 0.0
+    for g in jax.tree.leaves(grads):
+      np.testing.assert_array_equal(g, np.zeros_like(g))
+
+
+def test_weighted_k1_divides(params):
+  batch = token_batch(lengths=UNEVEN)
+  fn = jax.value_and_grad(token_sum_loss, has_aux=True)
+  out = microbatched(fn, 1, normalize="weighted")(params, batch)
+  assert_trees_close(out, jax.value_and_grad(token_mean_loss)(params, batch))
+
+
+def test_weighted_integer_denominator(params):
+  batch = token_batch(lengths=UNEVEN)
+  def loss(p, b):
+    num, den = token_sum_loss(p, b)
+    return num, den.astype(jnp.int32)
+  out = microbatched(jax.value_and_grad(loss, has_aux=True), 4, normalize="weighted")(
+      params, batch)
+  assert_trees_close(out, jax.value_and_grad(token_mean_loss)(params, batch))
+
+
+# ----------------------------------------------------------------------- RNG
+def noisy_loss(params, batch, key):
+  noise = jax.random.normal(key, batch["y"].shape)
+  loss = jnp.mean((batch["x"] @ params["w1"] @ params["w2"] + noise - batch["y"]) ** 2)
+  return loss, jax.random.key_data(key)
+
+
+@pytest.mark.parametrize("rng_mode", ["fold_in", "split"])
+def test_rng_differs_per_microbatch(params, batch, rng_mode):
+  key = jax.random.key(42)
+  k = 4
+  fn = jax.value_and_grad(noisy_loss, has_aux=True)
+  wrapped = jax.jit(microbatched(fn, k, has_aux=True, aux_rules="stack", rng_argnums=2,
+                                 rng_mode=rng_mode))
+  (loss, keys), grads = wrapped(params, batch, key)
+  keys = np.asarray(keys)
+  assert keys.shape[0] == k
+  distinct = {tuple(r.ravel()) for r in keys}
+  assert len(distinct) == k  # never one key reused
+  assert tuple(np.asarray(jax.random.key_data(key)).ravel()) not in distinct
+  # The documented derivation, and the loss it gives, against a manual loop.
+  if rng_mode == "fold_in":
+    sub = [jax.random.fold_in(key, i) for i in range(k)]
+  else:
+    sub = list(jax.random.split(key, k))
+  np.testing.assert_array_equal(keys, np.stack([jax.random.key_data(s) for s in sub]))
+  mbs = manual_microbatches(batch, k, "strided")
+  per_mb = [jax.value_and_grad(noisy_loss, has_aux=True)(params, mb, s)
+            for mb, s in zip(mbs, sub, strict=True)]
+  np.testing.assert_allclose(loss, np.mean([float(o[0][0]) for o in per_mb]), rtol=RTOL)
+  assert_trees_close(grads, jax.tree.map(lambda *g: sum(g) / k, *[o[1] for o in per_mb]))
+
+
+def test_rng_raw_uint32_key_and_k1_unchanged(params, batch):
+  key = jax.random.PRNGKey(7)
+  fn = jax.value_and_grad(lambda p, b, kk: (mean_loss(p, b), kk), has_aux=True)
+  (_, keys), _ = microbatched(fn, 2, has_aux=True, aux_rules="stack", rng_argnums=2)(
+      params, batch, key)
+  assert not np.array_equal(keys[0], keys[1])
+  (_, same), _ = microbatched(fn, 1, has_aux=True, rng_argnums=2)(params, batch, key)
+  np.testing.assert_array_equal(same, key)
+
+
+# -------------------------------------------------------------------- dtypes
+def test_bf16_gradients_accumulate_in_f32_and_come_back_bf16():
+  # Each micro-batch's gradient is bf16(0.1); 512 of them. A bf16 running sum
+  # stalls near 32 (its spacing there exceeds 0.1); the f32 one is exact.
+  k = 512
+  g = jnp.asarray(0.1, jnp.bfloat16)
+  fn = lambda w, b: (jnp.sum(b).astype(jnp.bfloat16), jnp.full((3,), g) + 0 * w)
+  w = jnp.zeros(3, jnp.bfloat16)
+  b = jnp.ones((k,), jnp.bfloat16)
+  loss, grads = jax.jit(microbatched(fn, k))(w, b)
+  assert grads.dtype == jnp.bfloat16 and loss.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(grads, np.float32), np.full(3, float(g)))
+  _, low = jax.jit(microbatched(fn, k, accumulator_dtype=None))(w, b)
+  assert low.dtype == jnp.bfloat16
+  assert abs(float(low[0]) - float(g)) > 0.01
+
+
+def test_mixed_dtype_gradients_keep_their_dtypes(batch):
+  params = {"a": jnp.ones(5, jnp.bfloat16), "b": jnp.ones(5, jnp.float32)}
+  def loss(p, b):
+    return jnp.mean(b["x"] @ (p["a"].astype(jnp.float32) * p["b"]))
+  _, ref_grads = jax.value_and_grad(loss)(params, batch)
+  _, grads = microbatched(jax.value_and_grad(loss), 4)(params, batch)
+  assert grads["a"].dtype == jnp.bfloat16 and grads["b"].dtype == jnp.float32
+  assert_trees_close(grads, ref_grads, rtol=1e-2, atol=1e-2)
+
+
+# --------------------------------------------------------------------- remat
+def deep_loss(params, batch, *, remat_policy=None):
+  def layer(w, h):
+    return jnp.tanh(h @ w)
+  if remat_policy is not None:
+    layer = jax.checkpoint(layer, policy=remat_policy)
+  h = batch["x"]
+  for w in params["ws"]:
+    h = layer(w, h)
+  return jnp.mean((h.sum(-1) - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("policy", [jax.checkpoint_policies.nothing_saveable,
+                                    jax.checkpoint_policies.dots_with_no_batch_dims_saveable])
+def test_remat_inside_microbatch_gives_same_gradients(batch, policy):
+  keys = jax.random.split(jax.random.key(5), 3)
+  params = {"ws": [jax.random.normal(k, (5, 5)) * 0.4 for k in keys]}
+  ref = jax.value_and_grad(deep_loss)(params, batch)
+  remat_loss = functools.partial(deep_loss, remat_policy=policy)
+  out = jax.jit(microbatched(jax.value_and_grad(remat_loss), 4))(params, batch)
+  assert_trees_close(out, ref)
+  # The recomputation really is there: more tanh ops than without remat.
+  count = lambda f: jax.jit(f).lower(params, batch).as_text().count("tanh")
+  assert count(microbatched(jax.value_and_grad(remat_loss), 4)) > count(
+      microbatched(jax.value_and_grad(deep_loss), 4))
+
+
+# -------------------------------------------------------------------- memory
+def wide_loss(params, batch):
+  h = jax.nn.relu(batch["x"] @ params["w1"])
+  h = jax.nn.relu(h @ params["w2"])
+  return jnp.mean((h @ params["w3"] - batch["y"]) ** 2)
+
+
+def temp_bytes(f, *args):
+  return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_temporaries_shrink_with_k_under_bound():
+  d, hidden, n = 32, 512, 1024
+  ks = jax.random.split(jax.random.key(0), 3)
+  params = {"w1": jax.ShapeDtypeStruct((d, hidden), jnp.float32),
+            "w2": jax.ShapeDtypeStruct((hidden, hidden), jnp.float32),
+            "w3": jax.ShapeDtypeStruct((hidden,), jnp.float32)}
+  del ks
+  batch = {"x": jax.ShapeDtypeStruct((n, d), jnp.float32),
+           "y": jax.ShapeDtypeStruct((n,), jnp.float32)}
+  grad_bytes = sum(math.prod(p.shape) * 4 for p in jax.tree.leaves(params))
+  full = temp_bytes(jax.value_and_grad(wide_loss), params, batch)
+  assert full > 4 * grad_bytes  # activations dominate: the regime that matters
+  for k in (2, 4, 8, 16):
+    mb = temp_bytes(microbatched(jax.value_and_grad(wide_loss), k), params, batch)
+    assert mb <= 1.3 * full / k + grad_bytes, (k, mb, full, grad_bytes)
+
+
+def test_no_peeled_microbatch_program_size(params, batch):
+  # One copy of the loss in the program: as many dots as the full-batch call.
+  count = lambda f: jax.jit(f).lower(params, batch).as_text().count("dot_general")
+  full = count(jax.value_and_grad(mean_loss))
+  assert count(microbatched(jax.value_and_grad(mean_loss), 8)) == full
+
+
+# ------------------------------------------------------- data parallel (axis)
+def _mesh():
+  devices = jax.devices()
+  if len(devices) < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py forces 8 host CPU devices)")
+  return Mesh(np.array(devices[:8]), ("data",))
+
+
+def _shard_map_step(fn, mesh):
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+
+
+def _put(mesh, params, batch):
+  return (jax.device_put(params, NamedSharding(mesh, P())),
+          jax.device_put(batch, NamedSharding(mesh, P("data"))))
+
+
+def test_axis_name_shard_map_mean_equals_full_batch(params):
+  mesh = _mesh()
+  batch = make_batch(jax.random.key(9), 32)  # 4 per device, k=2 -> 2 per micro-batch
+  fn = microbatched(jax.value_and_grad(mean_loss), 2, axis_name="data")
+  loss, grads = _shard_map_step(fn, mesh)(*_put(mesh, params, batch))
+  assert_trees_close((loss, grads), jax.value_and_grad(mean_loss)(params, batch))
+
+
+def test_axis_name_shard_map_weighted_is_global(params):
+  mesh = _mesh()
+  lengths = [6, 0, 0, 0, 1, 0, 0, 0] + [0] * 8 + [6, 6, 6, 6, 5, 5, 5, 5] + [1] * 8
+  batch = token_batch(n=32, seed=3, lengths=lengths)
+  fn = microbatched(jax.value_and_grad(token_sum_loss, has_aux=True), 2,
+                    normalize="weighted", axis_name="data")
+  loss, grads = _shard_map_step(fn, mesh)(*_put(mesh, params, batch))
+  ref = jax.value_and_grad(token_mean_loss)(params, batch)
+  assert_trees_close((loss, grads), ref)
+
+
+def _primitives(jaxpr, inside_scan=False, found=None):
+  """(primitive name, inside a scan body?) for every equation, recursively."""
+  found = [] if found is None else found
+  for eqn in jaxpr.eqns:
+    found.append((eqn.primitive.name, inside_scan))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      _primitives(sub, inside_scan or eqn.primitive.name == "scan", found)
+  return found
+
+
+def test_axis_name_reduces_once_after_the_loop(params):
+  mesh = _mesh()
+  batch = make_batch(jax.random.key(9), 32)
+  fn = microbatched(jax.value_and_grad(mean_loss), 2, axis_name="data")
+  jaxpr = jax.make_jaxpr(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")),
+                                       out_specs=P()))(params, batch)
+  prims = _primitives(jaxpr.jaxpr)
+  collectives = {"psum", "psum_invariant", "pmean", "all_reduce", "psum2"}
+  assert any(name in collectives and not in_scan for name, in_scan in prims)
+  assert not any(name in collectives and in_scan for name, in_scan in prims), prims
+  assert any(name == "scan" for name, _ in prims)
+
+
+def test_axis_name_pmap_equals_full_batch(params):
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices")
+  batch = make_batch(jax.random.key(9), 32)
+  sharded = jax.tree.map(lambda x: x.reshape(8, 4, *x.shape[1:]), batch)
+  fn = microbatched(jax.value_and_grad(mean_loss), 2, axis_name="d")
+  loss, grads = jax.pmap(fn, axis_name="d", in_axes=(None, 0))(params, sharded)
+  ref_loss, ref_grads = jax.value_and_grad(mean_loss)(params, batch)
+  assert_trees_close(loss[3], ref_loss)
+  assert_trees_close(jax.tree.map(lambda g: g[5], grads), ref_grads)
+
+
+def test_axis_name_rng_differs_across_devices(params):
+  mesh = _mesh()
+  batch = make_batch(jax.random.key(9), 16)
+  fn = microbatched(jax.value_and_grad(noisy_loss, has_aux=True), 2, has_aux=True,
+                    aux_rules="stack", rng_argnums=2, axis_name="data")
+  step = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data"), P()),
+                               out_specs=((P(), P("data")), P())))
+  p, b = _put(mesh, params, batch)
+  (_, keys), _ = step(p, b, jax.random.key(0))
+  keys = np.asarray(keys).reshape(16, -1)  # 8 devices x 2 micro-batches
+  assert len({tuple(r) for r in keys}) == 16
+
+
+# ------------------------------------------------------------- split helper
+def test_split_microbatches_matches_manual(batch):
+  for split in ("strided", "contiguous"):
+    stacked = split_microbatches(batch, 4, split)
+    for i, mb in enumerate(manual_microbatches(batch, 4, split)):
+      assert_trees_close(jax.tree.map(lambda x, i=i: x[i], stacked), mb, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- properties
+@settings(max_examples=15, deadline=None)
+@given(k=st.integers(1, 6), m=st.integers(1, 4), d=st.integers(1, 4),
+       split=st.sampled_from(["strided", "contiguous"]), seed=st.integers(0, 2**16))
+def test_property_random_shapes_equal_full_batch(k, m, d, split, seed):
+  rng = np.random.default_rng(seed)
+  params = {"w": jnp.asarray(rng.normal(size=(d,)), jnp.float32),
+            "c": jnp.asarray(rng.normal(), jnp.float32)}
+  batch = {"x": jnp.asarray(rng.normal(size=(k * m, d)), jnp.float32),
+           "y": jnp.asarray(rng.normal(size=(k * m,)), jnp.float32)}
+  loss = lambda p, b: jnp.mean(jnp.sin(b["x"] @ p["w"] + p["c"]) * b["y"])
+  ref = jax.value_and_grad(loss)(params, batch)
+  out = microbatched(jax.value_and_grad(loss), k, split=split)(params, batch)
+  assert_trees_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(k=st.sampled_from([1, 2, 4]), lengths=st.lists(st.integers(0, SEQ), min_size=8,
+                                                      max_size=8))
+def test_property_weighted_any_padding_equals_full_batch(k, lengths):
+  params = init_mlp(jax.random.key(0))
+  batch = token_batch(lengths=lengths)
+  out = microbatched(jax.value_and_grad(token_sum_loss, has_aux=True), k,
+                     normalize="weighted")(params, batch)
+  if sum(lengths) == 0:
+    assert float(out[0]) == 0.0
+    return
+  assert_trees_close(out, jax.value_and_grad(token_mean_loss)(params, batch),
+                     rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- bad inputs
+def test_indivisible_batch_names_the_sizes(params):
+  batch = make_batch(jax.random.key(0), 10)
+  fn = microbatched(jax.value_and_grad(mean_loss), 4)
+  with pytest.raises(ValueError, match=r"10 examples.*num_microbatches=4.*\[1, 2, 5, 10\]"):
+    fn(params, batch)
+
+
+@pytest.mark.parametrize("k, exc, pattern", [
+    (0, ValueError, "`num_microbatches` must be >= 1"),
+    (-2, ValueError, "`num_microbatches` must be >= 1"),
+    (2.0, TypeError, "`num_microbatches` must be a positive int"),
+    (True, TypeError, "`num_microbatches` must be a positive int"),
+    (lambda step: 2, TypeError, "schedules are not supported"),
+])
+def test_bad_num_microbatches(k, exc, pattern):
+  with pytest.raises(exc, match=pattern):
+    microbatched(jax.value_and_grad(mean_loss), k)
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    ({"normalize": "avg"}, ValueError, "`normalize` must be one of"),
+    ({"split": "random"}, ValueError, "`split` must be one of"),
+    ({"rng_mode": "reuse"}, ValueError, "`rng_mode` must be one of"),
+    ({"aux_rules": "median"}, ValueError, "`aux_rules` holds 'median'"),
+    ({"batch_argnums": "1"}, TypeError, "`batch_argnums` must be an int"),
+    ({"batch_argnums": ()}, ValueError, "`batch_argnums` is empty"),
+    ({"has_aux": 1}, TypeError, "`has_aux` must be a bool"),
+    ({"accumulator_dtype": jnp.int32}, TypeError, "`accumulator_dtype` must be a floating"),
+])
+def test_bad_options(kwargs, exc, pattern):
+  with pytest.raises(exc, match=re.compile(pattern)):
+    microbatched(jax.value_and_grad(mean_loss), 2, **kwargs)
+
+
+def test_bad_fn():
+  with pytest.raises(TypeError, match="`fn` must be callable"):
+    microbatched("not a function", 2)
+
+
+def test_bad_batches(params):
+  fn = microbatched(jax.value_and_grad(mean_loss), 2)
+  with pytest.raises(ValueError, match=r"argument 1\['x'\] has 8 rows but argument 1\['y'\]"
+                     r" has 6|argument 1\['y'\] has 6"):
+    fn(params, {"x": jnp.ones((8, 5)), "y": jnp.ones(6)})
+  with pytest.raises(ValueError, match="is a scalar"):
+    fn(params, {"x": jnp.ones((8, 5)), "y": jnp.ones(())})
+  with pytest.raises(ValueError, match="`batch_argnums` contains 1"):
+    fn(params)
+  with pytest.raises(ValueError, match="no array leaves"):
+    fn(params, {})
+
+
+def test_bad_fn_outputs(params, batch):
+  with pytest.raises(TypeError, match=r"must return `\(value, grads\)`"):
+    microbatched(lambda p, b: mean_loss(p, b), 2)(params, batch)
+  with pytest.raises(TypeError, match="has_aux=True needs"):
+    microbatched(jax.value_and_grad(mean_loss), 2, has_aux=True)(params, batch)
+  with pytest.raises(TypeError, match=r"normalize='weighted' needs `fn`'s value"):
+    microbatched(jax.value_and_grad(mean_loss), 2, normalize="weighted")(params, batch)
+  vec_den = jax.value_and_grad(lambda p, b: (mean_loss(p, b), b["y"]), has_aux=True)
+  with pytest.raises(ValueError, match="scalar denominator"):
+    microbatched(vec_den, 2, normalize="weighted")(params, batch)
+
+
+def test_bad_aux_rules_at_call_time(params, batch):
+  fn = jax.value_and_grad(loss_with_aux, has_aux=True)
+  with pytest.raises(ValueError, match="prefix of the aux"):
+    microbatched(fn, 2, has_aux=True, aux_rules={"nope": "sum"})(params, batch)
+  scalar_aux = jax.value_and_grad(lambda p, b: (mean_loss(p, b), mean_loss(p, b)), has_aux=True)
+  with pytest.raises(ValueError, match="Use 'stack'"):
+    microbatched(scalar_aux, 2, has_aux=True, aux_rules="concat")(params, batch)
+
+
+def test_overlapping_rng_and_batch_argnums(params, batch):
+  fn = microbatched(jax.value_and_grad(noisy_loss, has_aux=True), 2, has_aux=True,
+                    rng_argnums=1)
+  with pytest.raises(ValueError, match="overlap"):
+    fn(params, batch, jax.random.key(0))
