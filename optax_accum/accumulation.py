@@ -127,6 +127,12 @@ class _StepOut(NamedTuple):
   emitted: jax.Array
 
 
+def _cast_like(new: Any, old: Any) -> Any:
+  if hasattr(new, "dtype") and hasattr(old, "dtype") and new.dtype != old.dtype:
+    return new.astype(old.dtype)
+  return new
+
+
 def _zeros_like_shapes(shapes: Any) -> Any:
   return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
 
@@ -220,7 +226,12 @@ def accumulation_step(
   def inner_update(reduced, inner_state, params):
     if inner is None:
       return reduced, inner_state
-    return inner.update(reduced, inner_state, params, **extra_args)
+    updates, new_state = inner.update(reduced, inner_state, params, **extra_args)
+    # Some optimizers promote their state (e.g. Adam's f16 moments on bf16
+    # gradients become f32). Both cond branches must agree, and a state whose
+    # dtype drifts breaks lax.scan, so it keeps the dtypes it was created with.
+    new_state = jax.tree.map(_cast_like, new_state, inner_state)
+    return updates, new_state
 
   def emit_branch(acc, total_weight, count, inner_state, params):
     reduced, total_weight = reduce_window(acc, total_weight, count)

@@ -1,0 +1,81 @@
+"""An independent large-batch reference and a tiny model shared by the tests.
+
+The reference never calls optax_accum: it averages the micro-batch gradients
+itself (``np.mean`` over a stacked axis, in float64) and applies the inner
+optimizer once per window, exactly what large-batch training does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def init_params(key: jax.Array, dtype: Any = jnp.float32) -> dict[str, Any]:
+  k1, k2, k3 = jax.random.split(key, 3)
+  return {
+      "dense": {
+          "w": jax.random.normal(k1, (5, 3), dtype) * 0.5,
+          "b": jnp.zeros((3,), dtype),
+      },
+      "scale": jax.random.normal(k2, (3,), dtype) * 0.1 + 1.0,
+      "extra": jax.random.normal(k3, (2, 2), dtype) * 0.1,
+  }
+
+
+def loss_fn(params: dict[str, Any], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+  x, y = batch
+  h = jnp.tanh(x @ params["dense"]["w"] + params["dense"]["b"]) * params["scale"]
+  reg = jnp.sum(params["extra"] ** 2)
+  return jnp.mean((h - y) ** 2) + 0.01 * reg
+
+
+grad_fn = jax.jit(jax.grad(loss_fn))
+
+
+def make_batches(key: jax.Array, n: int, size: int = 4) -> list[tuple[jax.Array, jax.Array]]:
+  xs = jax.random.normal(key, (n, size, 5))
+  ys = jax.random.normal(jax.random.fold_in(key, 1), (n, size, 3))
+  return [(xs[i], ys[i]) for i in range(n)]
+
+
+def mean_tree(trees: Sequence[Any], weights: Sequence[float] | None = None) -> Any:
+  """Mean (or weighted mean) of trees, computed in float64 numpy."""
+  def combine(*leaves):
+    stacked = np.stack([np.asarray(x, np.float64) for x in leaves])
+    if weights is None:
+      return stacked.mean(axis=0)
+    w = np.asarray(weights, np.float64).reshape((-1,) + (1,) * (stacked.ndim - 1))
+    return (stacked * w).sum(axis=0) / w.sum()
+  return jax.tree.map(combine, *trees)
+
+
+def large_batch_run(
+    optimizer: optax.GradientTransformation,
+    params: Any,
+    windows: Sequence[Sequence[Any]],
+    grad: Callable[[Any, Any], Any] = grad_fn,
+) -> list[Any]:
+  """Params after each window: one optimizer step on the mean gradient."""
+  state = optimizer.init(params)
+  history = []
+  for window in windows:
+    grads = [grad(params, b) for b in window]
+    mean = jax.tree.map(
+        lambda m, g: jnp.asarray(m, g.dtype), mean_tree(grads), grads[0])
+    updates, state = optimizer.update(mean, state, params)
+    params = optax.apply_updates(params, updates)
+    history.append(params)
+  return history
+
+
+def assert_trees_close(a: Any, b: Any, rtol: float = 2e-5, atol: float = 2e-6) -> None:
+  jax.tree.map(
+      lambda x, y: np.testing.assert_allclose(
+          np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol),
+      a, b)

@@ -1,0 +1,103 @@
+"""oa.MultiSteps is a drop-in for optax.MultiSteps.
+
+The strongest check of "existing code runs unchanged" is optax's own test
+suite: its MultiSteps tests are loaded from the installed optax and run with
+``_accumulation.MultiSteps`` pointing at ours.
+"""
+
+from __future__ import annotations
+
+import types
+import unittest
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_accum as oa
+from tests._reference import assert_trees_close, grad_fn, init_params, make_batches
+
+
+def test_optax_own_multisteps_tests_pass_against_ours():
+  upstream = pytest.importorskip("optax.transforms._accumulation_test")
+  original = upstream._accumulation
+  shim = types.SimpleNamespace(
+      MultiSteps=oa.MultiSteps,
+      skip_not_finite=oa.skip_not_finite,
+      skip_large_updates=oa.skip_large_updates,
+  )
+  loader = unittest.TestLoader()
+  names = [n for n in loader.getTestCaseNames(upstream.AccumulationTest) if "multi_steps" in n]
+  assert len(names) >= 7, names
+  suite = unittest.TestSuite(upstream.AccumulationTest(n) for n in names)
+  upstream._accumulation = shim
+  try:
+    result = unittest.TextTestRunner(verbosity=0).run(suite)
+  finally:
+    upstream._accumulation = original
+  assert result.testsRun == len(names)
+  problems = result.failures + result.errors
+  assert not problems, "\n".join(f"{t}: {tb}" for t, tb in problems)
+
+
+def test_state_fields_and_methods_match_optax():
+  assert oa.MultiStepsState._fields == optax.MultiStepsState._fields
+  ms = oa.MultiSteps(optax.adam(1e-3), 2)
+  for name in ("init", "update", "has_updated", "gradient_transformation", "inner_opt"):
+    assert hasattr(ms, name)
+  init, update = ms.gradient_transformation()
+  assert callable(init) and callable(update)
+
+
+@pytest.mark.parametrize("use_grad_mean", [True, False])
+def test_equals_large_batch_and_optax(use_grad_mean):
+  params = init_params(jax.random.key(0))
+  batches = make_batches(jax.random.key(1), 8)
+  ours, theirs = (cls(optax.adam(1e-2), 4, use_grad_mean=use_grad_mean)
+                  for cls in (oa.MultiSteps, optax.MultiSteps))
+  s_ours, s_theirs = ours.init(params), theirs.init(params)
+  p_ours = p_theirs = params
+  for b in batches:
+    u, s_ours = jax.jit(ours.update)(grad_fn(p_ours, b), s_ours, p_ours)
+    p_ours = optax.apply_updates(p_ours, u)
+    u, s_theirs = jax.jit(theirs.update)(grad_fn(p_theirs, b), s_theirs, p_theirs)
+    p_theirs = optax.apply_updates(p_theirs, u)
+  assert_trees_close(p_ours, p_theirs)
+  assert int(s_ours.gradient_step) == 2
+
+
+def test_inner_optimizer_skipped_on_mid_steps():
+  ms = oa.MultiSteps(optax.adam(1e-2), 4)
+  params = {"w": jnp.ones(3)}
+  state = ms.init(params)
+  for _ in range(3):
+    _, state = ms.update({"w": jnp.ones(3)}, state, params)
+  chex.assert_trees_all_equal(state.inner_opt_state, ms.init(params).inner_opt_state)
+
+
+def test_skip_large_updates_and_nan_safety():
+  import functools
+  skip = functools.partial(oa.skip_large_updates, max_squared_norm=50.0)
+  ms = oa.MultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=skip)
+  params = {"w": jnp.zeros(2)}
+  state = ms.init(params)
+  _, state = ms.update({"w": jnp.full(2, 100.0)}, state, params)  # rejected
+  assert int(state.mini_step) == 0 and bool(state.skip_state["should_skip"])
+  _, state = ms.update({"w": jnp.ones(2)}, state, params)
+  u, state = ms.update({"w": jnp.full(2, 3.0)}, state, params)
+  chex.assert_trees_all_close(u, {"w": jnp.full(2, -2.0)})
+  # Without a skip function, a NaN window does not poison the next one.
+  ms = oa.MultiSteps(optax.sgd(1.0), 1)
+  state = ms.init(params)
+  u, state = ms.update({"w": jnp.array([jnp.nan, 1.0])}, state, params)
+  u, state = ms.update({"w": jnp.ones(2)}, state, params)
+  chex.assert_trees_all_close(u, {"w": -jnp.ones(2)})
+
+
+def test_bad_every_k_schedule():
+  with pytest.raises(ValueError, match="every_k_schedule"):
+    oa.MultiSteps(optax.sgd(0.1), 0)
+  with pytest.raises(TypeError, match="every_k_schedule"):
+    oa.MultiSteps(optax.sgd(0.1), 2.0)
