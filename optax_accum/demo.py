@@ -325,7 +325,7 @@ def setup_arm(arm: str, cfg: Config, loss_terms: LossTerms, params0: Any,
               batches: dict[str, np.ndarray]) -> _Arm:
   """Builds and compiles one arm's step and runs it once (a discarded warm-up)."""
   tx, step, calls = build_step(arm, loss_terms, optax.adam(cfg.lr), cfg.k)
-  opt_state = tx.init(params0)
+  opt_state = jax.jit(tx.init)(params0)  # one compilation, not one per eager op
   example = jax.tree.map(jnp.asarray, _host_micro(batches, 0, 0, calls))
   t0 = time.perf_counter()
   compiled = jax.jit(step).lower(params0, opt_state, example).compile()
@@ -528,7 +528,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
 
 
 def _max_abs_diff(a: Any, b: Any) -> float:
-  return float(max(jnp.max(jnp.abs(x - y))
+  return float(max(np.max(np.abs(np.asarray(x) - np.asarray(y)))
                    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)))
 
 
