@@ -100,3 +100,40 @@ def check_tree_matches(grads: Any, buffer: Any, *, what: str = "gradients") -> N
           f" the accumulator holds shape {jnp.shape(b)}. Pass gradients shaped"
           " like the params given to `init`."
       )
+
+
+def varying_axes(x: Any) -> frozenset[Any]:
+  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty if unchecked)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)  # jax >= 0.9
+  if mat is not None and hasattr(mat, "varying"):
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))  # earlier releases
+
+
+def check_grads_are_local(grads: Any, axis_name: Any) -> None:
+  """Raises if, inside a checked ``shard_map``, ``grads`` are already reduced.
+
+  ``jax.grad`` with respect to replicated params inside ``shard_map`` sums the
+  gradient over the mesh axis on every call; accumulating that and reducing
+  again would scale it by the axis size. Where the types carry no manual-axis
+  information (pmap, ``check_vma=False``) nothing can be checked.
+  """
+  axes = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+  try:
+    probe = [jax.lax.axis_index(a) for a in axes]
+  except NameError:
+    return
+  if not all(axes & varying_axes(p) for p in probe):
+    return  # no manual-axis types here: nothing to check
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    if not axes <= varying_axes(g):
+      raise ValueError(
+          f"The gradient at {_path_str(path)} is already reduced over"
+          f" {axis_name!r} (it is the same on every device): inside shard_map,"
+          " jax.grad with respect to replicated params sums over the devices on"
+          " every micro-step, and `accumulate(..., axis_name=...)` would reduce"
+          " it again. Differentiate with respect to"
+          f" `jax.lax.pcast(params, {axis_name!r}, to='varying')` so each device"
+          " accumulates its local gradient and the all-reduce runs once per window."
+      )

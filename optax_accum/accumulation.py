@@ -440,6 +440,8 @@ class _Accumulator:
           f" `init`; got {type(state).__name__}."
       )
     _validation.check_tree_matches(updates, state.acc_grads)
+    if self.axis_name is not None:
+      _validation.check_grads_are_local(updates, self.axis_name)
     if self.reduction == "weighted" and weight is None:
       raise ValueError(
           "reduction='weighted' needs a per-micro-batch weight: call"

@@ -421,3 +421,21 @@ def test_tree_mismatch_names_the_first_differing_path():
     tx.update({"a": jnp.zeros(2), "b": {"c": jnp.zeros(3)}, "z": jnp.zeros(1)}, state)
   with pytest.raises(TypeError, match="AccumulateState"):
     tx.update({"a": jnp.zeros(2)}, optax.EmptyState())
+
+
+def test_shard_map_rejects_gradients_already_reduced_over_the_axis():
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+  tx = oa.accumulate(1, optax.sgd(1.0), axis_name="d")
+
+  def step(p, s, x):
+    g = jax.grad(lambda q: jnp.mean(x @ q))(p)  # w.r.t. replicated p: already summed
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("d")),
+                            out_specs=(P(), P())))
+  with pytest.raises(ValueError, match=r"already reduced over 'd'.*pcast"):
+    f(jnp.zeros(3), tx.init(jnp.zeros(3)), jnp.ones((8, 3)))
