@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
+from optax_accum._validation import varying_axes
 from optax_accum.accumulation import AccumulateState
 
 __all__ = [
@@ -144,15 +145,6 @@ def _map_per_device(state: Any, fn: Any) -> Any:
   return jax.tree.map(visit, state, is_leaf=lambda n: isinstance(n, AccumulateState))
 
 
-def _varying_axes(x: Any) -> frozenset[Any]:
-  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty if unchecked)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)  # jax >= 0.9
-  if mat is not None and hasattr(mat, "varying"):
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))  # earlier releases
-
-
 def _check_has_accumulate_state(state: Any, where: str) -> None:
   found = []
   _map_per_device(state, lambda x: found.append(x) or x)
@@ -237,9 +229,9 @@ def per_device_state(
     # axis; gradients that are not were already summed over the devices.
     buffers = []
     _map_per_device(local, lambda x: buffers.append(x) or x)
-    if set(axes) <= _varying_axes(buffers[0]):
+    if set(axes) <= varying_axes(buffers[0]):
       for g in jax.tree.leaves(updates):
-        if not set(axes) <= _varying_axes(g):
+        if not set(axes) <= varying_axes(g):
           raise ValueError(
               f"The gradients passed to `update` are already reduced over {axis_name!r}"
               " (they are the same on every device): inside shard_map, jax.grad"
