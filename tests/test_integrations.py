@@ -186,6 +186,26 @@ def test_nnx_adam_counts_windows():
   assert int(optax.tree_utils.tree_get(inner, "count")) == 2
 
 
+def test_nnx_update_forwards_weight_and_emit_now():
+  """Token-weighted micro-batches of unequal size, flushed early, through nnx.Optimizer."""
+  sizes = [1, 4, 2]  # the third call flushes a window of k=4 after 3 micro-batches
+  rng = np.random.default_rng(12)
+  xs = [rng.normal(size=(n, IN_DIM)).astype(np.float32) for n in sizes]
+  ys = [rng.normal(size=(n, 1)).astype(np.float32) for n in sizes]
+  model = _NnxMLP(nnx.Rngs(3))
+  ref = nnx.clone(model)
+  tx = oa.accumulate(4, _momentum(), reduction="weighted")
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+    grads = nnx.grad(_nnx_loss)(model, jnp.asarray(x), jnp.asarray(y))
+    optimizer.update(model, grads, weight=jnp.float32(len(x)), emit_now=i == len(xs) - 1)
+  assert int(optimizer.opt_state.gradient_step[...]) == 1
+  # The mean over all 7 examples, one step of the plain optimizer.
+  ref_opt = nnx.Optimizer(ref, _momentum(), wrt=nnx.Param)
+  _nnx_train_step(ref, ref_opt, jnp.asarray(np.concatenate(xs)), jnp.asarray(np.concatenate(ys)))
+  _assert_trees_close(_nnx_params(model), _nnx_params(ref))
+
+
 # ----------------------------------------------------------------------------- Flax Linen
 
 def test_linen_train_state_equals_large_batch():
