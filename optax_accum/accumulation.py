@@ -75,9 +75,10 @@ def has_updated(state: Any) -> jax.Array:
         "`has_updated` needs the state of `accumulate` or `MultiSteps` (or a"
         f" tuple holding one); got {type(state).__name__}."
     )
+  # jnp.asarray unwraps containers such as Flax NNX's optimizer variables.
   if isinstance(found, AccumulateState):
-    return found.emitted
-  return jnp.logical_and(found.mini_step == 0, found.gradient_step > 0)
+    return jnp.asarray(found.emitted)
+  return jnp.logical_and(jnp.asarray(found.mini_step) == 0, jnp.asarray(found.gradient_step) > 0)
 
 
 def _find_accumulation_state(state: Any) -> Any:

@@ -439,3 +439,20 @@ def test_shard_map_rejects_gradients_already_reduced_over_the_axis():
                             out_specs=(P(), P())))
   with pytest.raises(ValueError, match=r"already reduced over 'd'.*pcast"):
     f(jnp.zeros(3), tx.init(jnp.zeros(3)), jnp.ones((8, 3)))
+
+
+def test_has_updated_on_a_flax_nnx_optimizer_state():
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.ones(2))
+
+  model = Model()
+  opt = nnx.Optimizer(model, oa.accumulate(2, optax.sgd(0.1)), wrt=nnx.Param)
+  grads = nnx.grad(lambda m: jnp.sum(m.w[...] ** 2))(model)
+  flags = []
+  for _ in range(4):
+    opt.update(model, grads)
+    flags.append(bool(oa.has_updated(opt.opt_state)))
+  assert flags == [False, True, False, True]
