@@ -1,0 +1,142 @@
+"""Deterministic memory tests of the accumulation step (no timing).
+
+Compiled temporaries come from ``jax.jit(f).lower(...).compile()
+.memory_analysis().temp_size_in_bytes``, for a fixed XLA build a property of the
+program. Conventions (see benchmarks/NOTES.md): the update level is
+``f(state, g, p) -> (state, updates)`` donating the state (state first, so the
+donated buffers go back to the state, not to the zero updates); the train-step
+level is ``step(params, state, g) -> (params, state)`` donating both.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_accum as oa
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import variants  # noqa: E402
+
+N_PARAMS = 2**18  # 1 MiB of f32 params, in 8 leaves
+LEAVES = 8
+PARAM_BYTES = 4 * N_PARAMS
+LEAF = N_PARAMS // LEAVES
+# Temporaries besides parameter-sized arrays: a few scalars (counters, the
+# cond's predicate). 0.05x of 1 MiB is ~52 KB: far above them, far below a leaf.
+TIGHT = 0.05
+
+
+def _tree(fill: float) -> dict[str, jax.Array]:
+  return {f"w{i}": jnp.full((LEAF,), fill * (i + 1), jnp.float32) for i in range(LEAVES)}
+
+
+PARAMS = _tree(0.01)
+GRADS = _tree(0.001)
+
+
+def _update_level(tx: optax.GradientTransformation, **kw: Any):
+  """Compiled ``f(state, g, p) -> (state, updates)`` donating the state."""
+  fn = jax.jit(lambda s, g, p: tx.update(g, s, p, **kw)[::-1], donate_argnums=(0,))
+  return fn.lower(tx.init(PARAMS), GRADS, PARAMS).compile()
+
+
+def _train_level(step: Callable, state: Any):
+  """Compiled ``step(p, state, g) -> (p, state)`` donating params and state."""
+  return jax.jit(step, donate_argnums=(0, 1)).lower(PARAMS, state, GRADS).compile()
+
+
+def _temps(compiled) -> float:
+  return compiled.memory_analysis().temp_size_in_bytes / PARAM_BYTES
+
+
+CASES: dict[str, tuple[Callable[[int], optax.GradientTransformation], dict[str, Any]]] = {
+    "sgd": (lambda k: oa.accumulate(k, optax.sgd(0.1)), {}),
+    "adam": (lambda k: oa.accumulate(k, optax.adam(1e-3)), {}),
+    "adam_skip_nonfinite": (
+        lambda k: oa.accumulate(k, optax.adam(1e-3), skip_nonfinite=True), {}),
+    "adam_weighted": (
+        lambda k: oa.accumulate(k, optax.adam(1e-3), reduction="weighted"),
+        {"weight": jnp.float32(3.0)}),
+    "chain_form": (lambda k: oa.accumulate(k), {}),
+}
+
+
+@pytest.mark.parametrize("k", [4, 1], ids=["mid_program", "emit_program"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_accumulate_update_has_no_temporaries(case: str, k: int) -> None:
+  make, kw = CASES[case]
+  compiled = _update_level(make(k), **kw)
+  assert _temps(compiled) <= TIGHT
+  # No copy of a parameter, the buffer or the inner state; only the copies of
+  # one zero broadcast into the distinct zero-update outputs, as in the floor.
+  assert variants.count_copies(compiled.as_text(), LEAF)["data"] == 0
+
+
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_update_and_apply_temporaries_at_most_params(inner: str) -> None:
+  tx = oa.accumulate(4, optax.sgd(0.1) if inner == "sgd" else optax.adam(1e-3))
+  compiled = _train_level(lambda p, s, g: oa.update_and_apply(tx, g, s, p), tx.init(PARAMS))
+  temps = _temps(compiled)
+  # sgd: 0. adam: exactly one parameter-sized tree (the reduced gradient
+  # acc / count, materialised because XLA won't duplicate a divide into both
+  # moment updates); see NOTES.md.
+  assert temps <= 1.0 + TIGHT
+  if inner == "sgd":
+    assert temps <= TIGHT
+  assert variants.count_copies(compiled.as_text(), LEAF)["data"] == 0
+
+
+def test_update_and_apply_mid_step_leaves_params_in_place() -> None:
+  tx = oa.accumulate(4, optax.adam(1e-3))
+  compiled = _train_level(lambda p, s, g: oa.update_and_apply(tx, g, s, p), tx.init(PARAMS))
+  # Params and state are both aliased to outputs: nothing parameter-sized is
+  # allocated for the result beyond the new (non-donated) scalars.
+  stats = compiled.memory_analysis()
+  assert stats.alias_size_in_bytes >= 4 * PARAM_BYTES  # params, acc, mu, nu
+
+
+def test_optax_multisteps_is_worse() -> None:
+  """The regression the tests above would catch: optax.MultiSteps' design."""
+  ms = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=4)
+  assert _temps(_update_level(ms)) > 1.0
+
+
+def test_copy_counter_sees_copies() -> None:
+  """The copy check is live: design A copies the buffer in the mid branch."""
+  init, update = variants.make_a(4, optax.adam(1e-3))
+  fn = jax.jit(lambda s, g, p: update(g, s, p)[::-1], donate_argnums=(0,))
+  compiled = fn.lower(init(PARAMS), GRADS, PARAMS).compile()
+  assert variants.count_copies(compiled.as_text(), LEAF)["data"] >= LEAVES
+  init, update = variants.make_k(4, optax.adam(1e-3))
+  fn = jax.jit(lambda s, g, p: update(g, s, p)[::-1], donate_argnums=(0,))
+  compiled = fn.lower(init(PARAMS), GRADS, PARAMS).compile()
+  assert variants.count_copies(compiled.as_text(), LEAF)["data"] == 0
+
+
+def test_bench_quick_smoke(tmp_path: Path) -> None:
+  import bench_accumulate as bench
+
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "benchmarks" / "bench_accumulate.py"), "--quick",
+       "--out", str(tmp_path)],
+      capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((tmp_path / "accumulate.json").read_text())
+  seen = {(r["optimizer"], r["row"]) for r in result["records"]}
+  for opt in ("sgd", "adam"):
+    for row, _ in bench.ROWS:
+      assert (opt, row) in seen
+  assert result["bandwidth"]["copy_GBps"] > 0
+  assert (tmp_path / "accumulate.md").read_text().count("| oa.accumulate mid |") == 2
+  assert (tmp_path / "accumulate.png").stat().st_size > 0
