@@ -26,6 +26,7 @@ ratio to the floor ``acc += g`` measured in the same process.
 from __future__ import annotations
 
 import argparse
+import random
 import re
 import statistics
 import time
@@ -264,17 +265,21 @@ def main() -> None:
     run()
   samples: dict[str, list[float]] = {name: [] for name in runners}
   names = list(runners)
-  for r in range(args.rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
+  rng = random.Random(0)
+  for _ in range(args.rounds):
+    order = list(names)
+    rng.shuffle(order)  # a random order per round: no fixed neighbour bias
+    for name in order:
       t0 = time.perf_counter()
       for _ in range(args.reps):
         runners[name]()
       samples[name].append((time.perf_counter() - t0) / args.reps)
-  floor = statistics.median(samples["floor"])
-  print(f"\nmid-step time / floor (median of {args.rounds} interleaved rounds;"
-        f" floor {floor * 1e3:.2f} ms)")
+  floor = samples["floor"]
+  print(f"\nmid-step time / floor (median over {args.rounds} interleaved rounds of the"
+        f" per-round ratio; floor median {statistics.median(floor) * 1e3:.2f} ms)")
   for name in names:
-    print(f"  {name:6s} {statistics.median(samples[name]) / floor:5.2f}x")
+    ratios = [a / b for a, b in zip(samples[name], floor, strict=True)]
+    print(f"  {name:6s} {statistics.median(ratios):5.2f}x")
 
 
 if __name__ == "__main__":
