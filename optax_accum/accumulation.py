@@ -217,9 +217,14 @@ def accumulation_step(
         total_weight = lax.psum(total_weight, axis_name)
       denom = jnp.where(total_weight == 0, 1.0, total_weight)
 
+    # A scalar reciprocal, not a divide: XLA then fuses the scaling into each
+    # consumer (e.g. both of Adam's moment updates) instead of materialising
+    # acc / count as a separate parameter-sized array (benchmarks/NOTES.md).
+    inv = None if denom is None else 1.0 / denom
+
     def finish(a, g):
-      if denom is not None:
-        a = a / denom.astype(a.dtype)
+      if inv is not None:
+        a = a * inv.astype(a.dtype)
       return a.astype(g.dtype)
 
     return jax.tree.map(finish, acc, grads), total_weight
