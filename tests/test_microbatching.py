@@ -389,6 +389,38 @@ def test_mixed_dtype_gradients_keep_their_dtypes(batch):
   assert_trees_close(grads, ref_grads, rtol=1e-2, atol=1e-2)
 
 
+# ------------------------------------------------ composed with accumulate
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+def test_microbatched_inside_step_and_accumulate_across_steps(params, jit):
+  """2 steps x 4 micro-batches with weighted normalisation across both levels
+  equal one SGD step on the full 16-example batch's token-mean gradient (SGD,
+  not Adam, whose first step is only the gradient's sign)."""
+  import optax
+
+  from optax_accum.accumulation import accumulate
+
+  full = token_batch(n=16, seed=4, lengths=[6, 1, 0, 2, 5, 0, 3, 1, 6, 6, 0, 1, 2, 2, 4, 0])
+  steps = [jax.tree.map(lambda x, s=s: x[s * 8:(s + 1) * 8], full) for s in range(2)]
+  def loss(p, b):
+    num, den = token_sum_loss(p, b)
+    return num, (den, den)  # the token count also comes out as an aux
+  grad_fn = microbatched(jax.value_and_grad(loss, has_aux=True), 4, normalize="weighted",
+                         has_aux=True, aux_rules="sum")
+  tx = accumulate(2, optax.sgd(0.5), reduction="weighted")
+  def step(p, state, b):
+    (_, tokens), grads = grad_fn(p, b)
+    updates, state = tx.update(grads, state, p, weight=tokens)
+    return optax.apply_updates(p, updates), state
+  step = maybe_jit(step, jit)
+  p, state = params, tx.init(params)
+  for b in steps:
+    p, state = step(p, state, b)
+  assert int(state.gradient_step) == 1
+  ref_grads = jax.grad(token_mean_loss)(params, full)
+  expected = jax.tree.map(lambda w, g: w - 0.5 * g, params, ref_grads)
+  assert_trees_close(p, expected, rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------- remat
 def deep_loss(params, batch, *, remat_policy=None):
   def layer(w, h):
