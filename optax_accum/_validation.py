@@ -103,12 +103,17 @@ def check_tree_matches(grads: Any, buffer: Any, *, what: str = "gradients") -> N
 
 
 def varying_axes(x: Any) -> frozenset[Any]:
-  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty if unchecked)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)  # jax >= 0.9
-  if mat is not None and hasattr(mat, "varying"):
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))  # earlier releases
+  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere).
+
+  Accepts arrays, tracers and ``jax.ShapeDtypeStruct``. Empty under ``pmap``
+  and ``shard_map(check_vma=False)``, whose types carry no such information.
+  """
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
+  varying = getattr(mat, "varying", None)
+  if varying is None:
+    varying = getattr(aval, "vma", None)  # jax < 0.9
+  return frozenset(varying or ())
 
 
 def check_grads_are_local(grads: Any, axis_name: Any) -> None:

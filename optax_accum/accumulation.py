@@ -111,7 +111,17 @@ def _resolve_k(k: int | KSchedule, gradient_step: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.asarray(value).astype(jnp.int32), 1)
 
 
-def _all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: Any) -> jax.Array:
+  """True iff every leaf of ``tree`` is free of NaN and Inf (a bool scalar).
+
+  The same test ``accumulate(..., skip_nonfinite=True)`` applies.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_accum import all_finite
+    >>> bool(all_finite({"a": jnp.ones(2)})), bool(all_finite({"a": jnp.array([1., jnp.inf])}))
+    (True, False)
+  """
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
   if not leaves:
     return jnp.asarray(True)
@@ -467,7 +477,7 @@ class _Accumulator:
     accept = None
     num_skipped = state.num_skipped
     if self.skip_nonfinite:
-      accept = _all_finite(updates)
+      accept = all_finite(updates)
       if weight is not None:
         accept = jnp.logical_and(accept, jnp.isfinite(weight))
       if self.axis_name is not None:

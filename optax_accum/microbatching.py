@@ -550,7 +550,8 @@ def microbatched(
     def one(leaf):
       if not isinstance(leaf, (jax.Array, np.ndarray)):
         return leaf
-      return _pcast_varying(leaf, tuple(n for n in names if n not in _varying_axes(leaf)))
+      have = _validation.varying_axes(leaf)
+      return _pcast_varying(leaf, tuple(n for n in names if n not in have))
     return jax.tree.map(one, x)
 
   @functools.wraps(fn)
@@ -655,16 +656,6 @@ def microbatched(
   return wrapped
 
 
-def _varying_axes(x: Any) -> frozenset:
-  """Mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere)."""
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  varying = getattr(mat, "varying", None)
-  if varying is None:
-    varying = getattr(aval, "vma", None)  # older jax
-  return frozenset(varying or ())
-
-
 def _pcast_varying(x: jax.Array, names: tuple[Any, ...]) -> jax.Array:
   if not names:
     return x
@@ -674,12 +665,12 @@ def _pcast_varying(x: jax.Array, names: tuple[Any, ...]) -> jax.Array:
 
 
 def _any_varying(tree: Any) -> bool:
-  return any(_varying_axes(x) for x in jax.tree.leaves(tree)
+  return any(_validation.varying_axes(x) for x in jax.tree.leaves(tree)
              if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)))
 
 
 def _match_varying(init: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
-  missing = _varying_axes(target) - _varying_axes(init)
+  missing = _validation.varying_axes(target) - _validation.varying_axes(init)
   return _pcast_varying(init, tuple(sorted(missing, key=str)))
 
 

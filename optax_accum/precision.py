@@ -29,6 +29,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from optax_accum.accumulation import all_finite
+
 __all__ = [
     "DynamicLossScale",
     "LossScaler",
@@ -194,21 +196,6 @@ def mixed_precision(
   return wrapped
 
 
-def all_finite(tree: Any) -> jax.Array:
-  """True iff every leaf of ``tree`` is free of NaN and Inf (a bool scalar).
-
-  The same test ``accumulate(..., skip_nonfinite=True)`` applies.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from optax_accum.precision import all_finite
-    >>> bool(all_finite({"a": jnp.ones(2)})), bool(all_finite({"a": jnp.array([1., jnp.inf])}))
-    (True, False)
-  """
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-  if not leaves:
-    return jnp.asarray(True)
-  return jnp.stack(leaves).all()
 
 
 class DynamicLossScale(NamedTuple):
