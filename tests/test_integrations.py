@@ -155,35 +155,28 @@ def test_nnx_optimizer_moves_params_once_per_window_and_equals_large_batch():
   assert int(ref_opt.step[...]) == 2
 
 
-def test_nnx_schedule_counts_optimizer_steps():
-  schedule = lambda count: 0.2 / (1.0 + count)  # changes every optimizer step
-  x, y = _data(3 * K, seed=3)
-  model = _NnxMLP(nnx.Rngs(1))
+@pytest.mark.parametrize(
+    "make_tx, windows, seed",
+    [
+        # A schedule that changes every optimizer step must see window counts.
+        (lambda: optax.sgd(lambda count: 0.2 / (1.0 + count)), 3, 3),
+        (lambda: optax.adam(1e-2), 2, 4),
+    ],
+    ids=["sgd_schedule", "adam"],
+)
+def test_nnx_inner_optimizer_counts_windows(make_tx, windows, seed):
+  x, y = _data(windows * K, seed=seed)
+  model = _NnxMLP(nnx.Rngs(seed - 2))
   ref = nnx.clone(model)
-  optimizer = nnx.Optimizer(model, oa.accumulate(K, optax.sgd(schedule)), wrt=nnx.Param)
-  ref_opt = nnx.Optimizer(ref, optax.sgd(schedule), wrt=nnx.Param)
-  for i in range(3 * K):
+  optimizer = nnx.Optimizer(model, oa.accumulate(K, make_tx()), wrt=nnx.Param)
+  ref_opt = nnx.Optimizer(ref, make_tx(), wrt=nnx.Param)
+  for i in range(windows * K):
     _nnx_train_step(model, optimizer, jnp.asarray(x[i]), jnp.asarray(y[i]))
-  for w in range(3):
+  for w in range(windows):
     _nnx_train_step(ref, ref_opt, *_window(x, y, w * K, (w + 1) * K))
   _assert_trees_close(_nnx_params(model), _nnx_params(ref))
   inner = nnx.as_pure(optimizer.opt_state).inner_opt_state
-  assert int(optax.tree_utils.tree_get(inner, "count")) == 3
-
-
-def test_nnx_adam_counts_windows():
-  x, y = _data(2 * K, seed=4)
-  model = _NnxMLP(nnx.Rngs(2))
-  ref = nnx.clone(model)
-  optimizer = nnx.Optimizer(model, oa.accumulate(K, optax.adam(1e-2)), wrt=nnx.Param)
-  ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
-  for i in range(2 * K):
-    _nnx_train_step(model, optimizer, jnp.asarray(x[i]), jnp.asarray(y[i]))
-  for w in range(2):
-    _nnx_train_step(ref, ref_opt, *_window(x, y, w * K, (w + 1) * K))
-  _assert_trees_close(_nnx_params(model), _nnx_params(ref))
-  inner = nnx.as_pure(optimizer.opt_state).inner_opt_state
-  assert int(optax.tree_utils.tree_get(inner, "count")) == 2
+  assert int(optax.tree_utils.tree_get(inner, "count")) == windows
 
 
 def test_nnx_update_forwards_weight_and_emit_now():
