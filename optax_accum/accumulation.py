@@ -314,7 +314,9 @@ def accumulate(
   Each call adds the incoming gradients to a zero-initialised buffer. Every
   ``k``-th call closes the window: the buffer is reduced (see ``reduction``),
   cast to the gradients' dtype and, if ``optimizer`` is given, handed to it;
-  the buffer is reset to exact zeros. The switch is a ``lax.cond`` on the
+  the next window starts from zeros (the first micro-batch overwrites the
+  buffer in the same fused pass as the add; see ``AccumulateState``). The
+  switch is a ``lax.cond`` on the
   micro-step count, so the inner optimizer runs **only** on emitting steps:
   its state, step counter and schedules advance once per window, exactly as in
   large-batch training. Mid-steps return zeros.
@@ -352,8 +354,8 @@ def accumulate(
       weight) is dropped: it does not count toward ``k``, changes no buffer
       and increments ``state.num_skipped``. If False, a non-finite gradient
       reaches the emitted update (as it would in large-batch training), but
-      the buffer is always reset to exact zeros, so it never poisons a later
-      window.
+      the next window discards the buffer with a select (never ``0 * acc``),
+      so it never poisons a later window.
     axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names). Each
       device accumulates its local gradients; the cross-device reduction runs
       once per window, inside the emitting branch. With ``skip_nonfinite`` the

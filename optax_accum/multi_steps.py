@@ -2,9 +2,11 @@
 
 Same constructor, state fields and methods as ``optax.MultiSteps``, but the
 inner optimizer runs only on emitting steps (``optax.MultiSteps`` runs it on
-every mini-step and masks the result), and the buffer is reset to exact zeros
-(``optax.MultiSteps`` multiplies by ``1 - emit``, so one NaN mini-step poisons
-every later window).
+every mini-step and masks the result), and a new window discards the buffer
+with a select (``optax.MultiSteps`` multiplies by ``1 - emit``, so one NaN
+mini-step poisons every later window). ``acc_grads`` holds the window's running
+sum (optax keeps a running mean) and is cleared lazily, on the first mini-step
+of the next window.
 """
 
 from __future__ import annotations
