@@ -8,6 +8,8 @@ loss scaling. On many devices: ``axis_name=`` and :mod:`optax_accum.sharding`.
 from optax_accum.accumulation import (
     AccumulateState,
     accumulate,
+    all_finite,
+    flush,
     has_updated,
     update_and_apply,
 )
@@ -23,7 +25,6 @@ from optax_accum.precision import (
     DynamicLossScale,
     LossScaler,
     Policy,
-    all_finite,
     cast_floating,
     dynamic_loss_scale,
     mixed_precision,
@@ -46,6 +47,7 @@ __all__ = [
     "all_finite",
     "cast_floating",
     "dynamic_loss_scale",
+    "flush",
     "has_updated",
     "microbatched",
     "mixed_precision",

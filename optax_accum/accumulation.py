@@ -439,6 +439,13 @@ class _Accumulator:
   ) -> tuple[optax.Updates, AccumulateState]:
     return self._step(updates, state, params, weight, emit_now, extra_args, False)
 
+  def flush(
+      self, state: AccumulateState, params: optax.Params, **extra_args: Any
+  ) -> tuple[optax.Updates, AccumulateState]:
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    weight = 0.0 if self.reduction == "weighted" else None
+    return self._step(zeros, state, params, weight, True, extra_args, False, count_this=False)
+
   def update_and_apply(
       self,
       grads: optax.Updates,
@@ -451,14 +458,15 @@ class _Accumulator:
   ) -> tuple[optax.Params, AccumulateState]:
     return self._step(grads, state, params, weight, emit_now, extra_args, True)
 
-  def _step(self, updates, state, params, weight, emit_now, extra_args, apply_to_params):
+  def _step(self, updates, state, params, weight, emit_now, extra_args, apply_to_params,
+            count_this=True):
     if not isinstance(state, AccumulateState):
       raise TypeError(
           "`state` must be the AccumulateState returned by this transform's"
           f" `init`; got {type(state).__name__}."
       )
     _validation.check_tree_matches(updates, state.acc_grads)
-    if self.axis_name is not None:
+    if self.axis_name is not None and count_this:
       _validation.check_grads_are_local(updates, self.axis_name)
     if self.reduction == "weighted" and weight is None:
       raise ValueError(
@@ -478,7 +486,9 @@ class _Accumulator:
       )
     accept = None
     num_skipped = state.num_skipped
-    if self.skip_nonfinite:
+    if not count_this:
+      accept = jnp.zeros([], jnp.bool_)
+    elif self.skip_nonfinite:
       accept = all_finite(updates)
       if weight is not None:
         accept = jnp.logical_and(accept, jnp.isfinite(weight))
@@ -513,6 +523,55 @@ class _Accumulator:
         inner_opt_state=out.inner_opt_state,
     )
     return out.updates, new_state
+
+
+def flush(
+    tx: optax.GradientTransformation,
+    state: AccumulateState,
+    params: optax.Params,
+    **extra_args: Any,
+) -> tuple[optax.Updates, AccumulateState]:
+  """Closes the open window now, without a new micro-batch.
+
+  For the end of an epoch or of training when the last micro-batch has
+  already been passed to ``update``: the micro-batches waiting in the buffer
+  become one optimizer step (the mean divides by how many there are). With an
+  empty window nothing happens: zero updates, state unchanged. Use
+  ``update(..., emit_now=True)`` instead when you know in advance which
+  micro-batch is the last.
+
+  Args:
+    tx: a transform built by :func:`accumulate`.
+    state: its state.
+    params: the current params (they also give the updates' dtypes).
+    **extra_args: passed to the inner optimizer.
+
+  Returns:
+    ``(updates, new_state)``, as from ``tx.update``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_accum as oa
+    >>> tx = oa.accumulate(4, optax.sgd(1.0))
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({"w": jnp.full(2, 2.0)}, state, params)
+    >>> _, state = tx.update({"w": jnp.full(2, 4.0)}, state, params)
+    >>> updates, state = oa.flush(tx, state, params)   # mean of the 2 waiting
+    >>> updates["w"].tolist(), int(state.gradient_step), int(state.mini_step)
+    ([-3.0, -3.0], 1, 0)
+  """
+  return _accumulator_of(tx, "flush").flush(state, params, **extra_args)
+
+
+def _accumulator_of(tx: optax.GradientTransformation, name: str) -> _Accumulator:
+  accumulator = getattr(tx.update, "__self__", None)
+  if not isinstance(accumulator, _Accumulator):
+    raise TypeError(
+        f"`{name}` needs a transform returned by `optax_accum.accumulate`"
+        f" (its `update` is {tx.update!r}). For a chain, put the chain inside:"
+        " `accumulate(k, optax.chain(...))`."
+    )
+  return accumulator
 
 
 def update_and_apply(
@@ -556,13 +615,7 @@ def update_and_apply(
     >>> params["w"].tolist()
     [-1.0, -1.0]
   """
-  accumulator = getattr(tx.update, "__self__", None)
-  if not isinstance(accumulator, _Accumulator):
-    raise TypeError(
-        "`update_and_apply` needs a transform returned by `optax_accum.accumulate`"
-        f" (its `update` is {tx.update!r}). For a chain, put the chain inside:"
-        " `accumulate(k, optax.chain(...))`."
-    )
+  accumulator = _accumulator_of(tx, "update_and_apply")
   return accumulator.update_and_apply(grads, state, params, **kwargs)
 
 

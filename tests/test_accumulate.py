@@ -456,3 +456,38 @@ def test_has_updated_on_a_flax_nnx_optimizer_state():
     opt.update(model, grads)
     flags.append(bool(oa.has_updated(opt.opt_state)))
   assert flags == [False, True, False, True]
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+def test_flush_closes_a_partial_window_without_a_new_micro_batch(jit):
+  params = init_params(jax.random.key(19))
+  batches = make_batches(jax.random.key(20), 3)
+  tx = oa.accumulate(5, optax.adam(1e-2))
+  update = jax.jit(tx.update) if jit else tx.update
+  flush = jax.jit(functools.partial(oa.flush, tx)) if jit else functools.partial(oa.flush, tx)
+  state = tx.init(params)
+  for b in batches:
+    _, state = update(grad_fn(params, b), state, params)
+  updates, state = flush(state, params)
+  assert bool(oa.has_updated(state)) and int(state.mini_step) == 0
+  ref = large_batch_run(optax.adam(1e-2), params, [batches])[0]
+  assert_trees_close(optax.apply_updates(params, updates), ref)
+  # An empty window: nothing to flush, nothing changes.
+  before = state
+  updates, state = flush(state, params)
+  assert not bool(oa.has_updated(state))
+  chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
+  chex.assert_trees_all_equal(state.inner_opt_state, before.inner_opt_state)
+  assert int(state.gradient_step) == int(before.gradient_step) == 1
+
+
+def test_flush_weighted_window_and_bad_transform():
+  params = {"w": jnp.zeros(2)}
+  tx = oa.accumulate(4, optax.sgd(1.0), reduction="weighted")
+  state = tx.init(params)
+  _, state = tx.update({"w": jnp.full(2, 1.0)}, state, params, weight=1.0)
+  _, state = tx.update({"w": jnp.full(2, 4.0)}, state, params, weight=3.0)
+  updates, state = oa.flush(tx, state, params)
+  chex.assert_trees_all_close(updates, {"w": jnp.full(2, -(1.0 + 12.0) / 4.0)})
+  with pytest.raises(TypeError, match="`flush` needs a transform"):
+    oa.flush(optax.chain(oa.accumulate(2)), state, params)
