@@ -129,7 +129,7 @@ def all_finite(tree: Any) -> jax.Array:
 
 
 class _StepOut(NamedTuple):
-  updates: optax.Updates  # or the new params, with ``apply_to=params``
+  updates: optax.Updates  # or the new params, with ``apply_to_params=True``
   acc_grads: optax.Updates
   acc_weight: jax.Array
   mini_step: jax.Array
@@ -185,7 +185,7 @@ def accumulation_step(
   stale = mini_step == 0
   if weighted:
     w = jnp.asarray(weight, jnp.float32)
-    new_weight = jnp.where(stale, 0.0, acc_weight) + w
+    new_weight = acc_weight + w  # acc_weight is reset eagerly (a scalar)
   else:
     w = None
     new_weight = acc_weight

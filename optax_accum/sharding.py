@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from optax_accum._validation import varying_axes
 from optax_accum.accumulation import AccumulateState
 
 __all__ = [
@@ -170,8 +169,9 @@ def per_device_state(
   pmap's layout. Every other leaf (counters, the inner optimizer's state) is
   the same on every device and stays replicated.
 
-  ``init`` must run inside ``shard_map`` (see the example). ``update`` checks
-  that the incoming gradients are device-local: gradients taken with respect
+  ``init`` must run inside ``shard_map`` (see the example). The wrapped
+  ``accumulate`` checks that the incoming gradients are device-local
+  (``check_grads_are_local``): gradients taken with respect
   to replicated params inside ``shard_map`` are already summed over the
   devices (JAX inserts that all-reduce on every micro-step), which would both
   spend the communication this transform saves and scale the result by the
@@ -214,7 +214,6 @@ def per_device_state(
     Array([-0.1, -0.1, -0.1], dtype=float32)
   """
   inner = optax.with_extra_args_support(tx)
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
   def init_fn(params: optax.Params) -> Any:
     state = inner.init(params)
@@ -225,22 +224,7 @@ def per_device_state(
       updates: optax.Updates, state: Any, params: optax.Params | None = None, **kwargs: Any
   ) -> tuple[optax.Updates, Any]:
     local = _map_per_device(state, lambda x: jnp.squeeze(x, 0))
-    # With shard_map's type checks on, the buffer is typed as varying over the
-    # axis; gradients that are not were already summed over the devices.
-    buffers = []
-    _map_per_device(local, lambda x: buffers.append(x) or x)
-    if set(axes) <= varying_axes(buffers[0]):
-      for g in jax.tree.leaves(updates):
-        if not set(axes) <= varying_axes(g):
-          raise ValueError(
-              f"The gradients passed to `update` are already reduced over {axis_name!r}"
-              " (they are the same on every device): inside shard_map, jax.grad"
-              " with respect to replicated params sums over the devices on every"
-              " micro-step. Differentiate with respect to"
-              f" `jax.lax.pcast(params, {axis_name!r}, to='varying')` so each"
-              " device accumulates its local gradient and the all-reduce runs"
-              " once per window."
-          )
+    # accumulate(..., axis_name=...) itself rejects already-reduced gradients.
     new_updates, new_state = inner.update(updates, local, params, **kwargs)
     return new_updates, _map_per_device(new_state, lambda x: x[None])
 
