@@ -44,21 +44,49 @@ def check_reduction(reduction: Any) -> str:
 
 
 def check_accumulator_dtype(dtype: Any) -> jnp.dtype | None:
+  """Returns ``dtype`` canonicalised, or None (the default rule), else raises."""
   if dtype is None:
     return None
   try:
     canonical = jnp.dtype(dtype)
   except TypeError as e:
     raise TypeError(
-        f"`accumulator_dtype` must be a floating dtype such as jnp.float32, or"
-        f" None for the parameters' dtype; got {dtype!r}."
+        "`accumulator_dtype` must be a floating or complex dtype such as"
+        f" jnp.float32, or None for the default rule; got {dtype!r}."
     ) from e
-  if not jnp.issubdtype(canonical, jnp.floating):
+  if not jnp.issubdtype(canonical, jnp.inexact):
     raise TypeError(
-        f"`accumulator_dtype` must be a floating dtype such as jnp.float32, or"
-        f" None for the parameters' dtype; got {canonical}."
+        "`accumulator_dtype` must be a floating or complex dtype such as"
+        f" jnp.float32, or None for the default rule; got {canonical}."
     )
   return canonical
+
+
+def accumulator_dtype(dtype: Any, requested: jnp.dtype | None = None) -> jnp.dtype:
+  """The dtype of the buffer that sums values of ``dtype``.
+
+  The default rule (``requested=None``) never narrows: bfloat16 and float16
+  accumulate in float32, float32 in float32, float64 in float64, complex64 in
+  complex64 and complex128 in complex128. An explicit ``requested`` dtype is
+  used as given, even if narrower (the caller asked for it), except that a
+  real buffer for complex values raises: it would drop the imaginary part.
+  Non-floating dtypes (integer aux outputs, say) keep their own dtype.
+  """
+  dtype = jnp.dtype(dtype)
+  if requested is not None:
+    if jnp.issubdtype(dtype, jnp.complexfloating) and not jnp.issubdtype(
+        requested, jnp.complexfloating):
+      raise TypeError(
+          f"`accumulator_dtype={requested}` is real but the values are {dtype}:"
+          " the imaginary part would be dropped. Pass a complex dtype such as"
+          f" {jnp.promote_types(dtype, jnp.complex64)}, or None for the default rule."
+      )
+    return jnp.dtype(requested)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return jnp.dtype(jnp.promote_types(dtype, jnp.complex64))
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
+  return dtype
 
 
 def _path_str(path: tuple[Any, ...]) -> str:
