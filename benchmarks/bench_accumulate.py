@@ -1,42 +1,55 @@
-"""Benchmark: the cost of a gradient-accumulation micro-step, against its floor.
+"""Benchmark: the train-step cost of gradient accumulation, against physical floors.
 
-For model sizes of 1M, 4M and 16M f32 parameters (8 equal leaves) and inner
-optimizers sgd and adam, it measures in one process, interleaved (every
-variant once per round, in a rotating order), the median over rounds of:
+What is measured (all in one process; nothing here is a hard-coded result):
 
-* ``floor``: ``acc += g`` and a tree of zero updates, no counter, no cond --
-  the least a mid-step that follows the optax protocol can do;
-* ``plain``: one step of the inner optimizer;
-* ``accumulate mid`` / ``accumulate emit (k=1)``: ``oa.accumulate(k, inner)``;
-* ``update_and_apply mid`` / ``emit (k=1)``: ``oa.update_and_apply`` (train
-  step level only: it returns params);
-* ``oa.MultiSteps mid`` and ``optax.MultiSteps mid``;
-* ``chain+apply_every``: ``optax.chain(inner, optax.apply_every(k))``, one step;
-* ``python loop mid``: the tutorial loop, ``jax.tree.map(jnp.add, acc, g)``
-  outside jit (a jitted optimizer step runs every k-th call; only the mid-step
-  is timed here: its emitting step is ``plain``).
+* Every variant is one jitted train step ``step(params, state, grads) ->
+  (params, state)`` with params and state donated, compiled once for a window
+  of ``k = 4`` micro-batches. Its calls are timed one by one (blocking on each
+  result) and split by phase: the ``k - 1`` mid-steps of a window and its
+  emitting step run the *same* program with a runtime predicate.
+* Variants: the plain optimizer step; ``oa.accumulate(k, opt)`` through the
+  optax protocol (``tx.update`` + ``optax.apply_updates``);
+  ``optax.chain(oa.accumulate(k), opt)`` (the chain form: the optimizer steps
+  on the zero updates of every mid-step, so it is **not** large-batch
+  training); ``oa.update_and_apply`` (the fast path); ``oa.MultiSteps`` and
+  ``optax.MultiSteps`` through the protocol.
+* Floors are not programs: a floor is the bytes a step must move over the copy
+  bandwidth measured in the same round (a jitted copy into a donated buffer,
+  read + write bytes over time). With P = parameter bytes:
 
-Two levels, each with its own donation convention (see NOTES.md for why):
+  - train-step mid-step, 3P: read g, read acc, write acc;
+  - optax-protocol mid-step, 7P: those 3P, write the zero updates (P), and
+    ``apply_updates`` reads params and updates and writes params (3P);
+  - plain step: the optimizer's own bytes, adam 7P (read g, mu, nu, params;
+    write mu, nu, params), sgd 3P (read g, params; write params). An emitting
+    step does at least this.
 
-* update level: ``f(state, g, p) -> (new_state, updates)`` donating the state
-  (state first in the outputs, so donated buffers go back to the state);
-* train-step level: ``step(params, state, g) -> (params + updates, state)``
-  donating params and state (``update_and_apply`` returns the new params
-  itself; the ``floor`` there leaves the params untouched).
+  On a CPU the floors are DRAM floors: a working set that fits the last-level
+  cache (small sizes) can beat them.
+* Per row: median time over rounds, ratio to its own floor, to the 3P floor,
+  to the plain step and to ``optax.MultiSteps`` (mid rows to its mid-step,
+  emitting rows to its emitting step). Each ratio is the median over rounds of
+  the per-round ratio (the reference ran seconds apart in the same round).
+* Per program: compiled temporaries over parameter bytes
+  (``compile().memory_analysis()``), bytes aliased, HLO ``conditional`` count,
+  number of argument leaves.
+* Per-call host overhead: the same programs on a tiny model (8 leaves of 128
+  f32), where dispatch dominates, and the enqueue time (until the call
+  returns, before blocking) at the smallest size.
+* A PASS/FAIL table of the project's bars at 4M params, adam (or the middle
+  size if 4M is not run).
 
-Mid-steps are timed with ``k = 2**30`` (the window never closes), emit steps
-with ``k = 1``. Reported per row: median time, ratio to the floor and to the
-plain step of the same level, and compiled temporaries
-(``memory_analysis().temp_size_in_bytes``) over parameter bytes, per level.
-The same run measures the machine's copy bandwidth (a jitted copy of a 64 MiB
-array, bytes read + written over time) and the bytes a mid-step must move
-(read g, read acc, write acc, write zero updates: 4x parameter bytes).
+Timing protocol: every round runs every program (a few whole windows) and the
+copy once, in a fresh seeded random order (a fixed or rotating order would put
+the same program after the cache-evicting copy every round); medians over
+rounds. On a shared machine the per-round ratios are far steadier than ratios
+of medians.
 
 Run::
 
-  python benchmarks/bench_accumulate.py                 # < 6 min on 2 loaded cores
-  python benchmarks/bench_accumulate.py --quick         # < 1 min (smoke test)
-  python benchmarks/bench_accumulate.py --sizes 4M --rounds 41
+  python benchmarks/bench_accumulate.py                  # 1M,4M,16M; sgd, adam
+  python benchmarks/bench_accumulate.py --quick          # 256K, 3 rounds (smoke)
+  python benchmarks/bench_accumulate.py --sizes 4M --optimizers adam --rounds 21
 
 Writes ``accumulate.{json,md,png}`` to ``benchmarks/results`` (``--out``).
 """
@@ -51,8 +64,9 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,37 +77,118 @@ import optax
 import optax_accum as oa
 
 Tree = Any
-K_MID = 1 << 30
 LEAVES = 8
-
-# (key, label) of each row, in table order.
-ROWS: list[tuple[str, str]] = [
-    ("floor", "floor (acc += g)"),
-    ("plain", "plain step"),
-    ("accumulate_mid", "oa.accumulate mid"),
-    ("accumulate_emit", "oa.accumulate emit (k=1)"),
-    ("update_and_apply_mid", "oa.update_and_apply mid"),
-    ("update_and_apply_emit", "oa.update_and_apply emit (k=1)"),
-    ("oa_multisteps_mid", "oa.MultiSteps mid"),
-    ("optax_multisteps_mid", "optax.MultiSteps mid"),
-    ("apply_every", "chain(opt, apply_every) step"),
-    ("python_loop_mid", "python loop mid (eager tree add)"),
-]
+K_WINDOW = 4
+TINY_PARAMS = LEAVES * 128
+MID_PASSES = 3  # train-step mid-step: read g, read acc, write acc
+PROTOCOL_PASSES = 7  # + write zero updates, apply_updates: read p, read u, write p
+PLAIN_PASSES = {"sgd": 3, "adam": 7}  # the optimizer's own parameter-sized passes
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sgd": lambda: optax.sgd(1e-3),
     "adam": lambda: optax.adam(1e-3),
 }
 
+# (key, label) of each program.
+PROGRAMS: list[tuple[str, str]] = [
+    ("plain", "plain step"),
+    ("accumulate", "oa.accumulate(k, opt): update + apply_updates"),
+    ("chain", "optax.chain(oa.accumulate(k), opt): update + apply_updates"),
+    ("update_and_apply", "oa.update_and_apply"),
+    ("oa_multisteps", "oa.MultiSteps: update + apply_updates"),
+    ("optax_multisteps", "optax.MultiSteps: update + apply_updates"),
+]
 
-@dataclasses.dataclass
-class Timer:
-  """One timed program: ``call()`` runs it once and blocks on its result."""
+# (key, label) of each row, in table order.
+ROWS: list[tuple[str, str]] = [
+    ("floor_mid", "floor: train-step mid (3P)"),
+    ("floor_protocol", "floor: optax-protocol mid (7P)"),
+    ("floor_plain", "floor: plain step's bytes"),
+    ("plain", "plain step"),
+    ("accumulate_mid", "oa.accumulate mid"),
+    ("accumulate_emit", "oa.accumulate emit"),
+    ("chain_mid", "chain(oa.accumulate(k), opt) mid (not large-batch)"),
+    ("chain_emit", "chain(oa.accumulate(k), opt) emit"),
+    ("update_and_apply_mid", "oa.update_and_apply mid"),
+    ("update_and_apply_emit", "oa.update_and_apply emit"),
+    ("oa_multisteps_mid", "oa.MultiSteps mid"),
+    ("oa_multisteps_emit", "oa.MultiSteps emit"),
+    ("optax_multisteps_mid", "optax.MultiSteps mid"),
+    ("optax_multisteps_emit", "optax.MultiSteps emit"),
+]
+LABELS = dict(ROWS)
 
-  row: str
-  level: str  # "update" or "train"
-  call: Callable[[], None]
-  temps: int | None  # compiled temporaries in bytes (None: not one program)
-  samples: list[float] = dataclasses.field(default_factory=list)
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec:
+  """Where a row's times come from and what it is compared with."""
+
+  program: str | None  # None: a floor (computed, not run)
+  phase: str  # "mid", "emit" or "step" (every call)
+  floor: str  # "mid", "protocol" or "plain": the row's own floor
+
+
+ROW_SPECS: dict[str, RowSpec] = {
+    "floor_mid": RowSpec(None, "mid", "mid"),
+    "floor_protocol": RowSpec(None, "mid", "protocol"),
+    "floor_plain": RowSpec(None, "emit", "plain"),
+    "plain": RowSpec("plain", "step", "plain"),
+    "accumulate_mid": RowSpec("accumulate", "mid", "protocol"),
+    "accumulate_emit": RowSpec("accumulate", "emit", "plain"),
+    "chain_mid": RowSpec("chain", "mid", "protocol"),
+    "chain_emit": RowSpec("chain", "emit", "plain"),
+    "update_and_apply_mid": RowSpec("update_and_apply", "mid", "mid"),
+    "update_and_apply_emit": RowSpec("update_and_apply", "emit", "plain"),
+    "oa_multisteps_mid": RowSpec("oa_multisteps", "mid", "protocol"),
+    "oa_multisteps_emit": RowSpec("oa_multisteps", "emit", "plain"),
+    "optax_multisteps_mid": RowSpec("optax_multisteps", "mid", "protocol"),
+    "optax_multisteps_emit": RowSpec("optax_multisteps", "emit", "plain"),
+}
+
+
+def floor_passes(floor: str, opt_name: str) -> int:
+  """Parameter-sized passes (units of P) a step of this kind must make."""
+  return {"mid": MID_PASSES, "protocol": PROTOCOL_PASSES}.get(floor) or PLAIN_PASSES[opt_name]
+
+
+# ----------------------------------------------------------------- programs
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """One train step ``step(params, state, grads) -> (params, state)``."""
+
+  key: str
+  k: int | None  # the window (None: every call is an optimizer step)
+  step: Callable[[Tree, Any, Tree], tuple[Tree, Any]]
+  init: Callable[[Tree], Any]
+
+
+def _standard_step(tx: Any) -> Callable[[Tree, Any, Tree], tuple[Tree, Any]]:
+  """``tx.update`` followed by ``optax.apply_updates``: the optax protocol."""
+  def step(params: Tree, state: Any, grads: Tree) -> tuple[Tree, Any]:
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return step
+
+
+def make_programs(opt_name: str, k: int = K_WINDOW,
+                  keys: Sequence[str] | None = None) -> list[Program]:
+  """The benchmarked train steps for inner optimizer ``opt_name``, window ``k``."""
+  make = OPTIMIZERS[opt_name]
+  plain = make()
+  acc = oa.accumulate(k, make())
+  chain = optax.chain(oa.accumulate(k), make())
+  uaa = oa.accumulate(k, make())
+  oms = oa.MultiSteps(make(), k)
+  xms = optax.MultiSteps(make(), k)
+  progs = [
+      Program("plain", None, _standard_step(plain), plain.init),
+      Program("accumulate", k, _standard_step(acc), acc.init),
+      Program("chain", k, _standard_step(chain), chain.init),
+      Program("update_and_apply", k, lambda p, s, g: oa.update_and_apply(uaa, g, s, p),
+              uaa.init),
+      Program("oa_multisteps", k, _standard_step(oms), oms.init),
+      Program("optax_multisteps", k, _standard_step(xms), xms.init),
+  ]
+  return [p for p in progs if keys is None or p.key in keys]
 
 
 def parse_size(text: str) -> int:
@@ -109,330 +204,425 @@ def make_tree(n_params: int, leaves: int = LEAVES, fill: float = 0.01) -> dict[s
           for i in range(leaves)}
 
 
-def _zeros(tree: Tree) -> Tree:
-  return jax.tree.map(jnp.zeros_like, tree)
+def count_conditionals(hlo_text: str) -> int:
+  """HLO ``conditional`` instructions in a compiled program's text."""
+  return hlo_text.count(" conditional(")
 
 
-def _update_level(tx: optax.GradientTransformation) -> Callable:
-  """``f(state, g, p) -> (state, updates)``: state first, for donation."""
-  return lambda state, g, p: tx.update(g, state, p)[::-1]
+# -------------------------------------------------------------------- timers
+@dataclasses.dataclass
+class Timer:
+  """A compiled program, its donated carry, and its per-phase samples."""
+
+  program: Program
+  compiled: Any
+  carry: list[Any]
+  grads: Tree
+  info: dict[str, Any]
+  calls: int = 0
+  samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+  enqueue: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+  def phase(self) -> str:
+    k = self.program.k
+    if k is None:
+      return "step"
+    return "emit" if self.calls % k == k - 1 else "mid"
+
+  def call(self) -> tuple[str, float, float]:
+    """One step; returns (phase, time to return, time to result)."""
+    phase = self.phase()
+    t0 = time.perf_counter()
+    out = self.compiled(self.carry[0], self.carry[1], self.grads)
+    t1 = time.perf_counter()
+    jax.block_until_ready(out)
+    t2 = time.perf_counter()
+    self.carry = list(out)
+    self.calls += 1
+    return phase, t1 - t0, t2 - t0
+
+  def run_round(self, windows: int) -> None:
+    """``windows`` whole windows; appends each phase's mean call time."""
+    times: dict[str, list[float]] = {}
+    enq: dict[str, list[float]] = {}
+    for _ in range(windows * (self.program.k or K_WINDOW)):
+      phase, t_enq, t_all = self.call()
+      times.setdefault(phase, []).append(t_all)
+      enq.setdefault(phase, []).append(t_enq)
+    for phase, ts in times.items():
+      self.samples.setdefault(phase, []).append(statistics.fmean(ts))
+      self.enqueue.setdefault(phase, []).append(statistics.fmean(enq[phase]))
 
 
-def _train_level(tx: optax.GradientTransformation) -> Callable:
-  """``step(p, state, g) -> (p + updates, state)``."""
-  def step(p, state, g):
-    updates, state = tx.update(g, state, p)
-    return optax.apply_updates(p, updates), state
-  return step
+def compile_program(prog: Program, params: Tree, grads: Tree) -> Timer:
+  """Compiles ``prog`` (params and state donated) and returns its timer."""
+  state = prog.init(params)
+  compiled = jax.jit(prog.step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+  mem = compiled.memory_analysis()
+  info = {
+      "temps_bytes": int(mem.temp_size_in_bytes),
+      "alias_bytes": int(mem.alias_size_in_bytes),
+      "conditionals": count_conditionals(compiled.as_text()),
+      "arg_leaves": len(jax.tree.leaves((params, state, grads))),
+  }
+  carry = [jax.tree.map(jnp.copy, params), state]
+  return Timer(prog, compiled, carry, grads, info)
 
 
-def _floor_update(acc: Tree, g: Tree, p: Tree) -> tuple[Tree, Tree]:
-  del p
-  return jax.tree.map(jnp.add, acc, g), _zeros(g)
-
-
-def _floor_train(p: Tree, acc: Tree, g: Tree) -> tuple[Tree, Tree]:
-  return p, jax.tree.map(jnp.add, acc, g)
-
-
-def _compiled_timer(row: str, level: str, fn: Callable, state: Any, params: Tree,
-                    grads: Tree) -> Timer:
-  """Compiles ``fn`` with the level's donation and returns a timer for it."""
-  if level == "update":
-    comp = jax.jit(fn, donate_argnums=(0,)).lower(state, grads, params).compile()
-    carry = [state]
-
-    def call() -> None:
-      out = comp(carry[0], grads, params)
-      jax.block_until_ready(out)  # all outputs: sgd's state is empty
-      carry[0] = out[0]
-  else:
-    comp = jax.jit(fn, donate_argnums=(0, 1)).lower(params, state, grads).compile()
-    carry = [jax.tree.map(jnp.copy, params), state]
-
-    def call() -> None:
-      carry[0], carry[1] = jax.block_until_ready(comp(carry[0], carry[1], grads))
-  return Timer(row, level, call, comp.memory_analysis().temp_size_in_bytes)
-
-
-def build_timers(n_params: int, opt_name: str) -> list[Timer]:
-  """Every (row, level) program of the table for one size and optimizer."""
-  params = make_tree(n_params)
-  grads = make_tree(n_params, fill=1e-3)
-  make_opt = OPTIMIZERS[opt_name]
-  timers: list[Timer] = []
-
-  def add(row: str, level: str, fn: Callable, init: Callable[[Tree], Any]) -> None:
-    timers.append(_compiled_timer(row, level, fn, init(params), params, grads))
-
-  add("floor", "update", _floor_update, _zeros)
-  add("floor", "train", _floor_train, _zeros)
-  plain = make_opt()
-  add("plain", "update", _update_level(plain), plain.init)
-  add("plain", "train", _train_level(plain), plain.init)
-  for row, k in (("accumulate_mid", K_MID), ("accumulate_emit", 1)):
-    tx = oa.accumulate(k, make_opt())
-    add(row, "update", _update_level(tx), tx.init)
-    add(row, "train", _train_level(tx), tx.init)
-  for row, k in (("update_and_apply_mid", K_MID), ("update_and_apply_emit", 1)):
-    tx = oa.accumulate(k, make_opt())
-    add(row, "train", lambda p, s, g, tx=tx: oa.update_and_apply(tx, g, s, p), tx.init)
-  for row, tx in (
-      ("oa_multisteps_mid", oa.MultiSteps(make_opt(), every_k_schedule=K_MID)),
-      ("optax_multisteps_mid", optax.MultiSteps(make_opt(), every_k_schedule=K_MID)),
-      ("apply_every", optax.chain(make_opt(), optax.apply_every(K_MID))),
-  ):
-    add(row, "update", _update_level(tx), tx.init)
-    add(row, "train", _train_level(tx), tx.init)
-
-  acc = [_zeros(params)]
-
-  def python_loop_mid() -> None:  # what tutorials do between jitted optimizer steps
-    acc[0] = jax.tree.map(jnp.add, acc[0], grads)
-    jax.block_until_ready(acc[0])
-
-  timers.append(Timer("python_loop_mid", "update", python_loop_mid, None))
-  return timers
-
-
-def copy_timer(n_bytes: int = 64 * 2**20) -> tuple[Timer, int]:
-  """A jitted copy of an ``n_bytes`` f32 array; returns it and bytes moved.
+@dataclasses.dataclass
+class CopyTimer:
+  """A jitted copy of ``n_bytes`` into a donated buffer; one sample per round.
 
   The destination is donated (and kept: ``keep_unused``, else jit prunes the
   unused argument and its donation), so the copy writes into a buffer that
-  already exists, as the accumulation steps do. A fresh 64 MiB output would be
-  ``mmap``-ed and page-faulted on every call: that measures the allocator
-  (~2.5 GB/s here), not the memory system.
+  already exists, as the train steps do. A fresh output would be ``mmap``-ed
+  and page-faulted on every call on a CPU: that measures the allocator.
   """
-  src = jnp.arange(n_bytes // 4, dtype=jnp.float32)
-  fn = jax.jit(lambda dst, src: src * 1.0, donate_argnums=(0,), keep_unused=True)
-  comp = fn.lower(src, src).compile()
-  dst = [jnp.zeros_like(src)]
 
-  def call() -> None:
-    dst[0] = comp(dst[0], src)
-    jax.block_until_ready(dst[0])
+  n_bytes: int
+  reps: int = 1
+  samples: list[float] = dataclasses.field(default_factory=list)
 
-  return Timer("copy", "copy", call, None), 2 * n_bytes
+  def __post_init__(self) -> None:
+    self.src = jnp.arange(self.n_bytes // 4, dtype=jnp.float32)
+    fn = jax.jit(lambda dst, src: src * 1.0, donate_argnums=(0,), keep_unused=True)
+    self.compiled = fn.lower(self.src, self.src).compile()
+    self.dst = jnp.zeros_like(self.src)
+
+  def call(self) -> float:
+    t0 = time.perf_counter()
+    self.dst = jax.block_until_ready(self.compiled(self.dst, self.src))
+    return time.perf_counter() - t0
+
+  def run_round(self, windows: int = 0) -> None:
+    del windows
+    self.samples.append(statistics.fmean(self.call() for _ in range(self.reps)))
+
+  @property
+  def bytes_moved(self) -> int:
+    return 2 * self.n_bytes  # read + write
 
 
-def run_rounds(timers: list[Timer], rounds: int, reps: int, seed: int = 0) -> None:
-  """Interleaved rounds: each timer once per round, in a fresh random order.
+def run_rounds(timers: Sequence[Timer], copy: CopyTimer, rounds: int, windows: int,
+               seed: int = 0) -> list[float]:
+  """Interleaved rounds; returns the copy's time of each round.
 
-  A fixed cyclic order (even rotated) always puts the same program after the
-  64 MiB copy, which evicts the caches: a systematic bias. Shuffling spreads
-  it over all variants.
+  Warm-up: one window per program (compiles are done; this allocates the
+  donated carries and touches every page) and two copies. Then each round runs
+  every program and the copy once, in a fresh seeded random order.
   """
   rng = random.Random(seed)
-  for t in timers:  # warm-up (also allocates the donated carries)
-    t.call()
+  for t in timers:
+    for _ in range(t.program.k or 1):
+      t.call()
+  copy.call()
+  copy.call()
+  start = len(copy.samples)
   for _ in range(rounds):
-    order = list(timers)
+    order: list[Any] = [*timers, copy]
     rng.shuffle(order)
     for t in order:
-      t0 = time.perf_counter()
-      for _ in range(reps):
-        t.call()
-      t.samples.append((time.perf_counter() - t0) / reps)
+      t.run_round(windows)
+  return copy.samples[start:]
 
 
-def _median(samples: list[float]) -> float:
-  return statistics.median(samples) if samples else float("nan")
+# ------------------------------------------------------------------ summary
+def _median(xs: Sequence[float]) -> float:
+  return statistics.median(xs) if xs else float("nan")
 
 
-def paired_ratio(num: list[float], den: list[float]) -> float:
-  """Median over rounds of ``num[r] / den[r]``.
-
-  Both were sampled in the same round, seconds apart, so a burst of load from
-  other processes hits both: the per-round ratio is far steadier than the ratio
-  of the two medians on a shared machine.
-  """
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+  """Median over rounds of ``num[r] / den[r]`` (same round, seconds apart)."""
   return _median([a / b for a, b in zip(num, den, strict=True)])
 
 
-def summarize(timers: list[Timer], n_params: int, opt_name: str) -> list[dict[str, Any]]:
-  """One record per (row, level): median time, paired ratios, spread, temps."""
+def _quartiles(xs: Sequence[float]) -> tuple[float, float]:
+  if len(xs) < 2:
+    return (xs[0], xs[0]) if xs else (float("nan"), float("nan"))
+  q = statistics.quantiles(xs, n=4)
+  return q[0], q[2]
+
+
+def row_samples(timers: dict[str, Timer], copy_samples: Sequence[float], copy_bytes: int,
+                row: str, n_params: int, opt_name: str) -> list[float]:
+  """Per-round times of a row: measured, or bytes / same-round bandwidth."""
+  spec = ROW_SPECS[row]
+  if spec.program is None:
+    floor_bytes = floor_passes(spec.floor, opt_name) * 4 * n_params
+    return [floor_bytes * c / copy_bytes for c in copy_samples]
+  return timers[spec.program].samples[spec.phase]
+
+
+def summarize(timers: Sequence[Timer], copy_samples: Sequence[float], copy_bytes: int,
+              n_params: int, opt_name: str,
+              rows: Sequence[str] | None = None) -> list[dict[str, Any]]:
+  """One record per row: times, paired ratios, floors, program facts."""
   pbytes = 4 * n_params
-  by_key = {(t.row, t.level): t for t in timers}
+  by_prog = {t.program.key: t for t in timers}
+  rows = [r for r, _ in ROWS if ROW_SPECS[r].program in (None, *by_prog)] if rows is None else rows
+  samples = {r: row_samples(by_prog, copy_samples, copy_bytes, r, n_params, opt_name)
+             for r in rows}
+  ms_ref = {"mid": "optax_multisteps_mid", "emit": "optax_multisteps_emit",
+            "step": "optax_multisteps_emit"}
   out = []
-  for t in timers:
-    time_s = _median(t.samples)
-    q = statistics.quantiles(t.samples, n=4) if len(t.samples) > 1 else [time_s] * 3
+  for row in rows:
+    spec = ROW_SPECS[row]
+    s = samples[row]
+    floor_name = {"mid": "floor_mid", "protocol": "floor_protocol",
+                  "plain": "floor_plain"}[spec.floor]
+    floor_s = row_samples(by_prog, copy_samples, copy_bytes, floor_name, n_params, opt_name)
+    mid_floor_s = row_samples(by_prog, copy_samples, copy_bytes, "floor_mid", n_params, opt_name)
+    q1, q3 = _quartiles(s)
     rec: dict[str, Any] = {
-        "size": n_params, "param_bytes": pbytes, "optimizer": opt_name,
-        "row": t.row, "level": t.level, "time_s": time_s,
-        "time_min_s": min(t.samples), "time_q1_s": q[0], "time_q3_s": q[2],
-        "ratio_floor": paired_ratio(t.samples, by_key[("floor", t.level)].samples),
-        "ratio_plain": paired_ratio(t.samples, by_key[("plain", t.level)].samples),
-        "temps_bytes": t.temps,
-        "temps_ratio": None if t.temps is None else t.temps / pbytes,
-        "rounds": len(t.samples),
+        "size": n_params, "param_bytes": pbytes, "optimizer": opt_name, "row": row,
+        "label": LABELS[row], "program": spec.program, "phase": spec.phase,
+        "floor": spec.floor, "floor_passes": floor_passes(spec.floor, opt_name),
+        "floor_bytes": floor_passes(spec.floor, opt_name) * pbytes,
+        "time_s": _median(s), "time_q1_s": q1, "time_q3_s": q3, "time_min_s": min(s),
+        "ratio_floor": paired_ratio(s, floor_s),
+        "ratio_floor_mid": paired_ratio(s, mid_floor_s),
+        "ratio_plain": paired_ratio(s, samples["plain"]) if "plain" in samples else None,
+        "ratio_optax_multisteps": (paired_ratio(s, samples[ms_ref[spec.phase]])
+                                   if ms_ref[spec.phase] in samples else None),
+        "rounds": len(s),
     }
-    if t.row in ("floor", "accumulate_mid") and t.level == "update":
-      rec["bytes_moved"] = 4 * pbytes
-      rec["achieved_GBps"] = 4 * pbytes / time_s / 1e9
+    if spec.program is not None:
+      t = by_prog[spec.program]
+      rec.update(t.info)
+      rec["temps_ratio"] = t.info["temps_bytes"] / pbytes
+      rec["alias_ratio"] = t.info["alias_bytes"] / pbytes
+      rec["enqueue_s"] = _median(t.enqueue[spec.phase])
+    else:
+      rec.update({"temps_bytes": None, "temps_ratio": None, "alias_bytes": None,
+                  "alias_ratio": None, "conditionals": None, "arg_leaves": None,
+                  "enqueue_s": None})
     out.append(rec)
   return out
 
 
-def evaluate_bars(records: list[dict[str, Any]], size: int) -> list[dict[str, Any]]:
-  """The project's bars at ``size`` params with adam."""
-  def rec(row: str, level: str) -> dict[str, Any] | None:
-    for r in records:
-      if (r["size"], r["optimizer"], r["row"], r["level"]) == (size, "adam", row, level):
-        return r
-    return None
+def host_overhead(opt_name: str, rounds: int, windows: int, seed: int = 1,
+                  keys: Sequence[str] | None = None) -> list[dict[str, Any]]:
+  """Per-call time of each program on a tiny model, where dispatch dominates."""
+  params = make_tree(TINY_PARAMS)
+  grads = make_tree(TINY_PARAMS, fill=1e-3)
+  timers = [compile_program(p, params, grads) for p in make_programs(opt_name, keys=keys)]
+  rng = random.Random(seed)
+  for t in timers:
+    for _ in range(t.program.k or 1):
+      t.call()
+  for _ in range(rounds):
+    order = list(timers)
+    rng.shuffle(order)
+    for t in order:
+      t.run_round(windows)
+  out = []
+  for t in timers:
+    rec: dict[str, Any] = {"optimizer": opt_name, "program": t.program.key,
+                           "params": TINY_PARAMS, "arg_leaves": t.info["arg_leaves"]}
+    for phase in t.samples:
+      rec[f"{phase}_call_s"] = _median(t.samples[phase])
+      rec[f"{phase}_enqueue_s"] = _median(t.enqueue[phase])
+    out.append(rec)
+  return out
 
+
+# ---------------------------------------------------------------------- bars
+BARS: list[tuple[str, str, str, float]] = [
+    # (name, row, measure, limit)
+    ("protocol mid-step (oa.accumulate + apply_updates) / 3P floor",
+     "accumulate_mid", "ratio_floor_mid", 2.6),
+    ("protocol emit (oa.accumulate + apply_updates) / plain adam",
+     "accumulate_emit", "ratio_plain", 1.5),
+    ("update_and_apply mid-step / 3P floor", "update_and_apply_mid", "ratio_floor_mid", 1.15),
+    ("update_and_apply emit / plain adam", "update_and_apply_emit", "ratio_plain", 1.15),
+    ("temporaries / params, standard path (oa.accumulate + apply_updates)",
+     "accumulate_mid", "temps_ratio", 1.0),
+    ("temporaries / params, update_and_apply (~0)", "update_and_apply_mid", "temps_ratio", 0.05),
+]
+
+
+def evaluate_bars(records: Sequence[dict[str, Any]], size: int,
+                  opt_name: str = "adam") -> list[dict[str, Any]]:
+  """The project's bars from the measured records at ``size``, ``opt_name``."""
+  by_row = {r["row"]: r for r in records if (r["size"], r["optimizer"]) == (size, opt_name)}
   bars = []
-
-  def bar(name: str, value: float | None, limit: float, aim: float | None = None) -> None:
-    # Temporaries also hold a few scalars (counters, the cond's predicate):
-    # a ratio within 1e-3 of the limit counts as at the limit.
-    ok = value is not None and value <= limit + (1e-3 if "temps" in name else 0.0)
-    bars.append({"bar": name, "value": value, "limit": limit, "aim": aim, "met": ok})
-
-  mid, floor = rec("accumulate_mid", "update"), rec("floor", "update")
-  ms = rec("optax_multisteps_mid", "update")
-  if mid and floor and ms:
-    bar("accumulate mid-step time / floor", mid["ratio_floor"], 1.5, 1.2)
-    bar("accumulate mid-step time / optax.MultiSteps mid",
-        mid["ratio_floor"] / ms["ratio_floor"], 0.3)
-  uaa = rec("update_and_apply_mid", "train")
-  if uaa:
-    bar("update_and_apply mid time / train-level floor", uaa["ratio_floor"], 1.5, 1.2)
-  emit = rec("accumulate_emit", "update")
-  if emit:
-    bar("accumulate emit (k=1) time / plain adam", emit["ratio_plain"], 1.3)
-  uemit = rec("update_and_apply_emit", "train")
-  if uemit:
-    bar("update_and_apply emit (k=1) time / plain adam train step", uemit["ratio_plain"], 1.3)
-  for row, level in (("accumulate_mid", "update"), ("accumulate_emit", "update"),
-                     ("update_and_apply_mid", "train"), ("update_and_apply_emit", "train"),
-                     ("accumulate_mid", "train"), ("accumulate_emit", "train")):
-    r = rec(row, level)
-    if r:
-      bar(f"temps / param bytes: {row} ({level} level)", r["temps_ratio"], 1.0, 0.0)
+  for name, row, measure, limit in BARS:
+    rec = by_row.get(row)
+    value = None if rec is None else rec.get(measure)
+    # Temporaries also hold a few scalars (counters, the predicate): a ratio
+    # within 1e-3 of the limit counts as at the limit.
+    slack = 1e-3 if measure == "temps_ratio" else 0.0
+    bars.append({"bar": name, "row": row, "measure": measure, "value": value,
+                 "limit": limit, "size": size, "optimizer": opt_name,
+                 "passed": value is not None and value <= limit + slack})
   return bars
 
 
-# ----------------------------------------------------------------- reports
-def _fmt_ratio(x: float | None, digits: int = 2) -> str:
-  return "-" if x is None else f"{x:.{digits}f}x"
+# ------------------------------------------------------------------- reports
+def _x(v: float | None, digits: int = 2) -> str:
+  return "-" if v is None else f"{v:.{digits}f}x"
 
 
-def _size_label(n: int) -> str:
-  return f"{n / 2**20:g}M" if n >= 2**20 else f"{n / 2**10:g}K"
+def size_label(n: int) -> str:
+  if n >= 2**20:
+    return f"{n / 2**20:g}M"
+  return f"{n / 2**10:g}K" if n >= 2**10 else str(n)
+
+
+def rows_table(records: Sequence[dict[str, Any]]) -> list[str]:
+  """Markdown table of the records of one size and optimizer."""
+  lines = [
+      "| variant | floor | ms | x its floor | x 3P floor | x plain | x optax.MultiSteps |"
+      " temps / params | conditionals |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in records:
+    conds = "-" if r["conditionals"] is None else str(r["conditionals"])
+    lines.append(
+        f"| {r['label']} | {r['floor_passes']}P | {r['time_s'] * 1e3:.3f} |"
+        f" {_x(r['ratio_floor'])} | {_x(r['ratio_floor_mid'])} | {_x(r['ratio_plain'])} |"
+        f" {_x(r['ratio_optax_multisteps'])} | {_x(r['temps_ratio'])} | {conds} |")
+  return lines
+
+
+def bars_table(bars: Sequence[dict[str, Any]]) -> list[str]:
+  lines = ["| bar | measured | limit | result |", "|---|---:|---:|:---:|"]
+  for b in bars:
+    lines.append(f"| {b['bar']} | {_x(b['value'], 3)} | {b['limit']}x |"
+                 f" {'PASS' if b['passed'] else '**FAIL**'} |")
+  return lines
+
+
+def host_table(host: Sequence[dict[str, Any]], enqueue: dict[str, float] | None,
+               enqueue_size: int | None) -> list[str]:
+  head = "| program | argument leaves | tiny: mid / step us | tiny: emit us | tiny: enqueue us |"
+  sep = "|---|---:|---:|---:|---:|"
+  if enqueue:
+    head += f" enqueue us at {size_label(enqueue_size or 0)} (mid) |"
+    sep += "---:|"
+  lines = [head, sep]
+  labels = dict(PROGRAMS)
+  for h in host:
+    mid = h.get("mid_call_s", h.get("step_call_s"))
+    emit = h.get("emit_call_s")
+    enq = h.get("mid_enqueue_s", h.get("step_enqueue_s"))
+    line = (f"| {labels[h['program']]} | {h['arg_leaves']} | {mid * 1e6:.1f} |"
+            f" {'-' if emit is None else f'{emit * 1e6:.1f}'} | {enq * 1e6:.1f} |")
+    if enqueue:
+      e = enqueue.get(h["program"])
+      line += f" {'-' if e is None else f'{e * 1e6:.1f}'} |"
+    lines.append(line)
+  return lines
 
 
 def markdown(result: dict[str, Any]) -> str:
-  """The results as markdown: bandwidth line, one table per size/optimizer, bars."""
-  bw = result["bandwidth"]
-  command = " ".join(["python benchmarks/bench_accumulate.py", *result["meta"]["argv"]])
+  """The results as markdown: setup, bandwidth, one table per size/optimizer, bars."""
+  meta, bw = result["meta"], result["bandwidth"]
+  command = " ".join(["python benchmarks/bench_accumulate.py", *meta["argv"]])
   lines = [
-      "# Accumulation micro-step benchmark",
+      "# Accumulation train-step benchmark",
       "",
-      f"Generated by `{command}`"
-      f" on {result['meta']['machine']} ({result['meta']['cpus']} CPUs, load average"
-      f" {result['meta']['loadavg']}), jax {result['meta']['jax']}, optax"
-      f" {result['meta']['optax']}. Medians over {result['meta']['rounds']} interleaved rounds;"
-      " ratios are medians over rounds of (time / time of the floor or plain step of the"
-      " same level in the same round).",
+      f"Generated by `{command}` on {meta['machine']} ({meta['cpus']} CPUs, backend"
+      f" {meta['backend']}, load average {meta['loadavg']}), jax {meta['jax']}, optax"
+      f" {meta['optax']}, {meta['date']}. Train step `step(params, state, grads) ->"
+      f" (params, state)`, params and state donated, window k = {meta['k']}; mid and emit"
+      " rows are the phases of the same compiled program. Times: medians over"
+      f" {meta['rounds']} interleaved rounds (fresh random order per round); ratios: medians"
+      " over rounds of the per-round ratio.",
       "",
-      f"* Copy bandwidth (jitted copy of 64 MiB, read + write): **{bw['copy_GBps']:.1f} GB/s**.",
-      "* Bytes a mid-step must move: read g + read acc + write acc + write zero updates ="
-      " **4x parameter bytes**"
-      + "".join(f"; {_size_label(s)}: {4 * 4 * s / 2**20:.0f} MiB" for s in result["meta"]["sizes"])
-      + ".",
+      f"* Copy bandwidth (jitted copy of {bw['copy_bytes'] // 2 // 2**20} MiB into a donated"
+      f" buffer, read + write, median over all rounds): **{bw['copy_GBps']:.1f} GB/s**.",
+      "* Floors = bytes / that bandwidth, per round. P = parameter bytes. Train-step mid 3P"
+      " (read g, acc; write acc); optax-protocol mid 7P (+ write zero updates; apply_updates"
+      " reads params, updates, writes params); plain step: adam 7P (read g, mu, nu, params;"
+      " write mu, nu, params), sgd 3P. Emitting rows use the plain step's floor.",
+      "* `chain(oa.accumulate(k), opt)` steps the optimizer on the zero updates of every"
+      " mid-step: it is not large-batch training for a stateful optimizer.",
       "",
   ]
-  for b in result["achieved"]:
-    lines.append(
-        f"* {_size_label(b['size'])} {b['optimizer']}: floor moves them at"
-        f" {b['floor_GBps']:.1f} GB/s, `oa.accumulate` mid-step at {b['accumulate_GBps']:.1f}"
-        f" GB/s ({b['accumulate_GBps'] / bw['copy_GBps']:.2f}x the copy bandwidth).")
-  lines.append("")
-  by_key = {(r["size"], r["optimizer"], r["row"], r["level"]): r for r in result["records"]}
-  for size in result["meta"]["sizes"]:
-    for opt in result["meta"]["optimizers"]:
-      lines += [
-          f"## {_size_label(size)} params ({4 * size / 2**20:.0f} MiB), {opt}",
-          "",
-          "| variant | update: ms | x floor | x plain | temps / params |"
-          " train step: ms | x floor | x plain | temps / params |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-      ]
-      for row, label in ROWS:
-        cells = [label]
-        for level in ("update", "train"):
-          r = by_key.get((size, opt, row, level))
-          if r is None:
-            cells += ["-"] * 4
-          else:
-            cells += [f"{r['time_s'] * 1e3:.2f}", _fmt_ratio(r["ratio_floor"]),
-                      _fmt_ratio(r["ratio_plain"]), _fmt_ratio(r["temps_ratio"])]
-        lines.append("| " + " | ".join(cells) + " |")
-      lines.append("")
-  lines += [f"## Bars ({_size_label(result['bar_size'])} params, adam)", "",
-            "| bar | measured | limit | aim | met |", "|---|---:|---:|---:|:---:|"]
-  for b in result["bars"]:
-    lines.append(f"| {b['bar']} | {_fmt_ratio(b['value'], 3)} | {b['limit']}x |"
-                 f" {'' if b['aim'] is None else str(b['aim']) + 'x'} |"
-                 f" {'yes' if b['met'] else '**no**'} |")
-  lines.append("")
+  for size in meta["sizes"]:
+    for opt in meta["optimizers"]:
+      recs = [r for r in result["records"] if (r["size"], r["optimizer"]) == (size, opt)]
+      lines += [f"## {size_label(size)} params ({4 * size / 2**20:g} MiB), {opt}", "",
+                *rows_table(recs), ""]
+  lines += ["## Per-call host overhead", "",
+            f"Tiny model ({TINY_PARAMS} f32 params in {LEAVES} leaves): the time of one"
+            " blocked call, where dispatch dominates, and the enqueue time (until the call"
+            " returns). Argument leaves: params + state + grads.", ""]
+  for opt in meta["optimizers"]:
+    host = [h for h in result["host_overhead"] if h["optimizer"] == opt]
+    enq = result["enqueue"].get(opt)
+    lines += [f"### {opt}", "", *host_table(host, enq, result["enqueue_size"]), ""]
+  bsize = result["bar_size"]
+  note = "" if bsize == parse_size("4M") else " (not 4M: the bars are set at 4M)"
+  lines += [f"## Bars ({size_label(bsize)} params, adam{note})", "", *bars_table(result["bars"]),
+            ""]
   return "\n".join(lines)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-  """Bars of mid-step time / floor per variant and size; temps per variant."""
+  """Per optimizer: time / 3P floor per row and size (log); temporaries per program."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   import numpy as np
 
-  sizes = result["meta"]["sizes"]
-  opts = result["meta"]["optimizers"]
-  by_key = {(r["size"], r["optimizer"], r["row"], r["level"]): r for r in result["records"]}
-  mid_rows = [("accumulate_mid", "update", "oa.accumulate"),
-              ("oa_multisteps_mid", "update", "oa.MultiSteps"),
-              ("optax_multisteps_mid", "update", "optax.MultiSteps"),
-              ("apply_every", "update", "apply_every"),
-              ("python_loop_mid", "update", "python loop"),
-              ("update_and_apply_mid", "train", "update_and_apply\n(train level)")]
-  temp_rows = [(row, label) for row, label in ROWS if row != "python_loop_mid"]
-  fig, axes = plt.subplots(len(opts), 2, figsize=(15, 4.2 * len(opts)), squeeze=False)
+  sizes, opts = result["meta"]["sizes"], result["meta"]["optimizers"]
+  by_key = {(r["size"], r["optimizer"], r["row"]): r for r in result["records"]}
+  rows = [r for r, _ in ROWS]
+  fig, axes = plt.subplots(len(opts), 2, figsize=(16, 4.6 * len(opts)), squeeze=False,
+                           gridspec_kw={"width_ratios": [3, 1.2]})
   for i, opt in enumerate(opts):
     ax = axes[i][0]
-    x = np.arange(len(mid_rows))
+    x = np.arange(len(rows))
     width = 0.8 / len(sizes)
     for j, size in enumerate(sizes):
-      vals = [by_key.get((size, opt, row, level), {}).get("ratio_floor", np.nan)
-              for row, level, _ in mid_rows]
-      ax.bar(x + (j - (len(sizes) - 1) / 2) * width, vals, width, label=_size_label(size))
+      vals = [by_key.get((size, opt, r), {}).get("ratio_floor_mid", np.nan) for r in rows]
+      ax.bar(x + (j - (len(sizes) - 1) / 2) * width, vals, width, label=size_label(size))
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.axhline(1.5, color="r", lw=0.8, ls="--", label="bar 1.5x")
-    ax.set_xticks(x, [label for *_, label in mid_rows], fontsize=8)
+    ax.set_xticks(x, [LABELS[r].replace(" (", "\n(") for r in rows], fontsize=7, rotation=35,
+                  ha="right")
     ax.set_yscale("log")
-    ax.set_ylabel("mid-step time / floor")
-    ax.set_title(f"{opt}: mid-step time relative to acc += g (log scale)")
+    ax.set_ylabel("time / 3P floor (bytes / copy bandwidth)")
+    ax.set_title(f"{opt}: train step, window k={result['meta']['k']} (log scale)")
     ax.legend(fontsize=8)
     ax = axes[i][1]
-    x = np.arange(len(temp_rows))
     size = sizes[-1]
-    for j, level in enumerate(("update", "train")):
-      vals = []
-      for row, _ in temp_rows:
-        r = by_key.get((size, opt, row, level))
-        vals.append(np.nan if r is None or r["temps_ratio"] is None else r["temps_ratio"])
-      ax.bar(x + (j - 0.5) * 0.4, vals, 0.4, label=f"{level} level")
-    ax.axhline(1.0, color="r", lw=0.8, ls="--", label="bar 1.0x")
-    ax.set_xticks(x, [label.replace(" (", "\n(") for _, label in temp_rows], fontsize=7,
-                  rotation=30, ha="right")
-    ax.set_ylabel("compiled temporaries / param bytes")
-    ax.set_title(f"{opt}: temporaries ({_size_label(size)} params)")
-    ax.legend(fontsize=8)
+    progs = [k for k, _ in PROGRAMS]
+    vals = []
+    for p in progs:
+      rec = next((r for r in result["records"] if (r["size"], r["optimizer"], r["program"])
+                  == (size, opt, p)), None)
+      vals.append(np.nan if rec is None else rec["temps_ratio"])
+    ax.barh(np.arange(len(progs)), vals, color="tab:purple")
+    ax.axvline(1.0, color="r", lw=0.8, ls="--")
+    ax.set_yticks(np.arange(len(progs)), progs, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("compiled temporaries / param bytes")
+    ax.set_title(f"{opt}: temporaries ({size_label(size)})")
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=100)
   plt.close(fig)
+
+
+# ---------------------------------------------------------------------- main
+def measure_size(size: int, opt_name: str, copy: CopyTimer, rounds: int, windows: int,
+                 keys: Sequence[str] | None = None) -> tuple[list[dict[str, Any]], float]:
+  """Compiles and times every program at one size; returns records, compile s."""
+  params = make_tree(size)
+  grads = make_tree(size, fill=1e-3)
+  t0 = time.perf_counter()
+  timers = [compile_program(p, params, grads) for p in make_programs(opt_name, keys=keys)]
+  compile_s = time.perf_counter() - t0
+  copy_samples = run_rounds(timers, copy, rounds, windows)
+  recs = summarize(timers, copy_samples, copy.bytes_moved, size, opt_name)
+  del timers
+  return recs, compile_s
+
+
+def windows_for(size: int) -> int:
+  """Whole windows per round: >= ~8M params touched per program per round."""
+  return max(1, (8 * 2**20) // (size * K_WINDOW))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -443,15 +633,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   ap.add_argument("--rounds", type=int, default=None,
                   help="interleaved rounds per size/optimizer (default 15; --quick 3)")
   ap.add_argument("--quick", action="store_true",
-                  help="256K params, 3 rounds: a smoke run of every variant (< 1 min)")
+                  help="256K params, 3 rounds: a smoke run of every row (about a minute)")
   ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
   args = ap.parse_args(argv)
-  if args.quick:
-    sizes = [parse_size("256K")]
-    rounds = args.rounds or 3
-  else:
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    rounds = args.rounds or 15
+  sizes = [parse_size("256K")] if args.quick else [parse_size(s) for s in args.sizes.split(",")]
+  rounds = args.rounds or (3 if args.quick else 15)
   opts = args.optimizers.split(",")
   for opt in opts:
     if opt not in OPTIMIZERS:
@@ -459,47 +645,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   bar_size = parse_size("4M") if parse_size("4M") in sizes else sizes[len(sizes) // 2]
 
   t_start = time.perf_counter()
-  copy, copy_bytes = copy_timer()
+  copy = CopyTimer(64 * 2**20)
   records: list[dict[str, Any]] = []
-  achieved = []
   for size in sizes:
-    # Samples of several ms (>= 32 MiB of parameters touched) so timer and
-    # dispatch noise stay small.
-    reps = max(1, (8 * 2**20) // size)
     for opt in opts:
       t0 = time.perf_counter()
-      timers = build_timers(size, opt)
-      t1 = time.perf_counter()
-      run_rounds([*timers, copy], rounds, reps)
-      recs = summarize(timers, size, opt)
+      recs, compile_s = measure_size(size, opt, copy, rounds, windows_for(size))
       records += recs
-      get = {(r["row"], r["level"]): r for r in recs}
-      achieved.append({"size": size, "optimizer": opt,
-                       "floor_GBps": get[("floor", "update")]["achieved_GBps"],
-                       "accumulate_GBps": get[("accumulate_mid", "update")]["achieved_GBps"]})
-      print(f"{_size_label(size):>5s} {opt:4s}: compile {t1 - t0:5.1f} s, time"
-            f" {time.perf_counter() - t1:5.1f} s; accumulate mid"
-            f" {get[('accumulate_mid', 'update')]['ratio_floor']:.2f}x floor, optax.MultiSteps"
-            f" {get[('optax_multisteps_mid', 'update')]['ratio_floor']:.2f}x", flush=True)
-      del timers
+      get = {r["row"]: r for r in recs}
+      print(f"{size_label(size):>5s} {opt:4s}: compile {compile_s:5.1f} s, total"
+            f" {time.perf_counter() - t0:5.1f} s; x 3P floor: accumulate mid"
+            f" {get['accumulate_mid']['ratio_floor_mid']:.2f}x, update_and_apply mid"
+            f" {get['update_and_apply_mid']['ratio_floor_mid']:.2f}x, optax.MultiSteps mid"
+            f" {get['optax_multisteps_mid']['ratio_floor_mid']:.2f}x", flush=True)
+  t0 = time.perf_counter()
+  host = [h for opt in opts for h in host_overhead(opt, rounds, windows=16)]
+  enqueue_size = min(sizes)
+  enqueue = {opt: {r["program"]: r["enqueue_s"] for r in records
+                   if (r["size"], r["optimizer"]) == (enqueue_size, opt)
+                   and r["program"] is not None and r["phase"] in ("mid", "step")}
+             for opt in opts}
+  print(f"host overhead: {time.perf_counter() - t0:.1f} s", flush=True)
   copy_s = _median(copy.samples)
   result: dict[str, Any] = {
       "meta": {
-          "argv": list(argv if argv is not None else os.sys.argv[1:]),
+          "argv": list(argv if argv is not None else sys.argv[1:]),
           "sizes": sizes, "optimizers": opts, "rounds": rounds, "leaves": LEAVES,
-          "k_mid": K_MID, "jax": jax.__version__, "optax": optax.__version__,
+          "k": K_WINDOW, "jax": jax.__version__, "optax": optax.__version__,
+          "backend": jax.default_backend(),
           "machine": f"{platform.machine()} {platform.processor() or platform.system()}",
           "cpus": os.cpu_count(), "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "wall_s": None,
       },
-      "bandwidth": {"copy_bytes": copy_bytes, "copy_time_s": copy_s,
-                    "copy_GBps": copy_bytes / copy_s / 1e9,
-                    "mid_step_bytes_per_param_byte": 4},
-      "achieved": achieved,
+      "bandwidth": {"copy_bytes": copy.bytes_moved, "copy_time_s": copy_s,
+                    "copy_GBps": copy.bytes_moved / copy_s / 1e9,
+                    "floor_passes": {"mid": MID_PASSES, "protocol": PROTOCOL_PASSES,
+                                     **{f"plain_{k}": v for k, v in PLAIN_PASSES.items()}}},
       "records": records,
+      "host_overhead": host,
+      "enqueue_size": enqueue_size,
+      "enqueue": enqueue,
       "bar_size": bar_size,
-      "bars": evaluate_bars(records, bar_size),
+      "bars": evaluate_bars(records, bar_size) if "adam" in opts else [],
   }
   result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
   args.out.mkdir(parents=True, exist_ok=True)
@@ -508,9 +696,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   plot(result, args.out / "accumulate.png")
   print(f"copy bandwidth {result['bandwidth']['copy_GBps']:.1f} GB/s; wrote {args.out}/"
         f"accumulate.{{json,md,png}} in {result['meta']['wall_s']} s")
-  for b in result["bars"]:
-    print(f"  {'met ' if b['met'] else 'MISS'} {b['bar']}: {_fmt_ratio(b['value'], 3)}"
-          f" (limit {b['limit']}x)")
+  print(f"\nBars ({size_label(bar_size)} params, adam):")
+  print("\n".join(bars_table(result["bars"])))
   return result
 
 
