@@ -8,8 +8,9 @@ cross-entropy) at a fixed global batch. For each configuration it reports
   ``jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes``
   (deterministic for a given XLA build);
 * ``step_ratio``: step time relative to the full-batch step, measured in the
-  same process with interleaved rounds (every configuration once per round),
-  median over rounds;
+  same process with interleaved rounds (every configuration once per round,
+  in an order that rotates by one each round, so the full batch does not
+  always run first), median over rounds of the per-round ratio;
 * the largest global batch whose temporaries fit a fixed budget (the
   full-batch temporaries at the default global batch), for each trick.
 
@@ -18,6 +19,7 @@ Run (default under ~3 minutes on 2 CPU cores)::
   python benchmarks/bench_microbatched.py
   python benchmarks/bench_microbatched.py --d-model 512 --layers 6 --seq 256 \\
       --batch 256 --rounds 10          # bigger
+  python benchmarks/bench_microbatched.py --quick --out /tmp/mb   # smoke, seconds
 
 Writes ``benchmarks/results/microbatched.{json,md,png}`` (``--out``).
 """
@@ -213,6 +215,11 @@ def largest_batch(cfg: dict, args: argparse.Namespace, params: Params, budget: i
 
 
 # ----------------------------------------------------------------------- run
+def rotated_order(n: int, r: int) -> list[int]:
+  """Round ``r``'s order of ``n`` configs: ``r mod n, r mod n + 1, ...`` cyclically."""
+  return [(r + i) % n for i in range(n)]
+
+
 def main(argv: list[str] | None = None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--d-model", type=int, default=128)
@@ -230,8 +237,15 @@ def main(argv: list[str] | None = None) -> dict:
   ap.add_argument("--iters", type=int, default=3, help="steps per config per round")
   ap.add_argument("--fit-limit", type=int, default=4096, help="largest batch tried")
   ap.add_argument("--skip-fit", action="store_true", help="skip the largest-batch search")
+  ap.add_argument("--quick", action="store_true",
+                  help="tiny model (d_model 32, 1 block, seq 16, batch 16, k 2 4), 2 rounds,"
+                       " no largest-batch search: a smoke run")
   ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
   args = ap.parse_args(argv)
+  if args.quick:
+    args.d_model, args.heads, args.layers, args.seq, args.vocab = 32, 2, 1, 16, 64
+    args.batch, args.ks, args.trick_k, args.rounds, args.iters = 16, [2, 4], 2, 2, 1
+    args.skip_fit = True
   t_start = time.perf_counter()
 
   unrolled_params = init_params(jax.random.key(0), vocab=args.vocab, d_model=args.d_model,
@@ -269,9 +283,14 @@ def main(argv: list[str] | None = None) -> dict:
   phases["compile_and_first_run_s"] = time.perf_counter() - t_phase
   t_phase = time.perf_counter()
   # Interleaved timing: one round times every config; ratios use the same round.
+  # The order rotates (round r starts at config r mod n), so no config always
+  # runs first (after the previous round's last) or right after the same one.
   times: list[list[float]] = [[] for _ in configs]
-  for _ in range(args.rounds):
-    for i, fn in enumerate(fns):
+  for fn in fns:  # a second warm-up call (the first ran above), outside the rounds
+    jax.block_until_ready(fn(params, batch))
+  for r in range(args.rounds):
+    for i in rotated_order(len(fns), r):
+      fn = fns[i]
       t0 = time.perf_counter()
       for _ in range(args.iters):
         out = fn(params, batch)
