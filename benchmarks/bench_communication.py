@@ -2,7 +2,7 @@
 
 For k = 8 micro-batches on 8 data-parallel devices, each variant's train step
 is lowered and compiled (nothing is run), its all-reduces are listed with
-:func:`optax_accum.sharding.hlo_collectives`, and each is weighted by how many
+:func:`optax_accum.debug.hlo_collectives`, and each is weighted by how many
 times it runs per window:
 
 * on the step's straight-line path: once per call (k calls per window for
@@ -39,7 +39,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
-from optax_accum.sharding import hlo_collectives, per_device_state, shard_map_specs
+from optax_accum.debug import hlo_collectives
+from optax_accum.sharding import per_device_state, shard_map_specs
 
 K = 8
 N_DEV = 8

@@ -26,8 +26,8 @@ ratio to the floor ``acc += g`` measured in the same process.
 from __future__ import annotations
 
 import argparse
+import math
 import random
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+
+from optax_accum.debug import copies
 
 Tree = Any
 Update = Callable[[Tree, Any, Tree], tuple[Tree, Any]]
@@ -156,47 +158,22 @@ VARIANTS: dict[str, Callable[[int, optax.GradientTransformation], tuple[Callable
     "A": make_a, "B": make_b, "D": make_d, "E": make_e, "K": make_k,
 }
 
-_DEF_RE = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+?)\[([\d,]*)\]\S* (\w[\w-]*)\((.*?)\)")
-_COMP_RE = re.compile(r"^(ENTRY )?%(\S+) ")
-
 
 def copy_sites(hlo_text: str, min_elems: int) -> list[tuple[str, str]]:
   """``(computation, kind)`` of each ``copy`` of an array of >= ``min_elems``.
 
-  ``kind`` is ``"fill"`` for a copy of a broadcast of a constant (XLA CSEs
-  identical zero trees into one broadcast, then copies it into each distinct
-  output buffer: that is the zero-writing itself, present in the floor too)
-  and ``"data"`` for a copy of anything else (a parameter, the buffer, the
-  optimizer state): the copies a design must avoid. The computation is
-  ``"ENTRY"`` or the name of the ``lax.cond`` branch (``region_*``).
+  Read with :func:`optax_accum.debug.copies`. ``kind`` is ``"fill"`` for a
+  copy of a broadcast or of constants (XLA CSEs identical zero trees into one
+  broadcast, then copies it into each distinct output buffer: that is the
+  zero-writing itself, present in the floor too) and ``"data"`` for a copy of
+  anything else (a parameter, the buffer, the optimizer state): the copies a
+  design must avoid. The computation is ``"ENTRY"`` for a copy on the entry's
+  straight-line path, else the name of the ``lax.cond`` branch (``region_*``).
   """
-  defs: dict[str, tuple[str, str]] = {}
-  copies: list[tuple[str, str]] = []
-  comp = "?"
-  for line in hlo_text.splitlines():
-    c = _COMP_RE.match(line)
-    if c:
-      comp = "ENTRY" if c.group(1) else c.group(2)
-      continue
-    m = _DEF_RE.match(line)
-    if not m:
-      continue
-    name, _, dims, op, operands = m.groups()
-    defs[name] = (op, operands)
-    elems = 1
-    for d in filter(None, dims.split(",")):
-      elems *= int(d)
-    if op == "copy" and elems >= min_elems:
-      copies.append((comp, operands.strip().lstrip("%")))
-  sites = []
-  for comp, src in copies:
-    op, operands = defs.get(src, ("?", ""))
-    is_fill = op == "broadcast" or (
-        op == "fusion" and all(
-            defs.get(o.strip().lstrip("%"), ("?",))[0] == "constant"
-            for o in operands.split(",") if o.strip()))
-    sites.append((comp, "fill" if is_fill else "data"))
-  return sites
+  return [
+      ("ENTRY" if not c.context else c.computation, "fill" if c.fill else "data")
+      for c in copies(hlo_text) if math.prod(c.shape) >= min_elems
+  ]
 
 
 def count_copies(hlo_text: str, min_elems: int) -> dict[str, int]:

@@ -17,19 +17,18 @@ Two ways to run :func:`~optax_accum.accumulate` on many devices:
 
 from __future__ import annotations
 
-import re
-from typing import Any, NamedTuple
+import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
+from optax_accum import debug
 from optax_accum.accumulation import AccumulateState
 
 __all__ = [
-    "Collective",
-    "hlo_collectives",
     "per_device_state",
     "shard_map_specs",
     "state_shardings",
@@ -288,157 +287,12 @@ def shard_map_specs(
   return jax.tree.map(assign, abstract_state, is_leaf=is_node)
 
 
-# --- Reading the communication of a compiled step ------------------------------------------
-
-_DTYPE_BYTES = {
-    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}
-_COLLECTIVES = (
-    "all-reduce", "all-reduce-start", "reduce-scatter", "all-gather", "all-gather-start",
-    "all-to-all", "collective-permute", "collective-permute-start",
-)
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
-_CALLEES = re.compile(
-    r"\b(branch_computations|true_computation|false_computation|body|condition|to_apply|calls)"
-    r"=(\{[^}]*\}|%?[\w.\-]+)")
-
-
-class Collective(NamedTuple):
-  """One collective instruction of a compiled HLO module.
-
-  Attributes:
-    op: the HLO opcode, e.g. ``"all-reduce"``.
-    bytes: bytes of its result (for an all-reduce, the bytes reduced).
-    computation: the HLO computation that holds it.
-    context: how it is reached from the entry computation: a tuple of
-      ``("conditional", branch_index)`` (for a ``lax.cond``, branch 1 is the
-      true branch) and ``("while", "body")`` steps, outermost first. ``()``
-      means the entry's straight-line path: it runs on every call.
-  """
-
-  op: str
-  bytes: int
-  computation: str
-  context: tuple[tuple[str, Any], ...]
-
-
-def _type_bytes(type_str: str) -> int:
-  total = 0
-  for dtype, dims in _ARRAY_TYPE.findall(type_str):
-    if dtype not in _DTYPE_BYTES:
-      continue
-    size = 1
-    for d in filter(None, dims.split(",")):
-      size *= int(d)
-    total += size * _DTYPE_BYTES[dtype]
-  return total
-
-
-def _split_instruction(line: str) -> tuple[str, str] | None:
-  """``(result_type, opcode)`` of an HLO instruction line, or None."""
-  if "=" not in line:
-    return None
-  rhs = line.split("=", 1)[1].lstrip()
-  if rhs.startswith("("):  # a tuple type: find its closing parenthesis
-    depth = 0
-    for i, ch in enumerate(rhs):
-      depth += ch == "("
-      depth -= ch == ")"
-      if depth == 0:
-        type_str, rest = rhs[: i + 1], rhs[i + 1 :].lstrip()
-        break
-    else:
-      return None
-  else:
-    parts = rhs.split(None, 1)
-    if len(parts) != 2:
-      return None
-    type_str, rest = parts
-  match = re.match(r"([\w\-]+)\(", rest)
-  return (type_str, match.group(1)) if match else None
-
-
-def hlo_collectives(compiled: Any) -> list[Collective]:
-  """Lists the collectives of a compiled step and where they run.
-
-  Use it to check what a step communicates: with ``accumulate(k, opt,
-  axis_name=...)`` the gradient all-reduce must sit in the ``lax.cond``'s
-  emitting branch (``context == (("conditional", 1),)``), so it runs once per
-  window; a per-micro-step all-reduce shows ``context == ()``.
-
-  Args:
-    compiled: ``jax.jit(f).lower(...).compile()`` (or its ``as_text()``).
-
-  Returns:
-    One :class:`Collective` per collective instruction reachable from the
-    entry computation (one per reachable path).
-
-  Example:
-    >>> import jax, jax.numpy as jnp, numpy as np
-    >>> from functools import partial
-    >>> from jax.sharding import Mesh, PartitionSpec as P
-    >>> from optax_accum.sharding import hlo_collectives
-    >>> mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
-    >>> @jax.jit
-    ... @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
-    ... def f(flag, x):
-    ...   return jax.lax.cond(flag, lambda v: jax.lax.psum(v, "data"),
-    ...                       lambda v: jax.lax.pmax(v, "data"), x.sum())
-    >>> [(c.op, c.bytes, c.context) for c in hlo_collectives(
-    ...     f.lower(True, jnp.ones(8)).compile())]  # doctest: +NORMALIZE_WHITESPACE
-    [('all-reduce', 4, (('conditional', 0),)), ('all-reduce', 4, (('conditional', 1),))]
-  """
-  text = compiled if isinstance(compiled, str) else compiled.as_text()
-  bodies: dict[str, list[str]] = {}
-  entry = None
-  current = None
-  for line in text.splitlines():
-    header = _HEADER.match(line)
-    if header:
-      current = header.group(2)
-      bodies[current] = []
-      if header.group(1):
-        entry = current
-      continue
-    if current is not None:
-      if line.startswith("}"):
-        current = None
-      else:
-        bodies[current].append(line)
-  if entry is None:
-    raise ValueError("No ENTRY computation found; pass a compiled HLO module or its text.")
-
-  found: list[Collective] = []
-
-  def walk(name: str, context: tuple[tuple[str, Any], ...], depth: int) -> None:
-    if depth > 64:
-      raise ValueError("HLO call graph too deep (recursive?).")
-    for line in bodies.get(name, ()):
-      split = _split_instruction(line)
-      if split is None:
-        continue
-      type_str, opcode = split
-      if opcode in _COLLECTIVES:
-        found.append(Collective(opcode, _type_bytes(type_str), name, context))
-      for kind, callee in _CALLEES.findall(line):
-        names = [c.strip().lstrip("%") for c in callee.strip("{}").split(",") if c.strip()]
-        if kind == "branch_computations":
-          for i, c in enumerate(names):
-            walk(c, (*context, ("conditional", i)), depth + 1)
-        elif kind in ("true_computation", "false_computation"):
-          branch = 1 if kind == "true_computation" else 0
-          walk(names[0], (*context, ("conditional", branch)), depth + 1)
-        elif kind == "body":
-          walk(names[0], (*context, ("while", "body")), depth + 1)
-        elif kind == "condition":
-          walk(names[0], (*context, ("while", "condition")), depth + 1)
-        elif kind == "calls":
-          for c in names:
-            walk(c, context, depth + 1)
-        # to_apply: reduction bodies and the like hold no collectives.
-
-  walk(entry, (), 0)
-  return found
+def __getattr__(name: str) -> Any:
+  # Deprecated aliases, kept for one release: HLO inspection moved to optax_accum.debug.
+  if name in ("Collective", "hlo_collectives"):
+    warnings.warn(
+        f"`optax_accum.sharding.{name}` moved to `optax_accum.debug.{name}`; the alias"
+        " will be removed in the next release. Import it from `optax_accum.debug`.",
+        DeprecationWarning, stacklevel=2)
+    return getattr(debug, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

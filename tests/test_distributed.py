@@ -23,8 +23,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
+from optax_accum.debug import hlo_collectives
 from optax_accum.sharding import (
-    hlo_collectives,
     per_device_state,
     shard_map_specs,
     state_shardings,
