@@ -10,6 +10,7 @@ must matter (bias correction, learning-rate decay).
 
 from __future__ import annotations
 
+import functools
 import os
 import runpy
 from collections.abc import Callable
@@ -271,6 +272,51 @@ def test_equinox_filtered_params_equal_large_batch():
     ref_model, ref_state = ref_step(ref_model, ref_state, *_window(x, y, w * K, (w + 1) * K))
     _assert_trees_close(eqx.filter(acc_model, eqx.is_array),
                         eqx.filter(ref_model, eqx.is_array))
+  assert int(state.gradient_step) == 2
+
+
+@pytest.mark.parametrize("reduction", ["mean", "weighted"])
+def test_equinox_update_and_apply_recipe_equals_large_batch(reduction: str):
+  """The README recipe: eqx.partition, jit with donation, oa.update_and_apply.
+
+  "weighted" feeds micro-batches of unequal sizes with weight = their size:
+  the window's step is then the plain optimizer's on the concatenated batch.
+  """
+  eqx = pytest.importorskip("equinox")
+  model = eqx.nn.MLP(IN_DIM, 1, width_size=8, depth=1, activation=jnp.tanh,
+                     key=jax.random.key(1))
+  params, static = eqx.partition(model, eqx.is_array)
+  sizes = [MICRO_BS] * K if reduction == "mean" else [1, 5, 2]
+  rng = np.random.default_rng(13)
+  xs = [rng.normal(size=(2, n, IN_DIM)).astype(np.float32) for n in sizes]  # 2 windows
+  ys = [rng.normal(size=(2, n, 1)).astype(np.float32) for n in sizes]
+
+  def loss_fn(params, x, y):
+    return jnp.mean((jax.vmap(eqx.combine(params, static))(x) - y) ** 2)
+
+  tx = oa.accumulate(K, _momentum(), reduction=reduction)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, x, y, **kwargs):
+    grads = jax.grad(loss_fn)(params, x, y)
+    return oa.update_and_apply(tx, grads, opt_state, params, **kwargs)
+
+  ref_tx = _momentum()
+  ref_params = jax.tree.map(jnp.copy, params)  # `step` donates `params`
+  ref_state = ref_tx.init(ref_params)
+  state = tx.init(params)
+  for w in range(2):
+    before = jax.tree.map(np.array, params)
+    for i, n in enumerate(sizes):
+      kwargs = {"weight": jnp.float32(n)} if reduction == "weighted" else {}
+      params, state = step(params, state, jnp.asarray(xs[i][w]), jnp.asarray(ys[i][w]), **kwargs)
+      if i < K - 1:
+        _assert_trees_equal(params, before)
+    x = jnp.asarray(np.concatenate([xs[i][w] for i in range(K)]))
+    y = jnp.asarray(np.concatenate([ys[i][w] for i in range(K)]))
+    updates, ref_state = ref_tx.update(jax.grad(loss_fn)(ref_params, x, y), ref_state, ref_params)
+    ref_params = optax.apply_updates(ref_params, updates)
+    _assert_trees_close(params, ref_params)
   assert int(state.gradient_step) == 2
 
 
