@@ -2,25 +2,29 @@
 
 Run: ``python examples/flax_linen.py`` (a few seconds on a CPU).
 
-Pass ``oa.accumulate(k, tx)`` as the ``TrainState``'s ``tx``; call
-``apply_gradients`` once per micro-batch. After ``k`` calls the state equals
-the ``TrainState`` that took one step on the concatenated batch (checked
-below). ``TrainState.step`` counts micro-batches; the optimizer steps are
-``state.opt_state.gradient_step``. ``apply_gradients`` does not forward extra
-arguments to ``tx``, so for ``weight=`` or ``emit_now=`` call ``tx.update``
-yourself.
+Use ``optax_accum.flax.TrainState`` (a drop-in subclass of Flax's) with
+``tx=oa.accumulate(k, tx)`` and call ``apply_gradients`` once per
+micro-batch. Its ``apply_gradients`` calls ``oa.update_and_apply``: on a
+mid-step the params pass through untouched (jit with the state donated), and
+after ``k`` calls the state equals the ``TrainState`` that took one step on
+the concatenated batch (checked below). ``step`` counts micro-batches; the
+optimizer steps are ``state.opt_state.gradient_step``. ``apply_gradients``
+also takes ``weight=`` (with ``reduction="weighted"``) and ``emit_now=``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax.training.train_state import TrainState
+from flax.training import train_state
 
 import optax_accum as oa
+from optax_accum.flax import TrainState
 
 K = 4
 
@@ -38,14 +42,16 @@ def main() -> None:
   def loss_fn(params, x, y):
     return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=0)
   def train_step(state: TrainState, x: jax.Array, y: jax.Array) -> TrainState:
     grads = jax.grad(loss_fn)(state.params, x, y)
     return state.apply_gradients(grads=grads)
 
   tx = optax.sgd(0.05, momentum=0.9)
   state = TrainState.create(apply_fn=model.apply, params=params, tx=oa.accumulate(K, tx))
-  big = TrainState.create(apply_fn=model.apply, params=params, tx=tx)  # the reference
+  # The reference, on its own copy of the params (train_step donates its input).
+  big = train_state.TrainState.create(
+      apply_fn=model.apply, params=jax.tree.map(jnp.copy, params), tx=tx)
 
   rng = np.random.default_rng(0)
   x = rng.normal(size=(3 * K, 8, 3)).astype(np.float32)

@@ -1,12 +1,15 @@
-"""Gradient accumulation with a Flax NNX ``nnx.Optimizer``.
+"""Gradient accumulation with a Flax NNX optimizer.
 
 Run: ``python examples/flax_nnx.py`` (a few seconds on a CPU).
 
-``oa.accumulate(k, tx)`` goes where ``tx`` would: the parameters move once per
-``k`` calls to ``optimizer.update``, and the inner optimizer (its step count,
-Adam moments, learning-rate schedule) steps once per window. Note that
-``nnx.Optimizer.step`` counts ``update`` calls, i.e. micro-batches; the
-optimizer steps are ``optimizer.opt_state.gradient_step``.
+``optax_accum.flax.Optimizer`` is a drop-in subclass of ``nnx.Optimizer``
+whose ``update`` calls ``oa.update_and_apply``: with ``oa.accumulate(k, tx)``
+the parameters move once per ``k`` calls (on the other calls they pass
+through untouched), and the inner optimizer (its step count, Adam moments,
+learning-rate schedule) steps once per window. ``optimizer.step`` counts
+``update`` calls, i.e. micro-batches; the optimizer steps are
+``optimizer.opt_state.gradient_step``. ``update`` forwards ``weight=`` and
+``emit_now=`` and returns ``None`` (the updates tree is never built).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import optax
 from flax import nnx
 
 import optax_accum as oa
+from optax_accum.flax import Optimizer
 
 K = 4  # micro-batches per optimizer step
 
@@ -36,7 +40,7 @@ def loss_fn(model: MLP, x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 @nnx.jit
-def train_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
+def train_step(model: MLP, optimizer: Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
   loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
   optimizer.update(model, grads)  # a no-op on the params except every K-th call
   return loss
@@ -45,7 +49,7 @@ def train_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array)
 def main() -> None:
   schedule = optax.cosine_decay_schedule(1e-2, decay_steps=10)  # counts optimizer steps
   model = MLP(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, oa.accumulate(K, optax.adam(schedule)), wrt=nnx.Param)
+  optimizer = Optimizer(model, oa.accumulate(K, optax.adam(schedule)), wrt=nnx.Param)
 
   rng = np.random.default_rng(0)
   x = rng.normal(size=(8 * K, 8, 3)).astype(np.float32)  # 8 windows of K micro-batches of 8
