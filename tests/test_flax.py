@@ -322,6 +322,37 @@ def test_linen_mid_step_has_no_parameter_sized_temporaries(opt_name: str):
   assert not np.array_equal(state.params["Dense_0"]["kernel"], before["Dense_0"]["kernel"])
 
 
+class _MemNnx(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs) -> None:
+    self.l1 = nnx.Linear(256, 512, rngs=rngs)
+    self.l2 = nnx.Linear(512, 256, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.l2(jnp.tanh(self.l1(x)))
+
+
+def test_nnx_update_has_no_parameter_sized_temporaries():
+  """``update`` in a jitted functional step (split/merge) with the state donated."""
+  def temps(cls: type) -> float:
+    model = _MemNnx(nnx.Rngs(0))
+    optimizer = cls(model, oa.accumulate(4, _momentum()), wrt=nnx.Param)
+    params = nnx.state(model, nnx.Param)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state: Any, grads: Any) -> Any:
+      model, optimizer = nnx.merge(graphdef, state)
+      optimizer.update(model, grads)
+      return nnx.state((model, optimizer))
+
+    compiled = jax.jit(step, donate_argnums=0).lower(state, grads).compile()
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    return compiled.memory_analysis().temp_size_in_bytes / param_bytes
+
+  assert temps(Optimizer) <= 0.05
+  assert temps(nnx.Optimizer) >= 0.9
+
+
 def test_linen_apply_gradients_replaces_kwargs_and_overwrite_with_gradient():
   """Mirrors the base class: extra fields are replaced, fp8 OWG entries copied."""
   owg = "_overwrite_with_gradient"
