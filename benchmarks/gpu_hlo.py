@@ -188,7 +188,9 @@ _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\w+\[([\d,]*)\]\S*\s+([\w
 def _own_copies(text: str, leaf_elems: int) -> list[dict[str, Any]]:
   """Copies of exactly one leaf's elements outside fusion bodies (fallback counter)."""
   fused = set(_FUSION_CALLS.findall(text))
-  comp, defs, found = "?", {}, []
+  comp: str = "?"
+  defs: dict[str, tuple[str, list[str]]] = {}
+  found: list[dict[str, Any]] = []
   for line in text.splitlines():
     h = _HEADER.match(line)
     if h:
@@ -198,13 +200,19 @@ def _own_copies(text: str, leaf_elems: int) -> list[dict[str, Any]]:
     if not m:
       continue
     name, dims, op, operands = m.groups()
-    defs[name] = op
+    names = [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
+    defs[name] = (op, names)
     elems = 1
     for d in filter(None, dims.split(",")):
       elems *= int(d)
     if op == "copy" and elems == leaf_elems and comp not in fused:
-      src = defs.get(operands.split(",")[0].strip().lstrip("%"), "?")
-      found.append({"computation": comp, "fill": src in ("broadcast", "constant")})
+      src_op, src_operands = defs.get(names[0] if names else "", ("?", []))
+      # A fill: a broadcast or constant, or a fusion of constants only (XLA:CPU
+      # wraps the zero broadcast in a fusion).
+      fill = src_op in ("broadcast", "constant") or (
+          src_op == "fusion" and all(defs.get(o, ("?",))[0] == "constant"
+                                     for o in src_operands))
+      found.append({"computation": comp, "fill": fill})
   return found
 
 
