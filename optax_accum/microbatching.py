@@ -2,11 +2,12 @@
 
 ``microbatched(fn, k)`` wraps a value-and-grad function ``fn(params, batch,
 *rest) -> (value, grads)``, splits ``batch`` into ``k`` equal micro-batches and
-loops over them with ``lax.scan``. Gradients (and the loss) are summed into a
-zero-initialised float32 accumulator whose shapes come from ``jax.eval_shape``
-(no micro-batch is peeled out of the loop), then reduced once: the peak of
-activation memory is that of one micro-batch, and the result is the
-full-batch call's, up to float rounding.
+loops over them with ``lax.scan``. Gradients (and the loss) are summed into
+zero-initialised accumulators whose shapes come from ``jax.eval_shape`` (no
+micro-batch is peeled out of the loop) and whose dtypes never narrow the values
+(bfloat16 sums in float32; float64 and complex values keep their dtype), then
+reduced once: the peak of activation memory is that of one micro-batch, and the
+result is the full-batch call's, up to float rounding.
 
 Where to put the other two memory tricks:
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -213,122 +214,101 @@ def _is_float(dtype: Any) -> bool:
   return jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating)
 
 
-def _acc_dtype(dtype: Any, acc_dtype: Any) -> Any:
-  """Floats accumulate in ``acc_dtype`` (or their own), others in their own."""
-  if _is_float(dtype) and acc_dtype is not None:
-    return acc_dtype
+def _acc_dtype(dtype: Any, requested: jnp.dtype | None) -> Any:
+  """The dtype that sums values of ``dtype``: the shared rule for floats and complex.
+
+  ``requested=None`` never narrows (bf16/f16 -> f32, f64 -> f64, complex stays
+  complex); an explicit dtype is used as given. Other dtypes (integer aux
+  sums) keep their own, which is exact.
+  """
+  if _is_float(dtype):
+    return _validation.accumulator_dtype(dtype, requested)
   return dtype
 
 
-class _Leafwise:
-  """A built-in aux rule applied to every leaf of a subtree."""
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """The validated options of one :func:`microbatched` wrapper."""
 
-  def __init__(self, name: str, k: int, acc_dtype: Any, split: str, axis_name: Any):
-    self.name, self.k, self.acc_dtype = name, k, acc_dtype
-    self.split, self.axis_name = split, axis_name
-
-  @property
-  def uses_scan_output(self) -> bool:
-    return self.name in ("concat", "stack")
-
-  def init(self, shapes: Any) -> Any:
-    def one(s):
-      if self.name in ("mean", "sum"):
-        dt = _acc_dtype(s.dtype, self.acc_dtype)
-        if self.name == "mean" and not _is_float(dt):
-          dt = jnp.float32
-        return jnp.zeros(s.shape, dt)
-      if self.name in ("max", "min"):
-        if _is_float(s.dtype):
-          v = -jnp.inf if self.name == "max" else jnp.inf
-        elif jnp.issubdtype(s.dtype, jnp.bool_):
-          v = self.name == "min"
-        else:
-          info = jnp.iinfo(s.dtype)
-          v = info.min if self.name == "max" else info.max
-        return jnp.full(s.shape, v, s.dtype)
-      if self.name == "last":
-        return jnp.zeros(s.shape, s.dtype)
-      return ()  # concat / stack: collected as scan outputs
-    return jax.tree.map(one, shapes)
-
-  def update(self, carry: Any, value: Any) -> Any:
-    if self.uses_scan_output:
-      return carry
-    ops = {
-        "mean": lambda c, v: c + v.astype(c.dtype),
-        "sum": lambda c, v: c + v.astype(c.dtype),
-        "max": jnp.maximum,
-        "min": jnp.minimum,
-        "last": lambda c, v: v,
-    }
-    return jax.tree.map(ops[self.name], carry, value)
-
-  def finalize(self, carry: Any, stacked: Any, shapes: Any, prefix: str) -> Any:
-    if self.name == "stack":
-      return stacked
-    if self.name == "concat":
-      leaves = jax.tree_util.tree_flatten_with_path(stacked)
-      out = [_unstack_concat(x, self.split, prefix + jax.tree_util.keystr(p))
-             for p, x in leaves[0]]
-      return jax.tree.unflatten(leaves[1], out)
-
-    def one(c, s):
-      if self.name == "mean":
-        c = c / self.k
-        if self.axis_name is not None:
-          c = lax.pmean(c, self.axis_name)
-        return c.astype(s.dtype) if _is_float(s.dtype) else c
-      if self.axis_name is not None:
-        red = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}.get(self.name)
-        if red is not None:
-          c = red(c, self.axis_name)
-      return c.astype(s.dtype)
-    return jax.tree.map(one, carry, shapes)
+  k: int
+  batch_argnums: tuple[int, ...]
+  rng_argnums: tuple[int, ...]
+  has_aux: bool
+  normalize: str
+  aux_rules: Any
+  split: str
+  rng_mode: str
+  acc_dtype: jnp.dtype | None
+  axis_name: Any
+  unroll: int | bool
 
 
-class _Custom:
-  """Adapts an :class:`AuxRule` to the internal interface."""
+class _Inputs(NamedTuple):
+  """``fn``'s positional arguments, prepared for the loop."""
 
-  uses_scan_output = False
-
-  def __init__(self, rule: AuxRule):
-    self.rule = rule
-
-  def init(self, shapes: Any) -> Any:
-    return self.rule.init(shapes)
-
-  def update(self, carry: Any, value: Any, i: jax.Array) -> Any:
-    return self.rule.update(carry, value, i)
-
-  def finalize(self, carry: Any, stacked: Any, shapes: Any, prefix: str) -> Any:
-    del stacked, shapes, prefix
-    return self.rule.finalize(carry)
+  args: list[Any]  # as given; batch and key positions are replaced per micro-batch
+  splits: dict[int, Any]  # batch position -> its leaves reshaped by `_reshape`
+  keys: dict[int, Any]  # key position -> the key (fold_in) or k keys (split)
 
 
-def _resolve_aux_rules(
-    aux_rules: Any, aux_shapes: Any, k: int, acc_dtype: Any, split: str, axis_name: Any,
-) -> tuple[list[Any], list[Any], Any]:
-  """Matches the ``aux_rules`` prefix tree against the aux shape tree."""
-  rule_leaves, rule_def = jax.tree_util.tree_flatten(aux_rules, is_leaf=_is_rule)
-  for r in rule_leaves:
+class _Out(NamedTuple):
+  """One output of ``fn``, unpacked."""
+
+  num: Any  # the value (the numerator with normalize="weighted")
+  den: Any  # the scalar denominator with normalize="weighted", else None
+  aux: Any  # the aux with has_aux=True, else None
+  grads: Any
+
+
+class _Carry(NamedTuple):
+  """The loop carry: running sums and the aux rules' states."""
+
+  num: Any
+  den: Any
+  grads: Any
+  aux: list[Any]  # one state per aux rule
+
+
+class _AuxPlan(NamedTuple):
+  """``aux_rules`` matched against the aux of one micro-batch."""
+
+  rules: list[str | AuxRule]
+  shapes: list[Any]  # the aux subtree (of ShapeDtypeStructs) under each rule
+  where: list[str]  # each rule's position in the aux, for error messages
+  treedef: Any  # the structure of `aux_rules`
+
+
+# ---------------------------------------------------------------- options
+def _check_fn(fn: Any) -> None:
+  if not callable(fn):
+    raise TypeError(f"`fn` must be callable (e.g. jax.value_and_grad(loss)); got {fn!r}.")
+
+
+def _check_num_microbatches(num_microbatches: Any) -> int:
+  if isinstance(num_microbatches, (float, np.floating)):
+    raise TypeError(
+        "`num_microbatches` must be a positive int (it fixes the micro-batch"
+        f" shapes); got {num_microbatches!r} of type {type(num_microbatches).__name__}."
+        " Pass e.g. `num_microbatches=4`."
+    )
+  k = _validation.check_k(num_microbatches, "num_microbatches")
+  if callable(k):
+    raise TypeError(
+        "`num_microbatches` must be a positive int; schedules are not supported"
+        " inside one step (shapes must be static). Pass e.g. `num_microbatches=4`."
+    )
+  return k
+
+
+def _check_aux_rules(aux_rules: Any) -> Any:
+  for r in jax.tree.leaves(aux_rules, is_leaf=_is_rule):
     if not _is_rule(r) or (isinstance(r, str) and r not in AUX_RULES):
       raise ValueError(
           f"`aux_rules` holds {r!r}; each rule must be one of {AUX_RULES} or an"
           " `AuxRule(init, update, finalize)`. Pass one rule for the whole aux"
           " or a pytree of rules that is a prefix of the aux structure."
       )
-  try:
-    subtrees = rule_def.flatten_up_to(aux_shapes)
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-        "`aux_rules` must be one rule or a pytree of rules that is a prefix of"
-        f" the aux returned by `fn`; rules have structure {rule_def} but the aux"
-        f" is {jax.tree.structure(aux_shapes)}. ({e})"
-    ) from e
-  rules = [_Custom(r) if isinstance(r, AuxRule) else _Leafwise(r, k, acc_dtype, split, axis_name)
-           for r in rule_leaves]
-  return rules, subtrees, rule_def
+  return aux_rules
 
 
 def microbatched(
@@ -342,7 +322,7 @@ def microbatched(
     split: str = "strided",
     rng_argnums: int | Sequence[int] = (),
     rng_mode: str = "fold_in",
-    accumulator_dtype: Any = jnp.float32,
+    accumulator_dtype: Any = None,
     axis_name: Any = None,
     unroll: int | bool = 1,
 ) -> Callable[..., tuple[Any, Any]]:
@@ -353,10 +333,10 @@ def microbatched(
   outputs. Each batch argument (any pytree of arrays with a common leading
   batch dimension ``B``) is split into ``k`` micro-batches of ``B // k``
   examples; the other arguments are given unchanged to every micro-batch.
-  Values and gradients are summed into float32 accumulators initialised to
-  zero from ``jax.eval_shape`` and reduced once after the loop; the outputs
-  are cast back to the dtypes ``fn`` returns. Peak activation memory is that
-  of one micro-batch, plus one gradient-sized accumulator.
+  Values and gradients are summed into accumulators initialised to zero from
+  ``jax.eval_shape`` and reduced once after the loop; the outputs are cast
+  back to the dtypes ``fn`` returns. Peak activation memory is that of one
+  micro-batch, plus one gradient-sized accumulator.
 
   Three normalisations (``normalize``):
 
@@ -376,9 +356,11 @@ def microbatched(
     outputs have the shape of a mean-loss ``value_and_grad``: ``(loss,
     grads)`` or ``((loss, aux), grads)``.
 
-  ``num_microbatches=1`` calls ``fn`` once on the whole batch, unchanged
-  (keys included); only the ``"weighted"`` division and the ``axis_name``
-  reduction are applied.
+  ``num_microbatches=1`` follows the same rules as any other ``k``: the aux
+  rules apply (``"stack"`` gives a leading axis of 1), the key is derived as
+  for micro-batch 0, and the division and ``axis_name`` reduction run. It
+  calls ``fn`` once, without a loop, so a mean loss gives exactly ``fn``'s
+  outputs.
 
   Args:
     fn: a function ``(*args) -> (value, grads)`` or, with ``has_aux=True``,
@@ -400,12 +382,19 @@ def microbatched(
       ``"contiguous"``: rows ``i * B/k`` to ``(i + 1) * B/k - 1`` (under a
       sharded batch this moves data between devices).
     rng_argnums: position(s) of PRNG key arguments (e.g. dropout keys). Each
-      micro-batch gets its own key, never the same one twice.
+      micro-batch gets its own key, never the same one twice. The key passed
+      in is never given to ``fn`` itself, not even with ``k = 1``.
     rng_mode: ``"fold_in"`` (default): micro-batch ``i`` gets
       ``jax.random.fold_in(key, i)``; ``"split"``: it gets
-      ``jax.random.split(key, k)[i]``.
-    accumulator_dtype: dtype of the floating accumulators (default float32).
-      ``None`` accumulates in each output's own dtype.
+      ``jax.random.split(key, k)[i]``. With ``axis_name``, ``key`` is first
+      made per device: ``jax.random.fold_in(key, lax.axis_index(axis_name))``.
+    accumulator_dtype: dtype of the floating and complex accumulators (value,
+      gradients, the ``"weighted"`` denominator, aux ``"mean"``/``"sum"``).
+      ``None`` (default) never narrows: bfloat16 and float16 accumulate in
+      float32, float32 in float32, float64 in float64, complex64 and
+      complex128 in themselves. An explicit dtype is used as given, even if
+      narrower; a real one for complex values raises ``TypeError`` (it would
+      drop the imaginary part).
     axis_name: a ``shard_map``/``pmap`` axis name (or tuple of names) over
       which the batch is split across devices. Each device accumulates its
       local micro-batches, and the results are reduced **once, after the
@@ -426,6 +415,8 @@ def microbatched(
     ValueError: when called with a batch whose size ``num_microbatches`` does
       not divide, whose leaves disagree on the batch size, or with arguments
       that do not match ``batch_argnums``/``rng_argnums``.
+    TypeError: when called with complex values and a real
+      ``accumulator_dtype``.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -451,211 +442,355 @@ def microbatched(
     >>> (num, den), g = fn(w, batch)
     >>> bool(jnp.allclose(loss, num / den)), bool(jnp.allclose(grads, g / den))
     (True, True)
+
+    Complex parameters accumulate in complex64 (the imaginary part is kept):
+
+    >>> def loss_c(w, x):
+    ...   return jnp.sum(jnp.abs(x @ w) ** 2)
+    >>> wc = jnp.array([1.0 + 2.0j, -0.5j])
+    >>> xc = jnp.arange(8.0).reshape(4, 2) * (1 - 1j)
+    >>> _, gc = microbatched(jax.value_and_grad(loss_c), 2, normalize="sum")(wc, xc)
+    >>> gc.dtype, bool(jnp.allclose(gc, jax.grad(loss_c)(wc, xc)))
+    (dtype('complex64'), True)
   """
-  if not callable(fn):
-    raise TypeError(f"`fn` must be callable (e.g. jax.value_and_grad(loss)); got {fn!r}.")
-  k = _validation.check_k(num_microbatches, "num_microbatches")
-  if callable(k):
-    raise TypeError(
-        "`num_microbatches` must be a positive int; schedules are not supported"
-        " inside one step (shapes must be static). Pass e.g. `num_microbatches=4`."
-    )
+  _check_fn(fn)
   batch_nums = _as_argnums(batch_argnums, "batch_argnums")
   if not batch_nums:
     raise ValueError("`batch_argnums` is empty; name at least one batch argument of `fn`.")
-  rng_nums = _as_argnums(rng_argnums, "rng_argnums") if rng_argnums != () else ()
   if not isinstance(has_aux, bool):
     raise TypeError(f"`has_aux` must be a bool; got {has_aux!r}.")
-  _check_choice(
-      normalize, "normalize", NORMALIZATIONS,
-      "Use 'mean' for a mean loss, 'sum' for a summed loss, or 'weighted' when"
-      " `fn`'s value is (numerator, denominator).")
-  _check_choice(split, "split", SPLITS, "Use 'strided' (default) or 'contiguous'.")
-  _check_choice(rng_mode, "rng_mode", RNG_MODES, "Use 'fold_in' (default) or 'split'.")
-  acc_dtype = _validation.check_accumulator_dtype(accumulator_dtype)
-  # Fails early on malformed rule trees; matched against the aux at call time.
-  for r in jax.tree.leaves(aux_rules, is_leaf=_is_rule):
-    if not _is_rule(r) or (isinstance(r, str) and r not in AUX_RULES):
-      raise ValueError(
-          f"`aux_rules` holds {r!r}; each rule must be one of {AUX_RULES} or an"
-          " `AuxRule(init, update, finalize)`."
-      )
-  weighted = normalize == "weighted"
-
-  def unpack(out: Any) -> tuple[Any, Any, Any, Any]:
-    """``fn``'s output to ``(numerator, denominator, aux, grads)``."""
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-      raise TypeError(
-          "`fn` must return `(value, grads)` like `jax.value_and_grad`; got"
-          f" {jax.tree.structure(out)}."
-      )
-    value, grads = out
-    aux = None
-    if weighted:
-      if not (isinstance(value, (tuple, list)) and len(value) == 2):
-        raise TypeError(
-            "normalize='weighted' needs `fn`'s value to be (numerator,"
-            " denominator) — e.g. jax.value_and_grad(loss_fn, has_aux=True) with"
-            " loss_fn returning (sum of token losses, number of real tokens) —"
-            f" got a value with structure {jax.tree.structure(value)}."
-        )
-      num, den = value
-      if has_aux:
-        if not (isinstance(den, (tuple, list)) and len(den) == 2):
-          raise TypeError(
-              "normalize='weighted' with has_aux=True needs `fn`'s value to be"
-              " (numerator, (denominator, aux)); got a value with structure"
-              f" {jax.tree.structure(value)}."
-          )
-        den, aux = den
-      if jnp.ndim(den) != 0:
-        raise ValueError(
-            "normalize='weighted' needs a scalar denominator (e.g. the count of"
-            f" real tokens); got shape {jnp.shape(den)}. Sum it before returning."
-        )
-      return num, den, aux, grads
-    if has_aux:
-      if not (isinstance(value, (tuple, list)) and len(value) == 2):
-        raise TypeError(
-            "has_aux=True needs `fn` to return ((value, aux), grads), like"
-            " jax.value_and_grad(loss, has_aux=True); got a value with structure"
-            f" {jax.tree.structure(value)}."
-        )
-      value, aux = value
-    return value, None, aux, grads
-
-  def pack(value: Any, aux: Any, grads: Any) -> tuple[Any, Any]:
-    return ((value, aux) if has_aux else value), grads
-
-  def safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
-    den = den.astype(num.dtype)
-    return jnp.where(den == 0, jnp.zeros_like(num), num / jnp.where(den == 0, 1, den))
-
-  def reduce_all(num: Any, den: Any, grads: Any, count: int) -> tuple[Any, Any]:
-    """Cross-device reduction, once, then the normalisation."""
-    if normalize == "mean":
-      num, grads = jax.tree.map(lambda x: x / count, (num, grads))
-      if axis_name is not None:
-        num, grads = lax.pmean((num, grads), axis_name)
-      return num, grads
-    if axis_name is not None:
-      num, den, grads = lax.psum((num, den, grads), axis_name)
-    if normalize == "sum":
-      return num, grads
-    return jax.tree.map(lambda x: safe_div(x, den), (num, grads))
-
-  def make_varying(x: Any) -> Any:
-    """Marks a replicated input device-varying (a no-op outside shard_map)."""
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    def one(leaf):
-      if not isinstance(leaf, (jax.Array, np.ndarray)):
-        return leaf
-      have = _validation.varying_axes(leaf)
-      return _pcast_varying(leaf, tuple(n for n in names if n not in have))
-    return jax.tree.map(one, x)
+  config = _Config(
+      k=_check_num_microbatches(num_microbatches),
+      batch_argnums=batch_nums,
+      rng_argnums=_as_argnums(rng_argnums, "rng_argnums") if rng_argnums != () else (),
+      has_aux=has_aux,
+      normalize=_check_choice(
+          normalize, "normalize", NORMALIZATIONS,
+          "Use 'mean' for a mean loss, 'sum' for a summed loss, or 'weighted' when"
+          " `fn`'s value is (numerator, denominator)."),
+      aux_rules=_check_aux_rules(aux_rules),
+      split=_check_choice(split, "split", SPLITS, "Use 'strided' (default) or 'contiguous'."),
+      rng_mode=_check_choice(rng_mode, "rng_mode", RNG_MODES,
+                             "Use 'fold_in' (default) or 'split'."),
+      acc_dtype=_validation.check_accumulator_dtype(accumulator_dtype),
+      axis_name=axis_name,
+      unroll=unroll,
+  )
 
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    nargs = len(args)
-    b_nums = _resolve_argnums(batch_nums, nargs, "batch_argnums")
-    r_nums = _resolve_argnums(rng_nums, nargs, "rng_argnums")
-    if set(b_nums) & set(r_nums):
-      raise ValueError(
-          f"`batch_argnums` {b_nums} and `rng_argnums` {r_nums} overlap; an"
-          " argument is either split (batch) or a key (folded per micro-batch)."
-      )
-    _batch_size({i: args[i] for i in b_nums}, k)
-    args = list(args)
-    if axis_name is not None:
-      for i in range(nargs):
-        if i not in b_nums and i not in r_nums:
-          args[i] = make_varying(args[i])
-
-    if k == 1:
-      num, den, aux, grads = unpack(fn(*args, **kwargs))
-      if normalize == "mean" and axis_name is None:
-        return pack(num, aux, grads)
-      if has_aux:
-        rules, subtrees, rule_def = _resolve_aux_rules(
-            aux_rules, jax.eval_shape(lambda: aux), 1, acc_dtype, split, axis_name)
-        aux = _single_aux(rules, rule_def.flatten_up_to(aux), subtrees, rule_def)
-      num, grads = reduce_all(num, den, grads, 1)
-      return pack(num, aux, grads)
-
-    split_args = {i: jax.tree.map(lambda x: _reshape(x, k, split), args[i]) for i in b_nums}
-    keys = {}
-    for i in r_nums:
-      key = args[i]
-      if axis_name is not None:
-        # Devices must not share the keys of their micro-batch i.
-        key = jax.random.fold_in(key, lax.axis_index(axis_name))
-      keys[i] = jax.random.split(key, k) if rng_mode == "split" else key
-
-    def call(idx: jax.Array, static_args: list[Any], splits: dict[int, Any],
-             keys: dict[int, Any]) -> Any:
-      a = list(static_args)
-      for j, tree in splits.items():
-        a[j] = jax.tree.map(lambda x: _index(x, idx, split), tree)
-      for j, key in keys.items():
-        a[j] = key[idx] if rng_mode == "split" else jax.random.fold_in(key, idx)
-      return fn(*a, **kwargs)
-
-    out_shapes = jax.eval_shape(call, jnp.zeros([], jnp.int32), args, split_args, keys)
-    num_s, den_s, aux_s, grads_s = unpack(out_shapes)
-    if has_aux:
-      rules, subtrees, rule_def = _resolve_aux_rules(
-          aux_rules, aux_s, k, acc_dtype, split, axis_name)
-    else:
-      rules, subtrees, rule_def = [], [], None
-
-    def zeros(s):
-      return jnp.zeros(s.shape, _acc_dtype(s.dtype, acc_dtype))
-
-    init = (
-        jax.tree.map(zeros, (num_s, grads_s)),
-        None if den_s is None else jnp.zeros([], jnp.float32),
-        [r.init(s) for r, s in zip(rules, subtrees, strict=True)],
-    )
-
-    def body(carry: Any, idx: jax.Array) -> tuple[Any, Any]:
-      (acc_num, acc_grads), acc_den, aux_carry = carry
-      num, den, aux, grads = unpack(call(idx, args, split_args, keys))
-      acc_num, acc_grads = jax.tree.map(
-          lambda c, x: c + x.astype(c.dtype), (acc_num, acc_grads), (num, grads))
-      if acc_den is not None:
-        acc_den = acc_den + jnp.asarray(den).astype(jnp.float32)
-      ys = []
-      if rules:
-        aux_parts = rule_def.flatten_up_to(aux)
-        new_aux = []
-        for r, c, v in zip(rules, aux_carry, aux_parts, strict=True):
-          new_aux.append(r.update(c, v, idx) if isinstance(r, _Custom) else r.update(c, v))
-          ys.append(v if r.uses_scan_output else ())
-        aux_carry = new_aux
-      return ((acc_num, acc_grads), acc_den, aux_carry), ys
-
-    if _any_varying((args, split_args, keys)):
-      # Inside shard_map the carry must vary over the same mesh axes as what
-      # the body adds to it; match the zeros to one abstract step.
-      out_carry = jax.eval_shape(lambda c: body(c, jnp.zeros([], jnp.int32))[0], init)
-      init = jax.tree.map(_match_varying, init, out_carry)
-
-    with jax.named_scope("microbatched"):
-      carry, ys = lax.scan(body, init, jnp.arange(k, dtype=jnp.int32), unroll=unroll)
-    (acc_num, acc_grads), acc_den, aux_carry = carry
-    num, grads = reduce_all(acc_num, acc_den, acc_grads, k)
-    num = jax.tree.map(lambda x, s: x.astype(s.dtype), num, num_s)
-    grads = jax.tree.map(lambda x, s: x.astype(s.dtype), grads, grads_s)
-    aux = None
-    if rules:
-      parts = [r.finalize(c, y, s, "aux")
-               for r, c, y, s in zip(rules, aux_carry, ys, subtrees, strict=True)]
-      aux = jax.tree.unflatten(rule_def, parts)
-    return pack(num, aux, grads)
+    return _run(functools.partial(fn, **kwargs), config, _split_inputs(config, args))
 
   return wrapped
 
 
+# ------------------------------------------------- stage 1: split the batch
+def _split_inputs(config: _Config, args: tuple[Any, ...]) -> _Inputs:
+  """Checks the batch arguments and reshapes them for ``_index``; prepares the keys."""
+  nargs = len(args)
+  b_nums = _resolve_argnums(config.batch_argnums, nargs, "batch_argnums")
+  r_nums = _resolve_argnums(config.rng_argnums, nargs, "rng_argnums")
+  if set(b_nums) & set(r_nums):
+    raise ValueError(
+        f"`batch_argnums` {b_nums} and `rng_argnums` {r_nums} overlap; an"
+        " argument is either split (batch) or a key (folded per micro-batch)."
+    )
+  _batch_size({i: args[i] for i in b_nums}, config.k)
+  rest = list(args)
+  if config.axis_name is not None:
+    for i in range(nargs):
+      if i not in b_nums and i not in r_nums:
+        rest[i] = _make_varying(rest[i], config.axis_name)
+  splits = {i: jax.tree.map(lambda x: _reshape(x, config.k, config.split), args[i])
+            for i in b_nums}
+  keys = {i: _device_key(config, args[i]) for i in r_nums}
+  return _Inputs(rest, splits, keys)
+
+
+def _make_varying(tree: Any, axis_name: Any) -> Any:
+  """Marks a replicated input device-varying (a no-op outside shard_map)."""
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+  def one(leaf: Any) -> Any:
+    if not isinstance(leaf, (jax.Array, np.ndarray)):
+      return leaf
+    have = _validation.varying_axes(leaf)
+    return _pcast_varying(leaf, tuple(n for n in names if n not in have))
+  return jax.tree.map(one, tree)
+
+
+# --------------------------------- stage 2: one micro-batch with its own key
+def _device_key(config: _Config, key: jax.Array) -> jax.Array:
+  """A key argument made per device; with ``rng_mode="split"``, split ``k`` ways."""
+  if config.axis_name is not None:
+    # Devices must not share the keys of their micro-batch i.
+    key = jax.random.fold_in(key, lax.axis_index(config.axis_name))
+  return jax.random.split(key, config.k) if config.rng_mode == "split" else key
+
+
+def _microbatch_key(config: _Config, key: jax.Array, idx: jax.Array) -> jax.Array:
+  """Micro-batch ``idx``'s key; never the key given (not even for ``k = 1``)."""
+  return key[idx] if config.rng_mode == "split" else jax.random.fold_in(key, idx)
+
+
+def _call_microbatch(
+    call: Callable[..., Any], config: _Config, inputs: _Inputs, idx: jax.Array,
+) -> Any:
+  """``call`` (``fn`` with its keyword arguments) on micro-batch ``idx``."""
+  args = list(inputs.args)
+  for i, tree in inputs.splits.items():
+    args[i] = jax.tree.map(lambda x: _index(x, idx, config.split), tree)
+  for i, key in inputs.keys.items():
+    args[i] = _microbatch_key(config, key, idx)
+  return call(*args)
+
+
+def _unpack(config: _Config, out: Any) -> _Out:
+  """``fn``'s output to ``(numerator, denominator, aux, grads)``."""
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    raise TypeError(
+        "`fn` must return `(value, grads)` like `jax.value_and_grad`; got"
+        f" {jax.tree.structure(out)}."
+    )
+  value, grads = out
+  if config.normalize == "weighted":
+    return _Out(*_unpack_weighted(value, config.has_aux), grads)
+  if not config.has_aux:
+    return _Out(value, None, None, grads)
+  if not (isinstance(value, (tuple, list)) and len(value) == 2):
+    raise TypeError(
+        "has_aux=True needs `fn` to return ((value, aux), grads), like"
+        " jax.value_and_grad(loss, has_aux=True); got a value with structure"
+        f" {jax.tree.structure(value)}."
+    )
+  return _Out(value[0], None, value[1], grads)
+
+
+def _unpack_weighted(value: Any, has_aux: bool) -> tuple[Any, Any, Any]:
+  """``fn``'s value under ``normalize="weighted"`` to ``(numerator, denominator, aux)``."""
+  if not (isinstance(value, (tuple, list)) and len(value) == 2):
+    raise TypeError(
+        "normalize='weighted' needs `fn`'s value to be (numerator,"
+        " denominator) — e.g. jax.value_and_grad(loss_fn, has_aux=True) with"
+        " loss_fn returning (sum of token losses, number of real tokens) —"
+        f" got a value with structure {jax.tree.structure(value)}."
+    )
+  num, den = value
+  aux = None
+  if has_aux:
+    if not (isinstance(den, (tuple, list)) and len(den) == 2):
+      raise TypeError(
+          "normalize='weighted' with has_aux=True needs `fn`'s value to be"
+          " (numerator, (denominator, aux)); got a value with structure"
+          f" {jax.tree.structure(value)}."
+      )
+    den, aux = den
+  if jnp.ndim(den) != 0:
+    raise ValueError(
+        "normalize='weighted' needs a scalar denominator (e.g. the count of"
+        f" real tokens); got shape {jnp.shape(den)}. Sum it before returning."
+    )
+  return num, den, aux
+
+
+# ------------------------------------------------------ stage 3: the loop
+def _run(call: Callable[..., Any], config: _Config, inputs: _Inputs) -> tuple[Any, Any]:
+  """Loops over the micro-batches, then normalises and reduces once."""
+  step = functools.partial(_call_microbatch, call, config)
+  shapes = _unpack(config, jax.eval_shape(step, inputs, jnp.zeros([], jnp.int32)))
+  plan = _resolve_aux_rules(config, shapes.aux) if config.has_aux else None
+
+  def body(carry: _Carry, idx: jax.Array) -> tuple[_Carry, list[Any]]:
+    return _add(plan, carry, _unpack(config, step(inputs, idx)), idx)
+
+  init = _init_carry(config, plan, shapes)
+  carry, stacked = _loop(config, body, init, _any_varying(inputs))
+  num, grads = _normalize(config, carry)
+  num = jax.tree.map(lambda x, s: x.astype(s.dtype), num, shapes.num)
+  grads = jax.tree.map(lambda x, s: x.astype(s.dtype), grads, shapes.grads)
+  aux = None if plan is None else _aux_outputs(config, plan, carry.aux, stacked)
+  return ((num, aux) if config.has_aux else num), grads
+
+
+def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _Out) -> _Carry:
+  """Zero accumulators shaped like one micro-batch's output, in the accumulator dtypes."""
+  def zeros(s: jax.ShapeDtypeStruct) -> jax.Array:
+    return jnp.zeros(s.shape, _acc_dtype(s.dtype, config.acc_dtype))
+
+  num, grads = jax.tree.map(zeros, (shapes.num, shapes.grads))
+  den = None
+  if shapes.den is not None:
+    # An integer token count is summed as a float, like the value it divides.
+    den_dtype = shapes.den.dtype if _is_float(shapes.den.dtype) else jnp.float32
+    den = jnp.zeros([], _acc_dtype(den_dtype, config.acc_dtype))
+  aux = [] if plan is None else [
+      _aux_init(config, r, s) for r, s in zip(plan.rules, plan.shapes, strict=True)]
+  return _Carry(num, den, grads, aux)
+
+
+def _add(
+    plan: _AuxPlan | None, carry: _Carry, out: _Out, idx: jax.Array,
+) -> tuple[_Carry, list[Any]]:
+  """One loop step: ``out`` added to the carry; the outputs the loop stacks."""
+  num, grads = jax.tree.map(
+      lambda c, x: c + x.astype(c.dtype), (carry.num, carry.grads), (out.num, out.grads))
+  den = None
+  if carry.den is not None:
+    den = carry.den + jnp.asarray(out.den).astype(carry.den.dtype)
+  if plan is None:
+    return _Carry(num, den, grads, []), []
+  parts = plan.treedef.flatten_up_to(out.aux)
+  aux = [_aux_update(r, c, v, idx) for r, c, v in zip(plan.rules, carry.aux, parts, strict=True)]
+  ys = [v if _collects(r) else () for r, v in zip(plan.rules, parts, strict=True)]
+  return _Carry(num, den, grads, aux), ys
+
+
+def _loop(
+    config: _Config,
+    body: Callable[[_Carry, jax.Array], tuple[_Carry, list[Any]]],
+    init: _Carry,
+    varying: bool,
+) -> tuple[_Carry, list[Any]]:
+  """Runs ``body`` for micro-batches ``0 .. k - 1``; stacks its outputs on a new axis."""
+  with jax.named_scope("microbatched"):
+    if config.k == 1:
+      # One step needs no loop. A scan would compile `fn` as one program whose
+      # fusions round differently from calling it: k = 1 stays bitwise `fn`.
+      carry, ys = body(init, jnp.zeros([], jnp.int32))
+      return carry, jax.tree.map(lambda y: jnp.asarray(y)[None], ys)
+    if varying:
+      # Inside shard_map the carry must vary over the same mesh axes as what
+      # the body adds to it; match the zeros to one abstract step.
+      out_carry = jax.eval_shape(lambda c: body(c, jnp.zeros([], jnp.int32))[0], init)
+      init = jax.tree.map(_match_varying, init, out_carry)
+    return lax.scan(body, init, jnp.arange(config.k, dtype=jnp.int32), unroll=config.unroll)
+
+
+# ------------------------------------------- stages 4 and 5: normalise, reduce
+def _normalize(config: _Config, carry: _Carry) -> tuple[Any, Any]:
+  """The summed value and grads to the outputs (before the cast back)."""
+  num, grads = carry.num, carry.grads
+  if config.normalize == "mean":
+    num, grads = jax.tree.map(lambda x: x / config.k, (num, grads))
+    return _all_reduce(config, (num, grads), lax.pmean)
+  num, den, grads = _all_reduce(config, (num, carry.den, grads), lax.psum)
+  if config.normalize == "sum":
+    return num, grads
+  return jax.tree.map(lambda x: _safe_div(x, den), (num, grads))
+
+
+def _all_reduce(config: _Config, tree: Any, op: Callable[[Any, Any], Any]) -> Any:
+  """``op`` (``lax.psum``, ``pmean``, ...) over ``axis_name``; a no-op without it."""
+  return tree if config.axis_name is None else op(tree, config.axis_name)
+
+
+def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
+  den = den.astype(num.dtype)
+  return jnp.where(den == 0, jnp.zeros_like(num), num / jnp.where(den == 0, 1, den))
+
+
+# ----------------------------------------------------- stage 6: aux rules
+_COLLECTED = ("concat", "stack")  # rules whose values the loop stacks, not carries
+_CROSS_DEVICE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+_LEAF_UPDATES = {
+    "mean": lambda c, v: c + v.astype(c.dtype),
+    "sum": lambda c, v: c + v.astype(c.dtype),
+    "max": jnp.maximum,
+    "min": jnp.minimum,
+    "last": lambda c, v: v,
+}
+
+
+def _collects(rule: str | AuxRule) -> bool:
+  return isinstance(rule, str) and rule in _COLLECTED
+
+
+def _resolve_aux_rules(config: _Config, aux_shapes: Any) -> _AuxPlan:
+  """Matches the ``aux_rules`` prefix tree against the aux shape tree."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(config.aux_rules, is_leaf=_is_rule)
+  try:
+    subtrees = treedef.flatten_up_to(aux_shapes)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        "`aux_rules` must be one rule or a pytree of rules that is a prefix of"
+        f" the aux returned by `fn`; rules have structure {treedef} but the aux"
+        f" is {jax.tree.structure(aux_shapes)}. ({e})"
+    ) from e
+  return _AuxPlan(rules=[r for _, r in leaves], shapes=subtrees,
+                  where=["aux" + jax.tree_util.keystr(p) for p, _ in leaves],
+                  treedef=treedef)
+
+
+def _aux_init(config: _Config, rule: str | AuxRule, shapes: Any) -> Any:
+  """The state of one rule before the first micro-batch."""
+  if isinstance(rule, AuxRule):
+    return rule.init(shapes)
+  if _collects(rule):
+    return ()
+  return jax.tree.map(lambda s: _leaf_init(config, rule, s), shapes)
+
+
+def _leaf_init(config: _Config, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array:
+  if rule in ("mean", "sum"):
+    dtype = _acc_dtype(s.dtype, config.acc_dtype)
+    if rule == "mean" and not _is_float(dtype):
+      dtype = jnp.float32  # the mean of integers
+    return jnp.zeros(s.shape, dtype)
+  if rule == "last":
+    return jnp.zeros(s.shape, s.dtype)
+  if _is_float(s.dtype):
+    start = -jnp.inf if rule == "max" else jnp.inf
+  elif jnp.issubdtype(s.dtype, jnp.bool_):
+    start = rule == "min"
+  else:
+    info = jnp.iinfo(s.dtype)
+    start = info.min if rule == "max" else info.max
+  return jnp.full(s.shape, start, s.dtype)
+
+
+def _aux_update(rule: str | AuxRule, carry: Any, value: Any, idx: jax.Array) -> Any:
+  """One rule's state after micro-batch ``idx``, whose aux subtree is ``value``."""
+  if isinstance(rule, AuxRule):
+    return rule.update(carry, value, idx)
+  if _collects(rule):
+    return carry
+  return jax.tree.map(_LEAF_UPDATES[rule], carry, value)
+
+
+def _aux_outputs(config: _Config, plan: _AuxPlan, carries: list[Any], stacked: list[Any]) -> Any:
+  """The aux output: each rule's final state (or stacked values) in the aux structure."""
+  parts = [
+      _aux_finalize(config, r, c, y, s, w)
+      for r, c, y, s, w in zip(plan.rules, carries, stacked, plan.shapes, plan.where,
+                               strict=True)
+  ]
+  return jax.tree.unflatten(plan.treedef, parts)
+
+
+def _aux_finalize(
+    config: _Config, rule: str | AuxRule, carry: Any, stacked: Any, shapes: Any, where: str,
+) -> Any:
+  """One rule's output from its state, or from its values stacked ``[k, ...]``."""
+  if isinstance(rule, AuxRule):
+    return rule.finalize(carry)
+  if rule == "stack":
+    return stacked
+  if rule == "concat":
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(stacked)
+    return jax.tree.unflatten(treedef, [
+        _unstack_concat(x, config.split, where + jax.tree_util.keystr(p)) for p, x in leaves])
+
+  def one(c: jax.Array, s: jax.ShapeDtypeStruct) -> jax.Array:
+    if rule == "mean":
+      c = _all_reduce(config, c / config.k, lax.pmean)
+      return c.astype(s.dtype) if _is_float(s.dtype) else c
+    if rule in _CROSS_DEVICE:
+      c = _all_reduce(config, c, _CROSS_DEVICE[rule])
+    return c.astype(s.dtype)
+  return jax.tree.map(one, carry, shapes)
+
+
+# ------------------------------------------------------------- shard_map
 def _pcast_varying(x: jax.Array, names: tuple[Any, ...]) -> jax.Array:
   if not names:
     return x
@@ -672,17 +807,3 @@ def _any_varying(tree: Any) -> bool:
 def _match_varying(init: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
   missing = _validation.varying_axes(target) - _validation.varying_axes(init)
   return _pcast_varying(init, tuple(sorted(missing, key=str)))
-
-
-def _single_aux(rules: list[Any], parts: list[Any], shapes: list[Any], rule_def: Any) -> Any:
-  """Applies the aux rules to a single (k = 1) micro-batch."""
-  out = []
-  for r, v, s in zip(rules, parts, shapes, strict=True):
-    if isinstance(r, _Custom):
-      out.append(r.finalize(r.update(r.init(s), v, jnp.zeros([], jnp.int32)), None, s, ""))
-    elif r.name in ("stack", "concat"):
-      stacked = jax.tree.map(lambda x: jnp.asarray(x)[None], v)
-      out.append(r.finalize((), stacked, s, "aux"))
-    else:
-      out.append(r.finalize(r.update(r.init(s), v), None, s, "aux"))
-  return jax.tree.unflatten(rule_def, out)

@@ -4,6 +4,7 @@ hand with NumPy indexing — never against the code under test."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -29,8 +30,8 @@ def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
   assert a_def == e_def, (a_def, e_def)
   for a, e in zip(a_leaves, e_leaves, strict=True):
     assert jnp.shape(a) == jnp.shape(e)
-    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64),
-                               rtol=rtol, atol=atol)
+    wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(e) else np.float64
+    np.testing.assert_allclose(np.asarray(a, wide), np.asarray(e, wide), rtol=rtol, atol=atol)
 
 
 def maybe_jit(f, jit: bool):
@@ -352,14 +353,70 @@ def test_rng_differs_per_microbatch(params, batch, rng_mode):
   assert_trees_close(grads, jax.tree.map(lambda *g: sum(g) / k, *[o[1] for o in per_mb]))
 
 
-def test_rng_raw_uint32_key_and_k1_unchanged(params, batch):
+def test_rng_raw_uint32_key_and_k1_folds_in_like_microbatch_0(params, batch):
+  # k = 1 derives its key as micro-batch 0 of any k does: the key passed in
+  # is never given to `fn` (it used to be, unchanged, for k = 1 only).
   key = jax.random.PRNGKey(7)
   fn = jax.value_and_grad(lambda p, b, kk: (mean_loss(p, b), kk), has_aux=True)
   (_, keys), _ = microbatched(fn, 2, has_aux=True, aux_rules="stack", rng_argnums=2)(
       params, batch, key)
   assert not np.array_equal(keys[0], keys[1])
-  (_, same), _ = microbatched(fn, 1, has_aux=True, rng_argnums=2)(params, batch, key)
-  np.testing.assert_array_equal(same, key)
+  (_, one), _ = microbatched(fn, 1, has_aux=True, aux_rules="stack", rng_argnums=2)(
+      params, batch, key)
+  assert one.shape == (1, *key.shape) and one.dtype == key.dtype
+  np.testing.assert_array_equal(one[0], jax.random.fold_in(key, 0))
+  np.testing.assert_array_equal(one[0], keys[0])
+  assert not np.array_equal(one[0], key)
+
+
+# ------------------------------------------- k = 1 follows the rules of k > 1
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+@pytest.mark.parametrize("split", ["strided", "contiguous"])
+def test_k1_aux_rules_apply_like_any_k(params, batch, split, jit):
+  fn = jax.value_and_grad(loss_with_aux, has_aux=True)
+  (ref_loss, ref_aux), ref_grads = fn(params, batch)
+  (loss, aux), grads = maybe_jit(
+      microbatched(fn, 1, has_aux=True, aux_rules=AUX_RULES, split=split), jit)(params, batch)
+  assert_trees_close((loss, grads), (ref_loss, ref_grads))
+  # "stack": one value per micro-batch, so a leading axis of 1.
+  assert aux["mb_mean"].shape == (1,)
+  np.testing.assert_allclose(aux["mb_mean"], [ref_aux["mb_mean"]], rtol=RTOL)
+  # "concat": the whole batch, in order.
+  assert aux["per_example"].shape == (16,)
+  np.testing.assert_allclose(aux["per_example"], ref_aux["per_example"], rtol=RTOL, atol=ATOL)
+  assert aux["count"] == 16 and aux["count"].dtype == jnp.int32
+  for name in ("mean_abs_err", "max_err", "min_err", "last_y0"):
+    np.testing.assert_allclose(aux[name], ref_aux[name], rtol=RTOL, err_msg=name)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+def test_k1_custom_aux_rule_is_applied(params, batch, jit):
+  # Every stage leaves a mark: (0 + (i + 1) * v + 10) * 2 with i = 0.
+  rule = AuxRule(init=lambda s: jnp.zeros(s.shape, s.dtype),
+                 update=lambda c, v, i: c + (i + 1) * v + 10.0,
+                 finalize=lambda c: 2.0 * c)
+  fn = jax.value_and_grad(lambda p, b: (mean_loss(p, b), mean_loss(p, b)), has_aux=True)
+  (_, aux), _ = maybe_jit(microbatched(fn, 1, has_aux=True, aux_rules=rule), jit)(
+      params, batch)
+  np.testing.assert_allclose(aux, 2.0 * (float(mean_loss(params, batch)) + 10.0), rtol=RTOL)
+
+
+@pytest.mark.parametrize("rng_mode", ["fold_in", "split"])
+def test_k1_rng_key_is_derived_never_passed(params, batch, rng_mode):
+  key = jax.random.key(3)
+  fn = jax.value_and_grad(noisy_loss, has_aux=True)
+  (loss, keys), grads = jax.jit(microbatched(
+      fn, 1, has_aux=True, aux_rules="stack", rng_argnums=2, rng_mode=rng_mode))(
+          params, batch, key)
+  expected = jax.random.fold_in(key, 0) if rng_mode == "fold_in" else jax.random.split(key, 1)[0]
+  np.testing.assert_array_equal(keys, jax.random.key_data(expected)[None])
+  assert not np.array_equal(keys[0], jax.random.key_data(key))
+  if rng_mode == "fold_in":  # micro-batch 0 of any k gets the same key
+    (_, keys4), _ = jax.jit(microbatched(
+        fn, 4, has_aux=True, aux_rules="stack", rng_argnums=2))(params, batch, key)
+    np.testing.assert_array_equal(keys[0], keys4[0])
+  (ref_loss, _), ref_grads = fn(params, batch, expected)
+  assert_trees_close((loss, grads), (ref_loss, ref_grads))
 
 
 # -------------------------------------------------------------------- dtypes
@@ -374,7 +431,10 @@ def test_bf16_gradients_accumulate_in_f32_and_come_back_bf16():
   loss, grads = jax.jit(microbatched(fn, k))(w, b)
   assert grads.dtype == jnp.bfloat16 and loss.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(grads, np.float32), np.full(3, float(g)))
-  _, low = jax.jit(microbatched(fn, k, accumulator_dtype=None))(w, b)
+  # None is the default rule (bf16 -> f32); an explicit bf16 buffer is honoured.
+  _, rule = jax.jit(microbatched(fn, k, accumulator_dtype=None))(w, b)
+  np.testing.assert_array_equal(np.asarray(rule, np.float32), np.full(3, float(g)))
+  _, low = jax.jit(microbatched(fn, k, accumulator_dtype=jnp.bfloat16))(w, b)
   assert low.dtype == jnp.bfloat16
   assert abs(float(low[0]) - float(g)) > 0.01
 
@@ -387,6 +447,94 @@ def test_mixed_dtype_gradients_keep_their_dtypes(batch):
   _, grads = microbatched(jax.value_and_grad(loss), 4)(params, batch)
   assert grads["a"].dtype == jnp.bfloat16 and grads["b"].dtype == jnp.float32
   assert_trees_close(grads, ref_grads, rtol=1e-2, atol=1e-2)
+
+
+def _x64():
+  """A context that enables float64 (jax >= 0.9: `jax.enable_x64`; older: experimental)."""
+  if hasattr(jax, "enable_x64"):
+    return jax.enable_x64(True)
+  from jax.experimental import enable_x64
+  return enable_x64()
+
+
+def abs2_loss(w, x):
+  return jnp.sum(jnp.abs(x @ w) ** 2)
+
+
+def complex_problem(seed=0, n=8, d=3):
+  rng = np.random.default_rng(seed)
+  w = jnp.asarray(rng.normal(size=d) + 1j * rng.normal(size=d), jnp.complex64)
+  x = jnp.asarray(rng.normal(size=(n, d)) + 1j * rng.normal(size=(n, d)), jnp.complex64)
+  return w, x
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+@pytest.mark.parametrize("normalize", ["sum", "mean"])
+def test_complex64_gradients_keep_the_imaginary_part(normalize, jit):
+  w, x = complex_problem()
+  loss = abs2_loss if normalize == "sum" else (lambda w, x: abs2_loss(w, x) / x.shape[0])
+  ref_loss, ref_grads = jax.value_and_grad(loss)(w, x)
+  assert np.min(np.abs(np.imag(ref_grads))) > 0.1  # the part that used to be dropped
+  out_loss, grads = maybe_jit(microbatched(jax.value_and_grad(loss), 4, normalize=normalize),
+                              jit)(w, x)
+  assert grads.dtype == jnp.complex64 and out_loss.dtype == ref_loss.dtype
+  assert_trees_close((out_loss, grads), (ref_loss, ref_grads), rtol=1e-5, atol=1e-5)
+
+
+def test_complex_aux_mean_and_sum_keep_the_imaginary_part():
+  w, x = complex_problem(seed=1)
+  def loss(w, x):
+    z = x @ w
+    return jnp.mean(jnp.abs(z) ** 2), {"mean": jnp.mean(z), "sum": jnp.sum(z)}
+  fn = jax.value_and_grad(loss, has_aux=True)
+  (_, ref_aux), _ = fn(w, x)
+  (_, aux), _ = microbatched(fn, 4, has_aux=True, aux_rules={"mean": "mean", "sum": "sum"})(
+      w, x)
+  assert aux["mean"].dtype == aux["sum"].dtype == jnp.complex64
+  assert abs(np.imag(ref_aux["sum"])) > 0.1
+  assert_trees_close(aux, ref_aux, rtol=1e-5, atol=1e-5)
+
+
+def test_real_accumulator_dtype_for_complex_values_raises():
+  w, x = complex_problem()
+  fn = microbatched(jax.value_and_grad(abs2_loss), 2, accumulator_dtype=jnp.float32)
+  with pytest.raises(TypeError, match=r"`accumulator_dtype=float32` is real.*complex"):
+    fn(w, x)
+
+
+def tiny_signal_problem():
+  """Micro-batch 0's gradient is 1, micro-batch 1's is 1e-12: float32 sums lose it."""
+  w = jnp.asarray([1.0, 0.5], jnp.float64)
+  x = jnp.asarray([[1.0, 1.0], [1e-12, -1e-12]], jnp.float64)
+  return w, x
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+def test_float64_under_x64_accumulates_in_float64(jit):
+  with _x64():
+    w, x = tiny_signal_problem()
+    assert x.dtype == jnp.float64
+    loss = lambda w, x: jnp.sum(x @ w)
+    value, grads = maybe_jit(microbatched(jax.value_and_grad(loss), 2, normalize="sum"), jit)(
+        w, x)
+    assert value.dtype == grads.dtype == jnp.float64
+    x64, w64 = np.asarray(x), np.asarray(w)  # the float64 reference: column sums
+    ref_grads, ref_value = x64[0] + x64[1], x64[0] @ w64 + x64[1] @ w64
+    assert ref_grads[0] - 1.0 > 0.9e-12  # the signal is there in float64 ...
+    assert np.float32(1.0) + np.float32(1e-12) == 1.0  # ... and gone in float32
+    np.testing.assert_allclose(grads, ref_grads, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(value, ref_value, rtol=0, atol=1e-15)
+
+
+def test_explicit_narrower_accumulator_dtype_is_honoured():
+  with _x64():
+    w, x = tiny_signal_problem()
+    loss = lambda w, x: jnp.sum(x @ w)
+    value, grads = microbatched(jax.value_and_grad(loss), 2, normalize="sum",
+                                accumulator_dtype=jnp.float32)(w, x)
+    assert value.dtype == grads.dtype == jnp.float64  # cast back to fn's dtypes
+    np.testing.assert_array_equal(grads, [1.0, 1.0])  # the 1e-12 rounded away in float32
+    assert float(value) == 1.5
 
 
 # ------------------------------------------------ composed with accumulate
@@ -567,6 +715,28 @@ def test_axis_name_rng_differs_across_devices(params):
   assert len({tuple(r) for r in keys}) == 16
 
 
+def test_axis_name_k1_rng_differs_across_devices(params):
+  mesh = _mesh()
+  batch = make_batch(jax.random.key(9), 16)
+  key = jax.random.key(0)
+  fn = microbatched(jax.value_and_grad(noisy_loss, has_aux=True), 1, has_aux=True,
+                    aux_rules="stack", rng_argnums=2, axis_name="data")
+  step = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data"), P()),
+                               out_specs=((P(), P("data")), P())))
+  p, b = _put(mesh, params, batch)
+  (loss, keys), grads = step(p, b, key)
+  keys = np.asarray(keys)  # 8 devices x 1 micro-batch
+  assert len({tuple(r.ravel()) for r in keys}) == 8
+  # Device d, micro-batch 0: fold_in(fold_in(key, d), 0); the loss is their mean.
+  dev_keys = [jax.random.fold_in(jax.random.fold_in(key, d), 0) for d in range(8)]
+  np.testing.assert_array_equal(keys, np.stack([jax.random.key_data(k) for k in dev_keys]))
+  shards = [jax.tree.map(lambda x, d=d: np.asarray(x)[2 * d:2 * d + 2], batch) for d in range(8)]
+  per_dev = [jax.value_and_grad(noisy_loss, has_aux=True)(params, s, k)
+             for s, k in zip(shards, dev_keys, strict=True)]
+  np.testing.assert_allclose(loss, np.mean([float(o[0][0]) for o in per_dev]), rtol=RTOL)
+  assert_trees_close(grads, jax.tree.map(lambda *g: sum(g) / 8, *[o[1] for o in per_dev]))
+
+
 # ------------------------------------------------------------- split helper
 def test_split_microbatches_matches_manual(batch):
   for split in ("strided", "contiguous"):
@@ -604,6 +774,60 @@ def test_property_weighted_any_padding_equals_full_batch(k, lengths):
     return
   assert_trees_close(out, jax.value_and_grad(token_mean_loss)(params, batch),
                      rtol=1e-4, atol=1e-5)
+
+
+PROPERTY_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32,
+                   "float64": jnp.float64, "complex64": jnp.complex64}
+
+
+def _numpy_reference(w, x, y, c):
+  """float64/complex128: value sum(c |x w - y|^2), its JAX gradient, aux sum(x w),
+  and the sums of absolute terms that bound the rounding of each."""
+  r = x @ w - y
+  value = np.sum(c * np.abs(r) ** 2)
+  grads = 2 * x.T @ (c * np.conj(r))  # JAX's convention for complex: conj(dL/dw*) * 2
+  aux = np.sum(x @ w)
+  scales = (np.sum(c * np.abs(r) ** 2), 2 * np.abs(x).T @ (c * np.abs(r)),
+            np.sum(np.abs(x) @ np.abs(w)))
+  return (value, grads, aux), scales
+
+
+@settings(max_examples=25, deadline=None)
+@given(dtype=st.sampled_from(sorted(PROPERTY_DTYPES)),
+       normalize=st.sampled_from(["mean", "sum", "weighted"]),
+       k=st.integers(1, 4), m=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_property_dtypes_equal_wide_numpy_reference(dtype, normalize, k, m, seed):
+  """Every dtype's accumulation is as exact as the dtype itself: bf16/f16 sum in
+  f32, f64 (under x64) in f64, complex64 keeps its imaginary part."""
+  n, d = k * m, 3
+  is_complex = dtype.startswith("complex")
+  with _x64() if dtype == "float64" else contextlib.nullcontext():
+    rng = np.random.default_rng(seed)
+    def draw(*shape):
+      v = rng.normal(size=shape)
+      return v + 1j * rng.normal(size=shape) if is_complex else v
+    w, x, y = (jnp.asarray(draw(*s), PROPERTY_DTYPES[dtype]) for s in ((d,), (n, d), (n,)))
+    mask = rng.integers(0, 2, size=n)
+    mask[rng.integers(n)] = 1  # at least one real example
+    mask_j = jnp.asarray(mask, w.real.dtype)
+    def loss(w, x, y, mask):
+      per_example, aux = jnp.abs(x @ w - y) ** 2, jnp.sum(x @ w)
+      if normalize == "weighted":
+        return jnp.sum(per_example * mask), (jnp.sum(mask), aux)
+      return (jnp.mean if normalize == "mean" else jnp.sum)(per_example), aux
+    fn = microbatched(jax.value_and_grad(loss, has_aux=True), k, batch_argnums=(1, 2, 3),
+                      has_aux=True, normalize=normalize, aux_rules="sum")
+    (value, aux), grads = fn(w, x, y, mask_j)
+    assert grads.dtype == w.dtype and aux.dtype == w.dtype and value.dtype == w.real.dtype
+    wide = np.complex128 if is_complex else np.float64
+    c = {"mean": np.full(n, 1 / n), "sum": np.ones(n), "weighted": mask / mask.sum()}[normalize]
+    refs, scales = _numpy_reference(*(np.asarray(a, wide) for a in (w, x, y)), c)
+  eps = float(jnp.finfo(PROPERTY_DTYPES[dtype]).eps)
+  for name, out, ref, scale in zip(("value", "grads", "aux"), (value, grads, aux), refs, scales,
+                                   strict=True):
+    err = np.abs(np.asarray(out, wide) - ref)
+    bound = 4 * (n + d + 4) * eps * scale
+    assert np.all(err <= bound), (name, err, bound)
 
 
 # ---------------------------------------------------------------- bad inputs
