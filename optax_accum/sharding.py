@@ -35,12 +35,88 @@ __all__ = [
 ]
 
 
-def _is_params_like(node: Any, params_def: Any, shapes: list[tuple[int, ...]]) -> bool:
-  """Whether ``node`` is a copy of the params tree (same structure and shapes)."""
-  if jax.tree.structure(node) != params_def:
-    return False
-  leaves = jax.tree.leaves(node)
-  return all(tuple(jnp.shape(x)) == s for x, s in zip(leaves, shapes, strict=True))
+def _is_masked(node: Any) -> bool:
+  return isinstance(node, optax.MaskedNode)
+
+
+def _abstract(params: optax.Params) -> Any:
+  return jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
+
+
+def _leaf_layout(value: Any, target: Any, param: Any, other: Any) -> Any:
+  """The layout of one state leaf found at ``param``'s place in the state.
+
+  ``target`` (a sharding or spec) if the leaf has the param's shape; the same
+  after unsharded leading axes if it stacks copies of it (L-BFGS's memory);
+  else ``other``. A MaskedNode stays as it is.
+  """
+  if _is_masked(value):
+    return value
+  shape, lead = tuple(jnp.shape(value)), len(jnp.shape(value)) - len(param.shape)
+  if lead < 0 or shape[lead:] != tuple(param.shape):
+    return other
+  if lead == 0 or isinstance(target, SingleDeviceSharding):
+    return target
+  if isinstance(target, PartitionSpec):
+    return PartitionSpec(*(None,) * lead, *target)
+  if isinstance(target, NamedSharding):
+    return NamedSharding(target.mesh, PartitionSpec(*(None,) * lead, *target.spec),
+                         memory_kind=target.memory_kind)
+  return other
+
+
+def _lay_out_like_params(
+    tx: optax.GradientTransformation, params: optax.Params, per_param: Any, other: Any
+) -> tuple[Any, Any]:
+  """``(abstract_state, layout)``: a layout entry for each leaf of ``tx.init(params)``.
+
+  The leaves ``tx.init`` builds by mapping over the params are found with
+  ``optax.tree.map_params`` (which follows ``optax.masked`` and
+  ``optax.multi_transform`` into their masked states) and laid out by
+  :func:`_leaf_layout` from their param's entry of ``per_param``. Every other
+  leaf gets ``other``; ``optax.MaskedNode`` placeholders stay as they are.
+  """
+  abstract = _abstract(params)
+  state = jax.eval_shape(tx.init, abstract)
+
+  def leaf(value: Any, target: Any, param: Any) -> Any:
+    return _leaf_layout(value, target, param, other)
+
+  try:
+    layout = optax.tree.map_params(
+        lambda placeholder: jax.eval_shape(tx.init, placeholder), leaf, state, per_param,
+        abstract, transform_non_params=lambda _: other, is_leaf=_is_masked)
+  except (IndexError, KeyError, TypeError, ValueError, AttributeError):
+    # An init that reads the params' leaves (lbfgs, sm3) rejects optax's leafless
+    # placeholder: match the params' tree structure instead.
+    layout = _lay_out_by_structure(state, per_param, abstract, other)
+  return state, layout
+
+
+def _lay_out_by_structure(state: Any, per_param: Any, abstract: Any, other: Any) -> Any:
+  """The layout of ``state`` where its subtrees have the params' structure and shapes."""
+  params_def = jax.tree.structure(abstract)
+  targets = params_def.flatten_up_to(per_param)
+  params = params_def.flatten_up_to(abstract)
+
+  def is_params_like(node: Any) -> bool:
+    if params_def.num_nodes == 1:  # params is one array: compare each leaf alone
+      return False
+    try:
+      leaves = params_def.flatten_up_to(node)
+    except (ValueError, TypeError):
+      return False
+    return all(_is_masked(v) or hasattr(v, "shape") for v in leaves)
+
+  def lay_out(node: Any) -> Any:
+    if not is_params_like(node):  # a leaf
+      single = params_def.num_nodes == 1
+      return _leaf_layout(node, targets[0], params[0], other) if single else other
+    return params_def.unflatten([
+        _leaf_layout(v, t, p, other)
+        for v, t, p in zip(params_def.flatten_up_to(node), targets, params, strict=True)])
+
+  return jax.tree.map(lay_out, state, is_leaf=is_params_like)
 
 
 def _replicated_like(sharding: Sharding) -> Sharding:
@@ -63,12 +139,23 @@ def state_shardings(
 ) -> Any:
   """The shardings of ``tx.init(params)``'s state, laid out like the params.
 
-  Every subtree of the state that is a copy of the params tree (same tree
-  structure and leaf shapes: the accumulation buffer, Adam's ``mu``/``nu``,
-  momentum traces, ...) gets the params' shardings leaf by leaf, whatever its
-  dtype and however deeply it is nested (``optax.chain``, ``inject_hyperparams``,
-  :func:`~optax_accum.accumulate` around any optimizer). Every other leaf
-  (counters, scalars) is replicated on the params' mesh.
+  Every params-shaped leaf of the state (the accumulation buffer, Adam's
+  ``mu``/``nu``, momentum traces, ...) gets its own param's sharding, whatever
+  its dtype and however the optimizer nests or masks its state
+  (``optax.chain``, ``inject_hyperparams``, ``optax.masked``,
+  ``optax.multi_transform``, :func:`~optax_accum.accumulate` around any of
+  them). Every other leaf (counters, scalars, hyperparameters) is replicated
+  on the params' mesh; ``optax.MaskedNode`` placeholders hold no array and
+  stay in the tree as they are.
+
+  A leaf is params-shaped when ``tx.init`` builds it by mapping over the
+  params (found with ``optax.tree.map_params``) and it has its param's
+  shape. A leaf there that stacks copies of its param along leading axes
+  (L-BFGS's memory) gets the param's sharding after unsharded leading axes;
+  one of another shape (adafactor's factored rows and columns) is
+  replicated. For an ``init`` that rejects ``map_params``' placeholder (it
+  reads the params' leaves, as ``optax.lbfgs`` does), the subtrees with the
+  params' tree structure are used instead.
 
   Args:
     tx: the transformation whose state is wanted, e.g. ``accumulate(k, adam)``.
@@ -96,6 +183,11 @@ def state_shardings(
     (P('data', 'model'), P('data', 'model'))
     >>> state.mini_step.sharding.spec
     P()
+    >>> params["b"] = jax.device_put(jnp.zeros(4), NamedSharding(mesh, P("model")))
+    >>> adam_on_w = optax.masked(optax.adam(1e-3), {"w": True, "b": False})
+    >>> mu = state_shardings(oa.accumulate(4, adam_on_w), params).inner_opt_state.inner_state[0].mu
+    >>> mu["w"].spec, mu["b"]
+    (P('data', 'model'), MaskedNode())
   """
   if shardings is None:
     try:
@@ -115,20 +207,8 @@ def state_shardings(
   sharding_leaves = jax.tree.leaves(shardings)
   if not sharding_leaves:
     raise ValueError("`params` has no leaves; there is nothing to lay out.")
-  replicated = _replicated_like(sharding_leaves[0])
-  shapes = [tuple(jnp.shape(p)) for p in jax.tree.leaves(params)]
-  abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), params)
-  abstract_state = jax.eval_shape(tx.init, abstract)
-
-  def is_params_like(node: Any) -> bool:
-    return _is_params_like(node, params_def, shapes)
-
-  def assign(node: Any) -> Any:
-    if is_params_like(node):
-      return shardings
-    return replicated
-
-  return jax.tree.map(assign, abstract_state, is_leaf=is_params_like)
+  _, layout = _lay_out_like_params(tx, params, shardings, _replicated_like(sharding_leaves[0]))
+  return layout
 
 
 def _map_per_device(state: Any, fn: Any) -> Any:
@@ -239,9 +319,12 @@ def shard_map_specs(
   """``shard_map`` specs for the state of a :func:`per_device_state` transform.
 
   The per-device leaves (the buffer, the weight total) get ``axis_name`` on
-  their leading axis; every other leaf is replicated, except params-shaped
-  leaves of the inner optimizer's state, which take ``param_specs`` when
-  given (params sharded over another mesh axis).
+  their leading axis, followed by their param's spec. Every params-shaped
+  leaf of the inner optimizer's state gets its own param's spec from
+  ``param_specs`` (params sharded over another mesh axis), however the
+  optimizer nests or masks its state, found as in :func:`state_shardings`.
+  Every other leaf is replicated, ``P()``; ``optax.MaskedNode`` placeholders
+  stay as they are.
 
   Args:
     tx: the :func:`per_device_state`-wrapped transform.
@@ -253,38 +336,46 @@ def shard_map_specs(
   Returns:
     A tree of ``PartitionSpec`` with the structure of the state, for
     ``in_specs``/``out_specs``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_accum as oa
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from optax_accum.sharding import per_device_state, shard_map_specs
+    >>> params = {"w": jnp.zeros((4, 2)), "b": jnp.zeros(2)}
+    >>> adam_on_w = optax.masked(optax.adam(1e-3), {"w": True, "b": False})
+    >>> tx = per_device_state(oa.accumulate(2, adam_on_w, axis_name="data"), "data")
+    >>> specs = shard_map_specs(tx, params, "data", {"w": P(None, "model"), "b": P("model")})
+    >>> specs.acc_grads
+    {'b': P('data', 'model'), 'w': P('data', None, 'model')}
+    >>> specs.inner_opt_state.inner_state[0].mu
+    {'b': MaskedNode(), 'w': P(None, 'model')}
+    >>> specs.mini_step
+    P()
   """
   if param_specs is None:
     param_specs = jax.tree.map(lambda _: PartitionSpec(), params)
-  params_def = jax.tree.structure(params)
-  shapes = [tuple(jnp.shape(p)) for p in jax.tree.leaves(params)]
-  abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), params)
-  abstract_state = jax.eval_shape(tx.init, abstract)
-  _check_has_accumulate_state(abstract_state, "shard_map_specs")
+  if jax.tree.structure(param_specs) != jax.tree.structure(params):
+    raise ValueError(
+        "`param_specs` must have the structure of `params` (one PartitionSpec per"
+        f" param); got {jax.tree.structure(param_specs)} for params"
+        f" {jax.tree.structure(params)}.")
+  state, specs = _lay_out_like_params(tx, params, param_specs, PartitionSpec())
+  _check_has_accumulate_state(state, "shard_map_specs")
   axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  replicated = PartitionSpec()
-
-  def is_node(node: Any) -> bool:
-    return isinstance(node, AccumulateState) or _is_params_like(node, params_def, shapes)
 
   def per_device(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(axes if len(axes) > 1 else axes[0], *spec)
 
-  def assign(node: Any) -> Any:
-    if isinstance(node, AccumulateState):
-      inner = jax.tree.map(assign, node.inner_opt_state, is_leaf=is_node)
-      scalars = jax.tree.map(lambda _: replicated, node)
-      return scalars._replace(
-          acc_grads=jax.tree.map(
-              per_device, param_specs, is_leaf=lambda s: isinstance(s, PartitionSpec)),
-          acc_weight=per_device(replicated),
-          inner_opt_state=inner,
-      )
-    if _is_params_like(node, params_def, shapes):
-      return param_specs
-    return replicated
+  def with_per_device_leaves(node: Any, node_specs: Any) -> Any:
+    if not isinstance(node, AccumulateState):
+      return node_specs
+    acc_grads = jax.tree.map(
+        lambda v, spec: v if _is_masked(v) else per_device(spec), node.acc_grads, param_specs,
+        is_leaf=_is_masked)
+    return node_specs._replace(acc_grads=acc_grads, acc_weight=per_device(PartitionSpec()))
 
-  return jax.tree.map(assign, abstract_state, is_leaf=is_node)
+  return jax.tree.map(with_per_device_leaves, state, specs,
+                      is_leaf=lambda n: isinstance(n, AccumulateState))
 
 
 def __getattr__(name: str) -> Any:

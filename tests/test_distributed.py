@@ -241,6 +241,115 @@ def test_per_device_state_needs_an_accumulate_transform() -> None:
     per_device_state(optax.sgd(0.1), "data").init(make_params())
 
 
+# A model that is separable over features, so params sharded over "model" need
+# no communication except for the shared scale `s` (whose gradient JAX sums
+# over "model", since `s` is replicated there).
+SEP_SPECS = {"w": P("model"), "b": P("model"), "s": P()}
+
+
+def separable_loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+  pred = x * params["w"] * params["s"] + params["b"]
+  return jnp.mean(jnp.sum((pred - y) ** 2, axis=-1))
+
+
+def separable_optimizer(name: str) -> optax.GradientTransformation:
+  if name == "masked":
+    return optax.masked(optax.adam(1e-2), {"w": True, "b": False, "s": True})
+  return optax.multi_transform(
+      {"adam": optax.adam(1e-2), "momentum": optax.sgd(0.1, momentum=0.9)},
+      {"w": "adam", "b": "momentum", "s": "adam"})
+
+
+@pytest.mark.parametrize("name", ["masked", "multi_transform"])
+def test_shard_map_specs_follow_each_param_through_masks_and_partitions(name: str) -> None:
+  k, windows, batch, features = 2, 2, 16, 8
+  mesh = fsdp_mesh()
+  rng = np.random.default_rng(13)
+  params = {"w": jnp.asarray(rng.normal(size=features), jnp.float32),
+            "b": jnp.zeros((features,), jnp.float32), "s": jnp.float32(0.7)}
+  x = rng.normal(size=(windows, k, batch, features)).astype(np.float32)
+  y = rng.normal(size=(windows, k, batch, features)).astype(np.float32)
+  tx = per_device_state(
+      oa.accumulate(k, separable_optimizer(name), axis_name="data"), "data")
+  specs = shard_map_specs(tx, params, "data", SEP_SPECS)
+
+  # Leaf by leaf: the buffer is per device on "data" then its param's spec; the
+  # moments kept have their param's spec; everything else is replicated.
+  flat_specs = jax.tree_util.tree_flatten_with_path(specs)[0]
+  flat_state = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, params))[0]
+  assert [p for p, _ in flat_specs] == [p for p, _ in flat_state]
+  owned = 0
+  for path, spec in flat_specs:
+    owner = param_of(path, SEP_SPECS)
+    owned += owner is not None
+    if owner is not None and path[-2].name == "acc_grads":
+      assert spec == P("data", *SEP_SPECS[owner]), jax.tree_util.keystr(path)
+    elif path[-1] == jax.tree_util.GetAttrKey("acc_weight"):
+      assert spec == P("data"), jax.tree_util.keystr(path)
+    else:
+      assert spec == (SEP_SPECS[owner] if owner else P()), jax.tree_util.keystr(path)
+  assert owned == {"masked": 3 + 2 * 2, "multi_transform": 3 + 2 * 2 + 1}[name]
+
+  # init type-checks the specs: a moment local to a "model" shard with a
+  # replicated out-spec is rejected.
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(SEP_SPECS,), out_specs=specs))
+  state = init(params)
+  assert state.acc_grads["w"].shape == (4, features)  # one buffer per "data" device
+
+  # The step runs without vma checking: accumulate's lax.cond does not yet
+  # type-check when params vary over a second mesh axis (see the xfail below),
+  # so the gradient of the "model"-replicated scale is summed over "model" here.
+  def body(p: Any, st: Any, xb: jax.Array, yb: jax.Array) -> tuple[Any, Any]:
+    grads = jax.grad(separable_loss)(p, xb, yb)
+    grads["s"] = lax.psum(grads["s"], "model")
+    updates, st = tx.update(grads, st, p)
+    return optax.apply_updates(p, updates), st
+
+  data_spec = P("data", "model")
+  step = jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(SEP_SPECS, specs, data_spec, data_spec),
+      out_specs=(SEP_SPECS, specs), check_vma=False))
+
+  # The single-device run: the same optimizer, accumulating whole micro-batches.
+  ref_tx = oa.accumulate(k, separable_optimizer(name))
+  ref_state = ref_tx.init(params)
+  p, ref_p = params, params
+  for w in range(windows):
+    for i in range(k):
+      p, state = step(p, state, x[w, i], y[w, i])
+      grads = jax.grad(separable_loss)(ref_p, x[w, i], y[w, i])
+      updates, ref_state = ref_tx.update(grads, ref_state, ref_p)
+      ref_p = optax.apply_updates(ref_p, updates)
+  assert_trees_close(p, ref_p)
+  assert_trees_equal_numbers(state.inner_opt_state, ref_state.inner_opt_state)
+  assert not np.allclose(p["w"], params["w"])
+
+
+@pytest.mark.xfail(
+    strict=True, raises=TypeError,
+    reason="accumulate's lax.cond branches differ in vma when params vary over a second"
+           " mesh axis under shard_map (the mid branch's zeros are not 'model'-varying)")
+def test_shard_map_step_type_checks_with_params_sharded_over_a_second_axis() -> None:
+  mesh = fsdp_mesh()
+  params = {"w": jnp.ones((8,), jnp.float32), "b": jnp.zeros((8,), jnp.float32),
+            "s": jnp.float32(1.0)}
+  tx = per_device_state(oa.accumulate(2, optax.sgd(0.1), axis_name="data"), "data")
+  specs = shard_map_specs(tx, params, "data", SEP_SPECS)
+
+  def body(p: Any, st: Any, xb: jax.Array, yb: jax.Array) -> tuple[Any, Any]:
+    grads = jax.grad(separable_loss)(lax.pcast(p, "data", to="varying"), xb, yb)
+    updates, st = tx.update(grads, st, p)
+    return optax.apply_updates(p, updates), st
+
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(SEP_SPECS,), out_specs=specs))(
+      params)
+  data_spec = P("data", "model")
+  step = jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(SEP_SPECS, specs, data_spec, data_spec),
+      out_specs=(SEP_SPECS, specs)))
+  step(params, state, jnp.ones((16, 8)), jnp.zeros((16, 8)))
+
+
 # --- the communication claim, read from the compiled HLO -----------------------------------
 
 
@@ -353,6 +462,135 @@ def test_state_shardings_errors() -> None:
   params = {"w": jnp.zeros(3)}
   with pytest.raises(ValueError, match="structure of `params`"):
     state_shardings(tx, params, [params["w"].sharding])
+
+
+# Optimizers that nest, mask or partition their params-shaped state. The spec
+# each state leaf should have comes from its key path, a rule independent of
+# `state_shardings`' own search: a leaf keyed by a param name under a moment
+# field (`acc_grads`, `mu`, `nu`, `trace`) has that param's spec; every other
+# leaf (counters, `hyperparams['b1']`, ...) is replicated.
+MASK = {"w1": True, "b1": False, "w2": True, "b2": False}
+LABELS = {"w1": "adam", "b1": "momentum", "w2": "adam", "b2": "frozen"}
+MOMENT_FIELDS = ("acc_grads", "mu", "nu", "trace")
+
+
+def nested_optimizer(name: str) -> optax.GradientTransformation:
+  if name == "masked":
+    return optax.masked(optax.adam(1e-2), MASK)
+  if name == "masked_fn":
+    return optax.masked(optax.adam(1e-2), lambda p: jax.tree.map(lambda a: a.ndim > 1, p))
+  if name == "multi_transform":
+    return optax.multi_transform(
+        {"adam": optax.adam(1e-2), "momentum": optax.sgd(0.1, momentum=0.9),
+         "frozen": optax.set_to_zero()}, LABELS)
+  assert name == "chain_inject"
+  return optax.chain(
+      optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2))
+
+
+# Number of params-shaped leaves: the buffer's 4, plus the moments kept.
+NESTED_MOMENT_LEAVES = {"masked": 8, "masked_fn": 8, "multi_transform": 9, "chain_inject": 12}
+
+
+def param_of(path: Any, names: Any) -> str | None:
+  """The param a state leaf belongs to, by its key path (None: not params-shaped)."""
+  fields = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+  last = path[-1] if path else None
+  if (fields and fields[-1] in MOMENT_FIELDS and isinstance(last, jax.tree_util.DictKey)
+      and last.key in names):
+    return last.key
+  return None
+
+
+def assert_trees_equal_numbers(actual: Any, expected: Any) -> None:
+  """Leaf-by-leaf closeness of two states (integer and bool leaves too)."""
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64),
+                               rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", sorted(NESTED_MOMENT_LEAVES))
+def test_state_shardings_follow_each_param_through_masks_and_partitions(name: str) -> None:
+  k, windows, batch = 2, 2, 16
+  mesh = fsdp_mesh()
+  host_params = make_params(seed=11)
+  params = jax.tree.map(
+      lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), host_params, FSDP_SPECS)
+  tx = oa.accumulate(k, nested_optimizer(name))
+  shardings = state_shardings(tx, params)
+
+  # Leaf by leaf, before anything runs: the sharding tree lines up with the state.
+  flat_shardings = jax.tree_util.tree_flatten_with_path(shardings)[0]
+  flat_state = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, host_params))[0]
+  assert [p for p, _ in flat_shardings] == [p for p, _ in flat_state]
+  owned = 0
+  for (path, sharding), (_, leaf) in zip(flat_shardings, flat_state, strict=True):
+    owner = param_of(path, FSDP_SPECS)
+    owned += owner is not None
+    expected = NamedSharding(mesh, FSDP_SPECS[owner] if owner else P())
+    assert sharding.is_equivalent_to(expected, leaf.ndim), jax.tree_util.keystr(path)
+  assert owned == NESTED_MOMENT_LEAVES[name]
+
+  # jit(init) lays the state out so.
+  state = jax.jit(tx.init, out_shardings=shardings)(params)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    owner = param_of(path, FSDP_SPECS)
+    expected = NamedSharding(mesh, FSDP_SPECS[owner] if owner else P())
+    assert leaf.sharding.is_equivalent_to(expected, leaf.ndim), jax.tree_util.keystr(path)
+
+  # Training under jit with these shardings equals the single-device run.
+  def step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> tuple[Any, Any]:
+    updates, s = tx.update(jax.grad(loss)(p, xb, yb), s, p)
+    return optax.apply_updates(p, updates), s
+
+  param_shardings = jax.tree.map(lambda a: a.sharding, params)
+  batch_sharding = NamedSharding(mesh, P("data"))
+  sharded_step = jax.jit(
+      step, in_shardings=(param_shardings, shardings, batch_sharding, batch_sharding),
+      out_shardings=(param_shardings, shardings))
+  single_step = jax.jit(step)
+  x, y = make_data(windows, k, batch, seed=12)
+  p, ref_p, ref_state = params, host_params, tx.init(host_params)
+  for w in range(windows):
+    for i in range(k):
+      p, state = sharded_step(p, state, x[w, i], y[w, i])
+      ref_p, ref_state = single_step(ref_p, ref_state, x[w, i], y[w, i])
+  assert_trees_close(p, ref_p)
+  assert_trees_equal_numbers(state, ref_state)
+  assert not np.allclose(p["w1"], host_params["w1"])  # the optimizer did move the params
+
+
+def test_state_shardings_when_init_rejects_the_placeholder() -> None:
+  """optax.lbfgs reads the params' leaves in init: matched by tree structure instead."""
+  mesh = fsdp_mesh()
+  params = jax.tree.map(
+      lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), make_params(), FSDP_SPECS)
+  tx = oa.accumulate(2, optax.lbfgs(memory_size=3))
+  state = jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)
+  lbfgs_state = state.inner_opt_state[0]
+  for name, spec in FSDP_SPECS.items():
+    for tree in (state.acc_grads, lbfgs_state.params, lbfgs_state.updates):
+      assert tree[name].sharding.is_equivalent_to(NamedSharding(mesh, spec), tree[name].ndim)
+    # The memory stacks 3 copies of each param: the param's spec after an unsharded axis.
+    memory = lbfgs_state.diff_params_memory[name]
+    assert memory.shape == (3, *params[name].shape)
+    assert memory.sharding.is_equivalent_to(NamedSharding(mesh, P(None, *spec)), memory.ndim)
+  assert lbfgs_state.count.sharding.is_equivalent_to(NamedSharding(mesh, P()), 0)
+
+
+def test_state_shardings_replicates_leaves_shaped_unlike_their_param() -> None:
+  """adafactor keeps per-param state of other shapes (factored rows/columns, (1,) dummies)."""
+  mesh = fsdp_mesh()
+  params = jax.tree.map(
+      lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), make_params(), FSDP_SPECS)
+  tx = oa.accumulate(2, optax.adafactor(1e-2))
+  state = jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)
+  factored = state.inner_opt_state[0]
+  for name, spec in FSDP_SPECS.items():
+    assert factored.v[name].sharding.is_equivalent_to(NamedSharding(mesh, spec), params[name].ndim)
+    assert factored.v_row[name].shape != params[name].shape
+    assert factored.v_row[name].sharding.is_equivalent_to(NamedSharding(mesh, P()), 1)
 
 
 def test_jit_fsdp_buffer_keeps_param_sharding_and_matches_large_batch() -> None:
