@@ -290,7 +290,7 @@ def conditionals(compiled: Any) -> int:
     >>> import jax, jax.numpy as jnp
     >>> from optax_accum.debug import conditionals
     >>> f = jax.jit(lambda p, x: jax.lax.cond(p, jnp.sin, jnp.cos, x))
-    >>> conditionals(f.lower(True, jnp.ones(4)).compile())  # on CPU
+    >>> conditionals(f.lower(True, jnp.ones(4)).compile())  # XLA:CPU keeps it
     1
     >>> g = jax.jit(lambda x: jax.lax.cond(True, jnp.sin, jnp.cos, x))
     >>> conditionals(g.lower(jnp.ones(4)).compile())  # constant predicate: folded
