@@ -1,9 +1,23 @@
 """optax_accum: exact gradient accumulation for JAX and Optax.
 
-Across jitted calls: :func:`accumulate` (and the drop-in :class:`MultiSteps`).
-Inside one step: :func:`microbatched`. Around both: :class:`Policy` and dynamic
-loss scaling. On many devices: ``axis_name=`` and :mod:`optax_accum.sharding`.
+Train with a large effective batch on a device that holds a small one:
+
+* across jitted calls, :func:`accumulate` (``optax.GradientTransformation``;
+  the drop-in :class:`MultiSteps`), with :func:`update_and_apply` as the fast
+  path that never touches the params on mid-steps, :func:`flush` for a partial
+  window and :func:`has_updated` for logging;
+* inside one step, :func:`microbatched` (a ``lax.scan`` over micro-batches);
+* around both, :class:`Policy` / :func:`mixed_precision` and dynamic loss
+  scaling (:mod:`optax_accum.precision`);
+* on many devices, ``axis_name=`` and :mod:`optax_accum.sharding`;
+* the gradient noise scale of every window, :func:`noise_scale`
+  (:mod:`optax_accum.noise_scale`), to choose ``k``.
+
+Flax users get the fast path from :mod:`optax_accum.flax`; what a compiled step
+does can be checked with :mod:`optax_accum.debug`.
 """
+
+import optax
 
 from optax_accum.accumulation import (
     AccumulateState,
@@ -16,11 +30,11 @@ from optax_accum.accumulation import (
 from optax_accum.microbatching import AuxRule, microbatched, split_microbatches
 from optax_accum.multi_steps import (
     MultiSteps,
-    MultiStepsState,
     ShouldSkipUpdateFunction,
     skip_large_updates,
     skip_not_finite,
 )
+from optax_accum.noise_scale import NoiseScaleState, noise_scale
 from optax_accum.precision import (
     DynamicLossScale,
     LossScaler,
@@ -32,7 +46,10 @@ from optax_accum.precision import (
 )
 from optax_accum.sharding import per_device_state, shard_map_specs, state_shardings
 
-__version__ = "0.1.0"
+#: ``MultiSteps`` keeps optax's own state type (``optax.MultiStepsState``).
+MultiStepsState = optax.MultiStepsState
+
+__version__ = "0.2.0"
 
 __all__ = [
     "AccumulateState",
@@ -41,6 +58,7 @@ __all__ = [
     "LossScaler",
     "MultiSteps",
     "MultiStepsState",
+    "NoiseScaleState",
     "Policy",
     "ShouldSkipUpdateFunction",
     "accumulate",
@@ -51,6 +69,7 @@ __all__ = [
     "has_updated",
     "microbatched",
     "mixed_precision",
+    "noise_scale",
     "per_device_state",
     "scaled_value_and_grad",
     "shard_map_specs",

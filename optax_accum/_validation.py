@@ -15,10 +15,15 @@ import numpy as np
 REDUCTIONS = ("mean", "sum", "weighted")
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def check_k(k: Any, name: str = "k") -> int | Callable[[jax.Array], Any]:
-  """Returns ``k`` if it is a positive int or a callable schedule, else raises."""
+  """Returns ``k`` if it is a positive int (or integral float) or a schedule, else raises."""
   if callable(k):
     return k
+  if isinstance(k, (float, np.floating)) and float(k).is_integer():
+    k = int(k)  # optax.MultiSteps accepts 2.0
   if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
     raise TypeError(
         f"`{name}` must be a positive int (micro-batches per optimizer step) or"
@@ -30,7 +35,113 @@ def check_k(k: Any, name: str = "k") -> int | Callable[[jax.Array], Any]:
         f"`{name}` must be >= 1 (the number of micro-batches per optimizer"
         f" step); got {k}. Use `{name}=1` for no accumulation."
     )
+  if k > _INT32_MAX:
+    raise ValueError(
+        f"`{name}`={k} does not fit the int32 step counters (at most"
+        f" {_INT32_MAX}). Use a smaller window, or flush windows with"
+        " `emit_now=True`."
+    )
   return int(k)
+
+
+def check_flag(value: Any, name: str) -> bool:
+  """Returns ``value`` as a Python bool if it is a bool (numpy's too), else raises."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"`{name}` must be a bool; got {value!r}.")
+  return bool(value)
+
+
+def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
+  """Raises unless ``optimizer`` is None or an optax transformation."""
+  if optimizer is None or (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+    return
+  if callable(optimizer):
+    what = getattr(optimizer, "__name__", repr(optimizer))
+    raise TypeError(
+        f"`{name}` must be an optax GradientTransformation such as"
+        f" optax.adam(1e-3); got the function {what} itself. Call it with its"
+        f" hyperparameters, e.g. {what}(1e-3)."
+    )
+  raise TypeError(
+      f"`{name}` must be an optax GradientTransformation (with `init` and"
+      f" `update`), such as optax.adam(1e-3); got {type(optimizer).__name__}."
+  )
+
+
+def check_emit_now(emit_now: Any) -> Any:
+  """``emit_now`` as False, True or a bool scalar array, else raises."""
+  if isinstance(emit_now, (bool, np.bool_)):
+    return bool(emit_now)
+  if jnp.ndim(emit_now) != 0:
+    raise ValueError(
+        "`emit_now` must be a scalar bool (close the window after this"
+        f" micro-batch or not); got shape {jnp.shape(emit_now)}. Pass e.g."
+        " `emit_now=is_last_batch`."
+    )
+  return jnp.asarray(emit_now).astype(jnp.bool_)
+
+
+def check_weight(weight: Any, reduction: str) -> jax.Array | None:
+  """The micro-batch weight as a float32 scalar (None without weights), else raises.
+
+  A negative weight is an error when it is concrete; a traced one cannot be
+  checked and is turned into NaN, so that it behaves like a non-finite
+  gradient (skipped with ``skip_nonfinite=True``, else NaN in the update).
+  """
+  if reduction != "weighted":
+    if weight is not None:
+      raise ValueError(
+          f"`weight` was given but reduction={reduction!r} ignores it. Build"
+          " the transform with `accumulate(k, ..., reduction='weighted')`."
+      )
+    return None
+  if weight is None:
+    raise ValueError(
+        "reduction='weighted' needs a per-micro-batch weight: call"
+        " `update(grads, state, params, weight=w)` with w e.g. the number of"
+        " real tokens in the micro-batch."
+    )
+  if jnp.ndim(weight) != 0:
+    raise ValueError(
+        "`weight` must be a scalar (one weight per micro-batch); got shape"
+        f" {jnp.shape(weight)}. Pass e.g. the micro-batch's token count."
+    )
+  if not isinstance(weight, jax.core.Tracer):
+    concrete = float(np.asarray(weight))
+    if concrete < 0:
+      raise ValueError(
+          f"`weight` must be >= 0 (e.g. a count of real tokens); got {concrete}."
+          " A negative weight has no meaning in a weighted mean."
+      )
+  w = jnp.asarray(weight, jnp.float32)
+  return jnp.where(w < 0, jnp.nan, w)
+
+
+def check_grad_dtypes(grads: Any, buffer: Any, explicit: bool) -> None:
+  """Raises where the buffer would silently drop part of a gradient.
+
+  A complex gradient into a real buffer loses its imaginary part; a gradient
+  wider than the buffer built by ``init`` (float64 into float32) loses
+  precision, which is allowed only when the buffer dtype was asked for.
+  """
+  for (path, g), b in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                          jax.tree.leaves(buffer), strict=True):
+    g_dtype, b_dtype = jnp.result_type(g), jnp.result_type(b)
+    if jnp.issubdtype(g_dtype, jnp.complexfloating) and not jnp.issubdtype(
+        b_dtype, jnp.complexfloating):
+      raise TypeError(
+          f"The gradient at {_path_str(path)} is {g_dtype} but the accumulator"
+          f" is {b_dtype}: the imaginary part would be dropped. Build the"
+          " transform with a complex `accumulator_dtype` (or None, the default,"
+          " and complex params)."
+      )
+    if not explicit and jnp.promote_types(g_dtype, b_dtype) != b_dtype:
+      raise TypeError(
+          f"The gradient at {_path_str(path)} is {g_dtype}, wider than the"
+          f" {b_dtype} accumulator that `init` built from the params: it would"
+          " lose precision. Pass `accumulator_dtype` explicitly (a narrower"
+          " one is then accepted), or init with params of the gradients' dtype."
+      )
 
 
 def check_reduction(reduction: Any) -> str:

@@ -1,68 +1,63 @@
-"""A drop-in replacement for ``optax.MultiSteps`` built on :func:`accumulate`'s core.
+"""A drop-in replacement for ``optax.MultiSteps`` built on the same core as ``accumulate``.
 
-Same constructor, state fields and methods as ``optax.MultiSteps``, but the
-inner optimizer runs only on emitting steps (``optax.MultiSteps`` runs it on
-every mini-step and masks the result), and a new window discards the buffer
-with a select (``optax.MultiSteps`` multiplies by ``1 - emit``, so one NaN
-mini-step poisons every later window). ``acc_grads`` holds the window's running
-sum (optax keeps a running mean) and is cleared lazily, on the first mini-step
-of the next window.
+Same constructor, methods and state: ``init`` returns an
+``optax.MultiStepsState`` whose ``acc_grads`` means what optax's means while a
+window is open (the running mean with ``use_grad_mean=True``, the sum
+otherwise), so checkpoints move between the two mid-window and code that
+dispatches on ``optax.MultiStepsState`` accepts it. What differs:
+
+* between windows (``mini_step == 0``) ``acc_grads`` still holds the last
+  window, ignored by the next mini-step (optax writes zeros: a pass per
+  window). optax ignores it too with ``use_grad_mean=True``; to move a
+  boundary checkpoint into ``optax.MultiSteps(use_grad_mean=False)``, zero it:
+  ``state._replace(acc_grads=optax.tree.zeros_like(state.acc_grads))``;
+
+* the inner optimizer runs only on emitting steps (``optax.MultiSteps`` runs
+  it on every mini-step and masks the result);
+* one NaN mini-step reaches that window's update only (optax multiplies the
+  buffer by ``1 - emit``, so ``0 * NaN`` poisons every later window);
+* the reduced gradient handed to the inner optimizer has the wider of the
+  gradient's and the param's dtype (optax: the gradient's), and the buffer
+  is never narrower than the gradients unless ``accumulator_dtype`` says so;
+* ``track_noise_scale=True`` adds the gradient noise scale, kept in
+  ``skip_state`` as ``(skip_state, NoiseScaleState)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from optax.transforms import ShouldSkipUpdateFunction, skip_large_updates, skip_not_finite
 
-from optax_accum import _validation
-from optax_accum.accumulation import accumulation_step, init_buffer
+from optax_accum import _validation, _window
+from optax_accum import noise_scale as noise_lib
+from optax_accum.accumulation import _APPLY, _FLUSH, MODE, _Applied
 
 __all__ = [
     "MultiSteps",
-    "MultiStepsState",
     "ShouldSkipUpdateFunction",
     "skip_large_updates",
     "skip_not_finite",
 ]
 
 
-class MultiStepsState(NamedTuple):
-  """State of :class:`MultiSteps`; the fields of ``optax.MultiStepsState``.
-
-  Attributes:
-    mini_step: mini-steps accepted in the current window.
-    gradient_step: optimizer steps taken.
-    inner_opt_state: the state of the wrapped optimizer.
-    acc_grads: accumulated gradients (the sum over the window so far).
-    skip_state: what ``should_skip_update_fn`` returned last (``()`` without).
-  """
-
-  mini_step: jax.Array
-  gradient_step: jax.Array
-  inner_opt_state: Any
-  acc_grads: Any
-  skip_state: Any = ()
-
-
-def _never_skip(updates: Any, gradient_step: Any, params: Any) -> tuple[jax.Array, Any]:
-  del updates, gradient_step, params
-  return jnp.zeros([], jnp.bool_), ()
-
-
 class MultiSteps:
-  """Accumulates gradients over ``every_k_schedule`` mini-steps (drop-in).
+  """Accumulates gradients over ``every_k_schedule`` mini-steps (drop-in for optax's).
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_accum as oa
     >>> ms = oa.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
     >>> params = {"a": jnp.zeros([])}
     >>> state = ms.init(params)
+    >>> isinstance(state, optax.MultiStepsState)
+    True
     >>> _, state = ms.update({"a": jnp.ones([])}, state, params)
+    >>> float(state.acc_grads["a"])   # the running mean, as optax keeps it
+    1.0
     >>> updates, state = ms.update({"a": jnp.full([], 3.0)}, state, params)
     >>> float(updates["a"]), bool(ms.has_updated(state))
     (-2.0, True)
@@ -74,82 +69,128 @@ class MultiSteps:
       every_k_schedule: int | Callable[[jax.Array], Any],
       use_grad_mean: bool = True,
       should_skip_update_fn: ShouldSkipUpdateFunction | None = None,
-      accumulator_dtype: Any = jnp.float32,
+      accumulator_dtype: Any = None,
+      *,
+      track_noise_scale: bool | float = False,
   ):
-    """Same arguments as ``optax.MultiSteps``.
+    """Same arguments as ``optax.MultiSteps``, plus ``track_noise_scale``.
 
     Args:
       opt: the wrapped optimizer, run once per window.
-      every_k_schedule: mini-steps per update: an int or ``f(gradient_step)``.
+      every_k_schedule: mini-steps per update: an int (or integral float) or
+        ``f(gradient_step) -> int``.
       use_grad_mean: average (True) or sum (False) the window's gradients.
       should_skip_update_fn: ``f(updates, gradient_step, params) -> (skip,
         skip_state)``, e.g. ``optax_accum.skip_not_finite``. A skipped
         mini-step changes nothing and does not count toward ``k``.
-      accumulator_dtype: dtype of the buffer (float32 by default).
+      accumulator_dtype: dtype of the buffer; None (default) is never
+        narrower than the gradients (float32 for bfloat16 ones). optax's
+        default is float32.
+      track_noise_scale: estimate the gradient noise scale (see
+        :func:`optax_accum.noise_scale.noise_scale`).
     """
+    _validation.check_optimizer(opt, "opt")
+    self._strict_kwargs = not isinstance(opt, optax.GradientTransformationExtraArgs)
     self._opt = optax.with_extra_args_support(opt)
-    self._k = _validation.check_k(every_k_schedule, "every_k_schedule")
-    self._reduction = "mean" if use_grad_mean else "sum"
-    self._should_skip = should_skip_update_fn or _never_skip
-    self._acc_dtype = _validation.check_accumulator_dtype(accumulator_dtype)
+    self._config = _window.Config(
+        k=_validation.check_k(every_k_schedule, "every_k_schedule"),
+        inner=self._opt,
+        reduction="mean" if use_grad_mean else "sum",
+        running_mean=use_grad_mean,
+        acc_dtype=_validation.check_accumulator_dtype(accumulator_dtype),
+        noise_decay=noise_lib.check_decay(track_noise_scale),
+    )
+    self._should_skip = should_skip_update_fn
 
   @property
   def inner_opt(self) -> optax.GradientTransformationExtraArgs:
+    """The wrapped optimizer (with extra-args support), as in optax."""
     return self._opt
 
-  def init(self, params: Any) -> MultiStepsState:
-    gradient_step = jnp.zeros([], jnp.int32)
-    _, skip_state = self._should_skip(
-        jax.tree.map(jnp.zeros_like, params), gradient_step, params)
-    return MultiStepsState(
-        mini_step=jnp.zeros([], jnp.int32),
-        gradient_step=gradient_step,
+  def init(self, params: optax.Params) -> optax.MultiStepsState:
+    """The initial ``optax.MultiStepsState``: empty buffer, counters at 0."""
+    window = _window.init_window(self._config, params)
+    skip_state = ()
+    if self._should_skip is not None:
+      _, skip_state = self._should_skip(
+          optax.tree.zeros_like(params), window.gradient_step, params)
+    return optax.MultiStepsState(
+        mini_step=window.mini_step,
+        gradient_step=window.gradient_step,
         inner_opt_state=self._opt.init(params),
-        acc_grads=init_buffer(params, self._acc_dtype),
-        skip_state=skip_state,
+        acc_grads=window.acc_grads,
+        skip_state=self._pack(skip_state, window.noise),
     )
 
   def update(
       self,
       updates: optax.Updates,
-      state: MultiStepsState,
+      state: optax.MultiStepsState,
       params: optax.Params | None = None,
       **extra_args: Any,
-  ) -> tuple[optax.Updates, MultiStepsState]:
-    _validation.check_tree_matches(updates, state.acc_grads)
-    should_skip, skip_state = self._should_skip(updates, state.gradient_step, params)
-    should_skip = jnp.asarray(should_skip)
-    if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
-      raise ValueError(
-          "`should_skip_update_fn` must return a boolean scalar array first;"
-          f" got dtype {should_skip.dtype} and shape {should_skip.shape}."
-      )
-    out = accumulation_step(
-        updates,
-        acc_grads=state.acc_grads,
-        acc_weight=jnp.zeros([], jnp.float32),
-        mini_step=state.mini_step,
-        gradient_step=state.gradient_step,
-        inner_opt_state=state.inner_opt_state,
-        params=params,
-        k=self._k,
-        inner=self._opt,
-        reduction=self._reduction,
-        weight=None,
-        accept=None if self._should_skip is _never_skip else jnp.logical_not(should_skip),
-        axis_name=None,
-        extra_args=extra_args,
-    )
-    return out.updates, MultiStepsState(
-        mini_step=out.mini_step,
-        gradient_step=out.gradient_step,
-        inner_opt_state=out.inner_opt_state,
-        acc_grads=out.acc_grads,
-        skip_state=skip_state,
-    )
+  ) -> tuple[Any, optax.MultiStepsState]:
+    """Adds ``updates`` to the window; every ``k``-th call, one inner step.
 
-  def has_updated(self, state: MultiStepsState | Any) -> jax.Array:
-    return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
+    Args:
+      updates: this mini-step's gradients.
+      state: the ``optax.MultiStepsState`` from ``init`` or ``update``.
+      params: the params, for optimizers that need them.
+      **extra_args: passed to the inner optimizer.
+
+    Returns:
+      ``(updates, state)``: zeros on mid-steps, the inner optimizer's updates
+      on the emitting step.
+    """
+    mode = extra_args.pop(MODE, None)
+    if self._strict_kwargs and extra_args:
+      raise TypeError(
+          f"Unknown keyword(s) {sorted(extra_args)} for MultiSteps.update: the"
+          " wrapped optimizer takes no extra arguments. Check the spelling."
+      )
+    _validation.check_tree_matches(updates, state.acc_grads)
+    _validation.check_grad_dtypes(updates, state.acc_grads, self._config.acc_dtype is not None)
+    skip_state, noise = self._unpack(state.skip_state)
+    accept: Any = True
+    if mode == _FLUSH:
+      accept = False
+    elif self._should_skip is not None:
+      should_skip, skip_state = self._should_skip(updates, state.gradient_step, params)
+      accept = jnp.logical_not(_check_skip(should_skip))
+    window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads,
+                            jnp.zeros([], jnp.float32), noise)
+    out = _window.micro_step(
+        self._config, updates, window, state.inner_opt_state, params, accept=accept,
+        emit_now=mode == _FLUSH, apply=mode == _APPLY, extra_args=extra_args)
+    new_state = optax.MultiStepsState(
+        mini_step=out.window.mini_step,
+        gradient_step=out.window.gradient_step,
+        inner_opt_state=out.inner_state,
+        acc_grads=out.window.acc_grads,
+        skip_state=self._pack(skip_state, out.window.noise),
+    )
+    return (_Applied(out.out) if mode == _APPLY else out.out), new_state
+
+  def has_updated(self, state: optax.MultiStepsState | Any) -> jax.Array:
+    """Whether the last ``update`` took an optimizer step (optax's definition)."""
+    return jnp.logical_and(
+        jnp.asarray(state.mini_step) == 0, jnp.asarray(state.gradient_step) > 0)
 
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+    """``init`` and ``update`` as an ``optax.GradientTransformationExtraArgs``."""
     return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)
+
+  def _pack(self, skip_state: Any, noise: Any) -> Any:
+    return skip_state if self._config.noise_decay is None else (skip_state, noise)
+
+  def _unpack(self, skip_state: Any) -> tuple[Any, Any]:
+    return (skip_state, ()) if self._config.noise_decay is None else tuple(skip_state)
+
+
+def _check_skip(should_skip: Any) -> jax.Array:
+  should_skip = jnp.asarray(should_skip)
+  if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
+    raise ValueError(
+        "`should_skip_update_fn` must return a boolean scalar array first;"
+        f" got dtype {should_skip.dtype} and shape {should_skip.shape}."
+    )
+  return should_skip

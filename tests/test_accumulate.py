@@ -185,14 +185,16 @@ def test_weighted_zero_weight_micro_batch_and_zero_weight_window():
   u, state = update({"w": jnp.full(3, 2.0)}, state, params, weight=5.0)
   ref_u, _ = optax.adam(0.1).update({"w": jnp.full(3, 2.0)}, optax.adam(0.1).init(params))
   chex.assert_trees_all_close(u, ref_u)
-  # A window with total weight 0 emits zeros and leaves Adam untouched.
+  # A window with total weight 0 is not a step: zero updates, Adam untouched,
+  # gradient_step unchanged, has_updated False; the window is discarded.
   inner_before = state.inner_opt_state
   _, state = update({"w": jnp.full(3, jnp.nan)}, state, params, weight=0.0)
   u, state = update({"w": jnp.ones(3)}, state, params, weight=0.0)
-  assert bool(oa.has_updated(state))
+  assert not bool(oa.has_updated(state))
   chex.assert_trees_all_equal(u, {"w": jnp.zeros(3)})
   chex.assert_trees_all_equal(state.inner_opt_state, inner_before)
-  assert int(state.gradient_step) == 2
+  assert int(state.gradient_step) == 1 and int(state.mini_step) == 0
+  assert float(state.acc_weight) == 0.0
 
 
 def test_nan_never_poisons_a_later_window():
@@ -330,9 +332,21 @@ def test_donation_and_update_and_apply():
     assert_trees_close(ref, p)
 
 
-def test_update_and_apply_rejects_other_transforms():
-  with pytest.raises(TypeError, match="accumulate"):
-    oa.update_and_apply(optax.adam(1e-3), {}, (), {})
+def test_update_and_apply_is_update_then_apply_for_any_other_transform():
+  params = init_params(jax.random.key(21))
+  grads = grad_fn(params, make_batches(jax.random.key(22), 1)[0])
+  for tx in (optax.adam(1e-2), optax.chain(optax.clip(0.1), optax.sgd(0.5))):
+    state = tx.init(params)
+    got, got_state = jax.jit(lambda g, s, p, tx=tx: oa.update_and_apply(tx, g, s, p))(
+        grads, state, params)
+    updates, ref_state = tx.update(grads, state, params)
+    chex.assert_trees_all_close(got, optax.apply_updates(params, updates))
+    chex.assert_trees_all_close(got_state, ref_state)
+  plain = optax.GradientTransformation(optax.identity().init, optax.identity().update)
+  with pytest.raises(TypeError, match="takes no keyword"):
+    oa.update_and_apply(plain, grads, plain.init(params), params, weight=2.0)
+  with pytest.raises(TypeError, match="needs an optax transform"):
+    oa.update_and_apply(object(), grads, (), params)
 
 
 def test_lax_scan_over_many_windows():
@@ -489,5 +503,13 @@ def test_flush_weighted_window_and_bad_transform():
   _, state = tx.update({"w": jnp.full(2, 4.0)}, state, params, weight=3.0)
   updates, state = oa.flush(tx, state, params)
   chex.assert_trees_all_close(updates, {"w": jnp.full(2, -(1.0 + 12.0) / 4.0)})
-  with pytest.raises(TypeError, match="`flush` needs a transform"):
-    oa.flush(optax.chain(oa.accumulate(2)), state, params)
+  # Through a chain: clip sees the placeholder zeros, the window is flushed.
+  chained = optax.chain(optax.clip(10.0), oa.accumulate(4, optax.sgd(1.0), reduction="weighted"))
+  state = chained.init(params)
+  _, state = chained.update({"w": jnp.full(2, 1.0)}, state, params, weight=1.0)
+  _, state = chained.update({"w": jnp.full(2, 4.0)}, state, params, weight=3.0)
+  updates, state = oa.flush(chained, state, params)
+  chex.assert_trees_all_close(updates, {"w": jnp.full(2, -(1.0 + 12.0) / 4.0)})
+  assert bool(oa.has_updated(state))
+  with pytest.raises(TypeError, match="`flush` needs an optax transform"):
+    oa.flush(object(), state, params)

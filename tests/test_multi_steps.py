@@ -100,4 +100,6 @@ def test_bad_every_k_schedule():
   with pytest.raises(ValueError, match="every_k_schedule"):
     oa.MultiSteps(optax.sgd(0.1), 0)
   with pytest.raises(TypeError, match="every_k_schedule"):
-    oa.MultiSteps(optax.sgd(0.1), 2.0)
+    oa.MultiSteps(optax.sgd(0.1), 2.5)
+  # optax.MultiSteps accepts an integral float; so does the drop-in.
+  assert int(oa.MultiSteps(optax.sgd(0.1), 2.0).init({"a": jnp.zeros(1)}).mini_step) == 0

@@ -46,8 +46,10 @@ def _materialise(shape_tree, key, dtype, scale=1.0):
 
 
 def _ref_update(opt_name, reduced64, params, grads_dtype_tree):
-  """The inner optimizer on the float64 reduced gradient, rounded like ours."""
-  reduced = jax.tree.map(lambda r, g: jnp.asarray(r, g.dtype), reduced64, grads_dtype_tree)
+  """The inner optimizer on the float64 reduced gradient, rounded once to the
+  wider of the gradient's and the param's dtype (the documented contract)."""
+  reduced = jax.tree.map(lambda r, g, p: jnp.asarray(r, jnp.promote_types(g.dtype, p.dtype)),
+                         reduced64, grads_dtype_tree, params)
   opt = OPTIMIZERS[opt_name]()
   return opt.update(reduced, opt.init(params), params)[0]
 
@@ -89,7 +91,7 @@ def test_emitted_update_equals_reference(
       lambda u, e: np.testing.assert_allclose(
           np.asarray(u, np.float64), np.asarray(e, np.float64), rtol=rtol, atol=rtol),
       updates, expected)
-  # Dtypes: the update is what the inner optimizer returns for these grads.
+  # Dtypes: the update is what the inner optimizer returns for that gradient.
   jax.tree.map(lambda u, e: np.testing.assert_equal(u.dtype, e.dtype), updates, expected)
 
 
@@ -119,7 +121,9 @@ def test_dtypes_never_drift_inside_scan(shape_tree, k, grad_dtype, param_dtype, 
   (p, state), _ = jax.lax.scan(body, (params, state0), jnp.arange(2 * k + 1, dtype=jnp.float32))
   jax.tree.map(lambda a, b: np.testing.assert_equal(a.dtype, b.dtype), state, state0)
   jax.tree.map(lambda a, b: np.testing.assert_equal(a.dtype, b.dtype), p, params)
-  expected_acc = DTYPES[param_dtype] if acc_dtype is None else DTYPES[acc_dtype]
+  # None: never narrower than the params' dtype, and at least float32.
+  expected_acc = (jnp.promote_types(DTYPES[param_dtype], jnp.float32) if acc_dtype is None
+                  else DTYPES[acc_dtype])
   assert all(x.dtype == expected_acc for x in jax.tree.leaves(state.acc_grads))
 
 

@@ -1,0 +1,319 @@
+"""One accumulation window: the micro-step behind ``accumulate`` and ``MultiSteps``.
+
+Read top to bottom. :func:`micro_step` adds one micro-batch's gradients into
+the buffer (:func:`add_to_buffer`), decides whether the window closes
+(:func:`window_closes`, the only place that decides it) and then, inside one
+``lax.cond``, either reduces the window and runs the inner optimizer
+(:func:`emit`) or returns zeros (:func:`mid`). :func:`advance` moves the
+counters. Whether a micro-batch counts at all (finite? positive weight?) is
+decided by the caller and passed in as ``accept``.
+
+The buffer update sits outside the ``lax.cond`` and the conditional only reads
+it: every other layout made XLA copy parameter-sized buffers on some backend
+(benchmarks/NOTES.md). So the buffer is reset lazily: between windows it holds
+the last window's contents, ignored by the next micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from optax_accum import noise_scale as noise_lib
+
+KSchedule = Callable[[jax.Array], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything a micro-step needs to know, validated once.
+
+  Attributes:
+    k: micro-batches per window: an int or a schedule ``f(gradient_step)``.
+    inner: the inner optimizer, or None (the chain form: emit the reduced
+      gradient itself).
+    reduction: ``"mean"``, ``"sum"`` or ``"weighted"``.
+    running_mean: the buffer holds the running mean of the window (what
+      ``optax.MultiSteps`` keeps in ``acc_grads``) instead of its sum.
+    acc_dtype: the requested buffer dtype, or None for the default rule.
+    axis_name: a ``pmap``/``shard_map`` axis (or tuple) to reduce over at emit.
+    noise_decay: the decay of the noise-scale averages, or None (not tracked).
+  """
+
+  k: int | KSchedule
+  inner: optax.GradientTransformationExtraArgs | None
+  reduction: str = "mean"
+  running_mean: bool = False
+  acc_dtype: jnp.dtype | None = None
+  axis_name: Any = None
+  noise_decay: float | None = None
+
+
+class Window(NamedTuple):
+  """The accumulation state one micro-step reads and writes (inner state aside)."""
+
+  mini_step: jax.Array
+  gradient_step: jax.Array
+  acc_grads: optax.Updates
+  acc_weight: jax.Array
+  noise: noise_lib.NoiseScaleState | tuple[()]
+
+
+class StepOut(NamedTuple):
+  """What :func:`micro_step` returns."""
+
+  out: Any  # the updates, or the new params when applying
+  window: Window
+  inner_state: optax.OptState
+  emitted: jax.Array  # this call took an optimizer step
+
+
+def init_window(config: Config, params: optax.Params) -> Window:
+  """An empty window: a zero buffer shaped (and sharded) like ``params``."""
+  from optax_accum._validation import accumulator_dtype
+
+  def zeros(p: jax.Array) -> jax.Array:
+    return jnp.zeros_like(p, dtype=accumulator_dtype(jnp.result_type(p), config.acc_dtype))
+
+  return Window(
+      mini_step=jnp.zeros([], jnp.int32),
+      gradient_step=jnp.zeros([], jnp.int32),
+      acc_grads=jax.tree.map(zeros, params),
+      acc_weight=jnp.zeros([], jnp.float32),
+      noise=() if config.noise_decay is None else noise_lib.init(),
+  )
+
+
+def window_length(k: int | KSchedule, gradient_step: jax.Array) -> jax.Array:
+  """``k`` for this window; a schedule is checked when concrete, clamped under jit."""
+  if isinstance(k, int):
+    return jnp.asarray(k, jnp.int32)
+  value = k(gradient_step)
+  if not isinstance(value, jax.core.Tracer):
+    concrete = int(jnp.asarray(value))
+    if concrete < 1:
+      raise ValueError(
+          f"The `k` schedule returned {concrete} at gradient_step"
+          f" {int(gradient_step)}; a window needs at least 1 micro-batch. Make"
+          " the schedule return an int >= 1 for every step. (Under jit such"
+          " values are clamped to 1.)"
+      )
+  return jnp.maximum(jnp.asarray(value).astype(jnp.int32), 1)
+
+
+def add_to_buffer(
+    config: Config, window: Window, grads: optax.Updates, accept: Any, weight: jax.Array | None,
+) -> tuple[optax.Updates, jax.Array]:
+  """The buffer after this micro-batch, and the window's count of micro-batches.
+
+  One fused pass per leaf. The buffer's old contents count only while
+  ``mini_step > 0``; they are discarded with a select, never multiplied, so a
+  NaN left behind never reaches a later window. A micro-batch of weight 0
+  adds nothing (its gradient may be NaN: the mean loss of pure padding).
+  """
+  stale = window.mini_step == 0
+  n = window.mini_step
+  inv_next = 1.0 / (n + 1).astype(jnp.float32)
+
+  def add(acc: jax.Array, g: jax.Array) -> jax.Array:
+    g = g.astype(acc.dtype)
+    old = jnp.where(stale, jnp.zeros((), acc.dtype), acc)
+    if weight is not None:
+      g = jnp.where(weight != 0, g * weight.astype(acc.dtype), jnp.zeros((), acc.dtype))
+    if config.running_mean:  # optax.MultiSteps' Welford update
+      new = old + (g - old) * inv_next.astype(acc.dtype)
+    else:
+      new = old + g
+    return new if accept is True else jnp.where(accept, new, acc)
+
+  acc = jax.tree.map(add, window.acc_grads, grads)
+  count = n + jnp.asarray(accept, n.dtype)
+  return acc, count
+
+
+def window_closes(count: jax.Array, k_now: jax.Array, emit_now: Any) -> jax.Array:
+  """Whether this call closes the window: ``k`` micro-batches, or ``emit_now``."""
+  full = count >= k_now
+  if emit_now is not False:
+    full = jnp.logical_or(full, emit_now)
+  return jnp.logical_and(full, count > 0)
+
+
+def _cross_device(config: Config, acc: Any, scalars: jax.Array) -> tuple[Any, jax.Array]:
+  """Sums the buffer and a vector of scalars over ``axis_name`` (one collective each)."""
+  if config.axis_name is None:
+    return acc, scalars
+  return lax.psum(acc, config.axis_name), lax.psum(scalars, config.axis_name)
+
+
+def emit(
+    config: Config,
+    operands: tuple[Any, ...],
+    *,
+    apply: bool,
+    extra_args: dict[str, Any],
+    dtypes: Any,
+) -> tuple[Any, ...]:
+  """The emitting branch: reduce the window, run the inner optimizer once.
+
+  A window whose total weight is 0 (only padding) is not a step: the inner
+  state is kept, the updates are zeros and ``stepped`` is False. This is the
+  only place that rule lives.
+  """
+  acc, count, total_weight, noise, inner_state, params, _ = operands
+  tracking = config.noise_decay is not None
+  window_k = noise.window_count if tracking else count
+  totals = jnp.stack([total_weight, count.astype(jnp.float32), window_k.astype(jnp.float32),
+                      noise.window_sq_norms if tracking else jnp.zeros([], jnp.float32)])
+  acc, totals = _cross_device(config, acc, totals)
+  total_weight, count_f, window_k, window_sq = totals[0], totals[1], totals[2], totals[3]
+  scale = _window_scale(config, count_f, total_weight)
+
+  def step(inner_state: Any, params: Any) -> tuple[Any, Any]:
+    # XLA's GPU compiler turns a conditional whose branches hold only cheap
+    # elementwise work into selects, and then the inner optimizer runs on
+    # every micro-step. A barrier is not elementwise: the conditional stays.
+    s = lax.optimization_barrier(scale)
+    reduced = jax.tree.map(lambda a, d: (a * s.astype(a.dtype)).astype(d), acc, dtypes)
+    return run_inner(config, reduced, inner_state, params, apply=apply, extra_args=extra_args)
+
+  if config.reduction == "weighted":
+    stepped = total_weight != 0
+    out_shapes = jax.eval_shape(step, inner_state, params)[0]
+    skip = lambda s, p: (p if apply else _distinct_zeros(out_shapes, stepped), s)
+    out, new_inner = lax.cond(stepped, step, skip, inner_state, params)
+  else:
+    stepped = jnp.asarray(True)
+    out, new_inner = step(inner_state, params)
+  if tracking:
+    mean = scale if config.reduction != "sum" else 1.0 / count_f
+    noise = noise_lib.fold_window(
+        noise, window_sq_norms=window_sq, window_count=window_k.astype(jnp.int32),
+        total_weight=total_weight if config.reduction == "weighted" else window_k,
+        mean_sq_norm=noise_lib.sq_norm(acc) * mean**2, decay=config.noise_decay)
+  return out, new_inner, stepped, noise
+
+
+def _window_scale(config: Config, count: jax.Array, total_weight: jax.Array) -> jax.Array:
+  """The factor that turns the buffer into the window's reduced gradient."""
+  if config.reduction == "weighted":
+    return 1.0 / jnp.where(total_weight == 0, 1.0, total_weight)
+  if config.reduction == "mean" and not config.running_mean:
+    return 1.0 / count
+  return jnp.ones([], jnp.float32)  # a sum, or a running mean already
+
+
+def run_inner(config: Config, reduced: Any, inner_state: Any, params: Any, *, apply: bool,
+              extra_args: dict[str, Any]) -> tuple[Any, Any]:
+  """The inner optimizer on the reduced gradient: ``(updates or new params, state)``."""
+  if config.inner is None:
+    return reduced, inner_state
+  updates, new_inner = config.inner.update(reduced, inner_state, params, **extra_args)
+  # Optimizers may promote their state (Adam's f16 moments on f32 gradients);
+  # both branches of the cond, and lax.scan, need stable dtypes.
+  new_inner = optax.tree.cast_like(new_inner, inner_state)
+  return (optax.apply_updates(params, updates) if apply else updates), new_inner
+
+
+def mid(operands: tuple[Any, ...], *, apply: bool, zeros: Any) -> tuple[Any, ...]:
+  """The non-emitting branch: zero updates (or the params untouched)."""
+  _, _, _, noise, inner_state, params, closes = operands
+  out = params if apply else _distinct_zeros(zeros, closes)  # closes is False here
+  return out, inner_state, jnp.asarray(False), noise
+
+
+def _distinct_zeros(shapes: Any, false: jax.Array) -> Any:
+  """Zeros shaped like ``shapes``, one independent broadcast per leaf.
+
+  Plain ``zeros_like`` leaves are identical HLO that XLA merges into one
+  buffer and then copies into each output: nearly two passes instead of one.
+  ``false`` is a traced bool that is False where this runs; XLA cannot know
+  it, so no two leaves look alike.
+  """
+  leaves, treedef = jax.tree.flatten(shapes)
+  out = [
+      jnp.broadcast_to(jnp.where(false, jnp.asarray(i + 1, s.dtype), jnp.zeros((), s.dtype)),
+                       s.shape)
+      for i, s in enumerate(leaves)
+  ]
+  return jax.tree.unflatten(treedef, out)
+
+
+def advance(window: Window, *, count: jax.Array, total_weight: jax.Array, closes: jax.Array,
+            stepped: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(mini_step, gradient_step, acc_weight)`` after this call."""
+  return (
+      jnp.where(closes, jnp.zeros_like(count), count),
+      jnp.where(stepped, optax.safe_increment(window.gradient_step), window.gradient_step),
+      jnp.where(closes, jnp.zeros_like(total_weight), total_weight),
+  )
+
+
+def micro_step(
+    config: Config,
+    grads: optax.Updates,
+    window: Window,
+    inner_state: optax.OptState,
+    params: optax.Params | None,
+    *,
+    accept: Any = True,
+    weight: jax.Array | None = None,
+    emit_now: Any = False,
+    apply: bool = False,
+    extra_args: dict[str, Any] | None = None,
+) -> StepOut:
+  """One micro-batch into the window; one optimizer step when the window closes.
+
+  Args:
+    config: the validated configuration.
+    grads: this micro-batch's gradients (already checked against the buffer).
+    window: the accumulation state.
+    inner_state: the inner optimizer's state.
+    params: the params (needed by some optimizers, and to apply).
+    accept: whether this micro-batch counts (a bool scalar; ``True`` when it
+      cannot fail). A rejected one changes no buffer and no counter.
+    weight: the micro-batch's weight (``reduction="weighted"`` only).
+    emit_now: close the window after this micro-batch even if short.
+    apply: return the new params instead of the updates, applied inside the
+      emitting branch (mid-steps then never touch the params).
+    extra_args: passed to the inner optimizer.
+  """
+  k_now = window_length(config.k, window.gradient_step)
+  acc, count = add_to_buffer(config, window, grads, accept, weight)
+  total_weight = window.acc_weight
+  if weight is not None:
+    total_weight = total_weight + jnp.where(accept, weight, 0.0)
+  noise = window.noise
+  if config.noise_decay is not None:
+    sq = noise_lib.sq_norm(grads)
+    counted = jnp.logical_and(accept, True if weight is None else weight != 0)
+    if weight is not None:
+      sq = jnp.where(weight != 0, sq * weight, 0.0)
+    noise = noise_lib.add_micro_batch(noise, sq, counted)
+  closes = window_closes(count, k_now, emit_now)
+
+  dtypes = _reduced_dtypes(grads, params)
+  operands = (acc, count, total_weight, noise, inner_state, params, closes)
+  emit_fn = lambda ops: emit(config, ops, apply=apply, extra_args=extra_args or {}, dtypes=dtypes)
+  zeros = None if apply else jax.eval_shape(emit_fn, operands)[0]
+  mid_fn = lambda ops: mid(ops, apply=apply, zeros=zeros)
+  out, inner_state, stepped, noise = lax.cond(closes, emit_fn, mid_fn, operands)
+
+  mini_step, gradient_step, acc_weight = advance(
+      window, count=count, total_weight=total_weight, closes=closes, stepped=stepped)
+  new_window = Window(mini_step, gradient_step, acc, acc_weight, noise)
+  return StepOut(out, new_window, inner_state, stepped)
+
+
+def _reduced_dtypes(grads: optax.Updates, params: optax.Params | None) -> Any:
+  """The dtype the reduced gradient takes: the wider of the gradient's and the param's."""
+  if params is None:
+    return jax.tree.map(lambda g: jnp.result_type(g), grads)
+  return jax.tree.map(lambda g, p: jnp.promote_types(jnp.result_type(g), jnp.result_type(p)),
+                      grads, params)

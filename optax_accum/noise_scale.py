@@ -1,0 +1,204 @@
+r"""The gradient noise scale, estimated for free from accumulation windows.
+
+McCandlish, Kaplan, Amodei et al., "An Empirical Model of Large-Batch
+Training" (2018), define the simple noise scale
+:math:`B_\text{simple} = \operatorname{tr}(\Sigma) / |G|^2` (per-example
+gradient covariance over the squared true gradient). Batches well below it
+waste optimizer steps; batches well above it waste compute.
+
+A window of ``k`` micro-batch gradients :math:`g_i` (each the mean over ``b``
+examples) and their mean :math:`\bar g` holds what an estimate needs. With
+:math:`S = \frac1k\sum_i |g_i|^2` and :math:`M = |\bar g|^2`,
+:math:`E[S] = |G|^2 + \operatorname{tr}(\Sigma)/b` and
+:math:`E[M] = |G|^2 + \operatorname{tr}(\Sigma)/(kb)`, so each window gives
+
+* :math:`|G|^2 \approx (kM - S)/(k - 1)` (the signal) and
+* :math:`\operatorname{tr}(\Sigma)/b \approx k(S - M)/(k - 1)` (the noise).
+
+Both are averaged separately over windows (exponential moving averages with
+the same decay, so their bias corrections cancel in the ratio) and the noise
+scale in **micro-batches** is noise / signal: multiply by the examples per
+micro-batch for examples. Weighted windows (``reduction="weighted"``, weights
+proportional to the examples or tokens in each micro-batch) use
+:math:`S = \sum_i w_i |g_i|^2 / \sum_i w_i` and the weighted mean for
+:math:`\bar g`; then ``k`` counts the micro-batches of nonzero weight and the
+unit is the average micro-batch. The estimate is invariant to the loss scale.
+
+This module holds the state and the arithmetic; ``accumulate``,
+``MultiSteps`` (``track_noise_scale=``) and ``microbatched``
+(``return_noise_stats=True``) feed it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["MIN_WINDOWS", "NoiseScaleState", "noise_scale", "sq_norm"]
+
+#: Windows folded in before :func:`noise_scale` returns a number (NaN before).
+MIN_WINDOWS = 10
+DEFAULT_DECAY = 0.99
+
+
+class NoiseScaleState(NamedTuple):
+  r"""Running estimate of the gradient noise scale.
+
+  Attributes:
+    window_sq_norms: :math:`\sum_i w_i |g_i|^2` over the open window (float32;
+      ``w_i = 1`` for unweighted windows).
+    window_count: micro-batches of nonzero weight in the open window (int32).
+    signal: moving average of the per-window estimates of :math:`|G|^2`.
+    noise: moving average of the per-window estimates of
+      :math:`\operatorname{tr}(\Sigma)/b`.
+    num_windows: windows folded into the averages (int32). Windows with fewer
+      than two micro-batches, or with a non-finite estimate, are left out.
+  """
+
+  window_sq_norms: jax.Array
+  window_count: jax.Array
+  signal: jax.Array
+  noise: jax.Array
+  num_windows: jax.Array
+
+
+def init() -> NoiseScaleState:
+  """An empty estimate."""
+  zero = jnp.zeros([], jnp.float32)
+  return NoiseScaleState(zero, jnp.zeros([], jnp.int32), zero, zero, jnp.zeros([], jnp.int32))
+
+
+def check_decay(value: Any) -> float | None:
+  """``track_noise_scale`` as an EMA decay: None (off), or a float in (0, 1)."""
+  if value is False or value is None:
+    return None
+  if value is True:
+    return DEFAULT_DECAY
+  if isinstance(value, (int, float)) and 0.0 < float(value) < 1.0:
+    return float(value)
+  raise ValueError(
+      "`track_noise_scale` must be a bool, or a float in (0, 1) giving the decay"
+      f" of the moving averages (True means {DEFAULT_DECAY}); got {value!r}."
+  )
+
+
+def sq_norm(tree: Any) -> jax.Array:
+  r""":math:`\sum |x|^2` over every leaf of ``tree``, as a float32 scalar.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_accum.noise_scale import sq_norm
+    >>> float(sq_norm({"a": jnp.array([3.0, 4.0]), "b": jnp.array([1j])}))
+    26.0
+  """
+  total = jnp.zeros([], jnp.float32)
+  for x in jax.tree.leaves(tree):
+    x = jnp.asarray(x)
+    wide = jnp.promote_types(x.real.dtype if jnp.iscomplexobj(x) else x.dtype, jnp.float32)
+    total = total + jnp.sum(jnp.abs(x).astype(wide) ** 2).astype(jnp.float32)
+  return total
+
+
+def add_micro_batch(state: NoiseScaleState, sq: jax.Array, counted: jax.Array) -> NoiseScaleState:
+  """Adds one micro-batch's (weighted) squared norm to the open window."""
+  return state._replace(
+      window_sq_norms=state.window_sq_norms + jnp.where(counted, sq, 0.0),
+      window_count=state.window_count + jnp.asarray(counted, jnp.int32),
+  )
+
+
+def fold_window(
+    state: NoiseScaleState,
+    *,
+    window_sq_norms: jax.Array,
+    window_count: jax.Array,
+    total_weight: jax.Array,
+    mean_sq_norm: jax.Array,
+    decay: float,
+) -> NoiseScaleState:
+  r"""Closes a window: folds its estimates into the averages, empties the window.
+
+  Args:
+    state: the state to update.
+    window_sq_norms: :math:`\sum_i w_i |g_i|^2` over the window (summed over
+      devices when the window spans several).
+    window_count: ``k``, the micro-batches of nonzero weight in the window.
+    total_weight: :math:`\sum_i w_i` (``k`` for unweighted windows).
+    mean_sq_norm: :math:`|\bar g|^2`, the squared norm of the window's mean.
+    decay: the decay of the moving averages.
+  """
+  k = window_count.astype(jnp.float32)
+  s = window_sq_norms / jnp.where(total_weight == 0, 1.0, total_weight)
+  m = mean_sq_norm
+  denom = jnp.maximum(k - 1.0, 1.0)
+  signal = (k * m - s) / denom
+  noise = k * (s - m) / denom
+  use = (window_count >= 2) & jnp.isfinite(signal) & jnp.isfinite(noise)
+  return NoiseScaleState(
+      window_sq_norms=jnp.zeros_like(state.window_sq_norms),
+      window_count=jnp.zeros_like(state.window_count),
+      signal=jnp.where(use, decay * state.signal + (1.0 - decay) * signal, state.signal),
+      noise=jnp.where(use, decay * state.noise + (1.0 - decay) * noise, state.noise),
+      num_windows=state.num_windows + use.astype(jnp.int32),
+  )
+
+
+def find(state: Any) -> NoiseScaleState | None:
+  """The first :class:`NoiseScaleState` inside ``state``, or None."""
+  if isinstance(state, NoiseScaleState):
+    return state
+  if isinstance(state, (tuple, list)):
+    for sub in state:
+      found = find(sub)
+      if found is not None:
+        return found
+  if isinstance(state, dict):
+    for sub in state.values():
+      found = find(sub)
+      if found is not None:
+        return found
+  return None
+
+
+def noise_scale(state: Any, min_windows: int = MIN_WINDOWS) -> jax.Array:
+  r"""The simple gradient noise scale, in micro-batches (a float32 scalar).
+
+  Multiply by the examples (or tokens) per micro-batch to get it in
+  examples. It is NaN until ``min_windows`` windows of at least two
+  micro-batches have been folded in, and while the signal estimate is not
+  positive (early in training, or with very noisy windows): never a silent 0.
+
+  Args:
+    state: the state of ``accumulate(..., track_noise_scale=True)`` or of
+      ``MultiSteps(..., track_noise_scale=True)``, or any state (a chain's
+      tuple, a Flax optimizer's ``opt_state``) that holds one.
+    min_windows: windows needed before a number is returned.
+
+  Returns:
+    The estimate of :math:`B_\text{simple} / b`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum as oa
+    >>> tx = oa.accumulate(4, optax.sgd(0.0), track_noise_scale=True)
+    >>> params = {"w": jnp.zeros(64)}
+    >>> state = tx.init(params)
+    >>> key = jax.random.key(0)
+    >>> for i in range(4 * 50):   # true gradient 1, per-element noise variance 4
+    ...   g = {"w": 1.0 + 2.0 * jax.random.normal(jax.random.fold_in(key, i), (64,))}
+    ...   _, state = tx.update(g, state, params)
+    >>> b = float(oa.noise_scale(state))   # tr(Sigma) / |G|^2 = 64 * 4 / 64 = 4
+    >>> 2.5 < b < 6.0
+    True
+  """
+  found = find(state)
+  if found is None:
+    raise TypeError(
+        "`noise_scale` needs the state of a transform built with"
+        " `track_noise_scale=True` (or a state holding one); got"
+        f" {type(state).__name__}."
+    )
+  ready = (jnp.asarray(found.num_windows) >= min_windows) & (jnp.asarray(found.signal) > 0)
+  ratio = jnp.asarray(found.noise) / jnp.where(ready, jnp.asarray(found.signal), 1.0)
+  return jnp.where(ready, ratio, jnp.nan).astype(jnp.float32)
