@@ -34,7 +34,7 @@ from optax_accum.multi_steps import (
     skip_large_updates,
     skip_not_finite,
 )
-from optax_accum.noise_scale import NoiseScaleState, noise_scale
+from optax_accum.noise_scale import AdaptiveK, NoiseScaleState, adaptive_k, noise_scale
 from optax_accum.precision import (
     DynamicLossScale,
     LossScaler,
@@ -53,6 +53,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AccumulateState",
+    "AdaptiveK",
     "AuxRule",
     "DynamicLossScale",
     "LossScaler",
@@ -62,6 +63,7 @@ __all__ = [
     "Policy",
     "ShouldSkipUpdateFunction",
     "accumulate",
+    "adaptive_k",
     "all_finite",
     "cast_floating",
     "dynamic_loss_scale",

@@ -281,3 +281,98 @@ def check_grads_are_local(grads: Any, axis_name: Any) -> None:
           f" `jax.lax.pcast(params, {axis_name!r}, to='varying')` so each device"
           " accumulates its local gradient and the all-reduce runs once per window."
       )
+
+
+def _axes(axis_name: Any) -> tuple[Any, ...]:
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def explicit_axes(axis_name: Any) -> tuple[Any, ...] | None:
+  """The axes, if ``axis_name`` names Explicit axes of the current mesh (plain jit).
+
+  None when they are manual axes (``shard_map``, ``pmap``): there the
+  cross-device reduction is a ``psum``. Under ``jax.jit`` in explicit-sharding
+  mode the gradients arrive *unreduced* over these axes and the reduction is a
+  ``jax.reshard``. Auto axes carry no such types: that is an error, as is a
+  mix of kinds.
+  """
+  if axis_name is None:
+    return None
+  axes = _axes(axis_name)
+  mesh = jax.sharding.get_abstract_mesh()
+  names = tuple(getattr(mesh, "axis_names", ()) or ())
+  if not all(a in names for a in axes):
+    return None  # pmap, or a shard_map axis the abstract mesh does not list
+  kinds = {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
+  if kinds == {"Manual"}:
+    return None
+  if kinds == {"Explicit"}:
+    return axes
+  raise ValueError(
+      f"`axis_name={axis_name!r}` names mesh axes of kinds {sorted(kinds)}. Use"
+      " Explicit axes (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))"
+      " and jax.set_mesh) for jit with unreduced gradients, or Manual ones"
+      " (inside shard_map) for psum: not Auto axes, and not a mix."
+  )
+
+
+def unreduced_axes(x: Any) -> frozenset[Any]:
+  """The mesh axes over which ``x``'s type says it is an unreduced partial sum."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  return frozenset(getattr(spec, "unreduced", None) or ())
+
+
+def check_grads_unreduced(grads: Any, axes: tuple[Any, ...]) -> None:
+  """Raises unless every gradient leaf is unreduced over exactly ``axes``."""
+  want = frozenset(axes)
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    have = unreduced_axes(g)
+    if have == want:
+      continue
+    if not have:
+      raise ValueError(
+          f"The gradient at {_path_str(path)} is already reduced over {sorted(want)}"
+          f" (its type {jax.typeof(g)} has no {{U:...}}): jax.grad with respect to"
+          " replicated params reduces it on every micro-step, which is what"
+          " `accumulate(..., axis_name=...)` under jit avoids. Differentiate with"
+          " respect to `optax_accum.sharding.defer_reduction(params,"
+          f" {axis_name_repr(axes)})`."
+      )
+    raise ValueError(
+        f"The gradient at {_path_str(path)} is unreduced over {sorted(have)} but the"
+        f" accumulator reduces over {sorted(want)}. Pass the same axes to"
+        " `defer_reduction` and to `accumulate(..., axis_name=...)`."
+    )
+
+
+def check_grads_not_unreduced(grads: Any) -> None:
+  """Raises if a gradient is unreduced but the accumulator has no axis to reduce it."""
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    have = unreduced_axes(g)
+    if have:
+      raise ValueError(
+          f"The gradient at {_path_str(path)} is unreduced over {sorted(have)} (each"
+          " device holds a partial sum) but this accumulator was built without"
+          f" `axis_name`: build it with `accumulate(..., axis_name={axis_name_repr(tuple(have))})`"
+          " so the window is reduced once when it closes."
+      )
+
+
+def axis_name_repr(axes: tuple[Any, ...]) -> str:
+  return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
+
+
+def match_varying(x: jax.Array, target: Any) -> jax.Array:
+  """``x`` marked device-varying over the manual axes ``target`` varies over.
+
+  A no-op outside ``shard_map``. Inside it, both branches of a ``lax.cond``
+  (and a ``lax.scan`` carry and its update) must vary over the same axes.
+  """
+  missing = varying_axes(target) - varying_axes(x)
+  if not missing:
+    return x
+  names = tuple(sorted(missing, key=str))
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, names, to="varying")
+  return jax.lax.pvary(x, names)  # older jax

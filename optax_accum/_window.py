@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from optax_accum import _validation
 from optax_accum import noise_scale as noise_lib
 
 KSchedule = Callable[[jax.Array], Any]
@@ -35,7 +36,8 @@ class Config:
   """Everything a micro-step needs to know, validated once.
 
   Attributes:
-    k: micro-batches per window: an int or a schedule ``f(gradient_step)``.
+    k: micro-batches per window: an int, a schedule ``f(gradient_step)``, or
+      an :class:`~optax_accum.noise_scale.AdaptiveK` policy.
     inner: the inner optimizer, or None (the chain form: emit the reduced
       gradient itself).
     reduction: ``"mean"``, ``"sum"`` or ``"weighted"``.
@@ -46,7 +48,7 @@ class Config:
     noise_decay: the decay of the noise-scale averages, or None (not tracked).
   """
 
-  k: int | KSchedule
+  k: int | KSchedule | noise_lib.AdaptiveK
   inner: optax.GradientTransformationExtraArgs | None
   reduction: str = "mean"
   running_mean: bool = False
@@ -75,11 +77,20 @@ class StepOut(NamedTuple):
 
 
 def init_window(config: Config, params: optax.Params) -> Window:
-  """An empty window: a zero buffer shaped (and sharded) like ``params``."""
-  from optax_accum._validation import accumulator_dtype
+  """An empty window: a zero buffer shaped (and sharded) like ``params``.
+
+  Under ``jax.jit`` with explicit sharding and ``axis_name`` naming data axes,
+  the buffer is typed *unreduced* over them: each device keeps its partial sum.
+  """
+  unreduced = _validation.explicit_axes(config.axis_name)
 
   def zeros(p: jax.Array) -> jax.Array:
-    return jnp.zeros_like(p, dtype=accumulator_dtype(jnp.result_type(p), config.acc_dtype))
+    dtype = _validation.accumulator_dtype(jnp.result_type(p), config.acc_dtype)
+    if unreduced is None:
+      return jnp.zeros_like(p, dtype=dtype)
+    spec = jax.sharding.PartitionSpec(
+        *strip_axes(_spec(p).partitions, unreduced), unreduced=set(unreduced))
+    return jnp.zeros(jnp.shape(p), dtype, out_sharding=spec)
 
   return Window(
       mini_step=jnp.zeros([], jnp.int32),
@@ -90,10 +101,28 @@ def init_window(config: Config, params: optax.Params) -> Window:
   )
 
 
-def window_length(k: int | KSchedule, gradient_step: jax.Array) -> jax.Array:
+def _spec(x: Any) -> jax.sharding.PartitionSpec:
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  return getattr(sharding, "spec", None) or jax.sharding.PartitionSpec()
+
+
+def strip_axes(partitions: tuple[Any, ...], axes: tuple[Any, ...]) -> tuple[Any, ...]:
+  """A spec's partitions with ``axes`` removed (those dims all-gathered over them)."""
+  def one(entry: Any) -> Any:
+    if entry is None:
+      return None
+    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n not in axes)
+    return None if not names else names[0] if len(names) == 1 else names
+  return tuple(one(e) for e in partitions)
+
+
+def window_length(k: int | KSchedule | noise_lib.AdaptiveK, window: Window) -> jax.Array:
   """``k`` for this window; a schedule is checked when concrete, clamped under jit."""
   if isinstance(k, int):
     return jnp.asarray(k, jnp.int32)
+  if isinstance(k, noise_lib.AdaptiveK):
+    return k(window.noise)
+  gradient_step = window.gradient_step
   value = k(gradient_step)
   if not isinstance(value, jax.core.Tracer):
     concrete = int(jnp.asarray(value))
@@ -123,9 +152,10 @@ def add_to_buffer(
 
   def add(acc: jax.Array, g: jax.Array) -> jax.Array:
     g = g.astype(acc.dtype)
-    old = jnp.where(stale, jnp.zeros((), acc.dtype), acc)
+    zero = jnp.zeros_like(acc)  # (a scalar 0 is not allowed with unreduced types)
+    old = jnp.where(stale, zero, acc)
     if weight is not None:
-      g = jnp.where(weight != 0, g * weight.astype(acc.dtype), jnp.zeros((), acc.dtype))
+      g = jnp.where(weight != 0, g * _scalar_like(weight.astype(acc.dtype), acc), zero)
     if config.running_mean:  # optax.MultiSteps' Welford update
       new = old + (g - old) * inv_next.astype(acc.dtype)
     else:
@@ -145,11 +175,31 @@ def window_closes(count: jax.Array, k_now: jax.Array, emit_now: Any) -> jax.Arra
   return jnp.logical_and(full, count > 0)
 
 
-def _cross_device(config: Config, acc: Any, scalars: jax.Array) -> tuple[Any, jax.Array]:
-  """Sums the buffer and a vector of scalars over ``axis_name`` (one collective each)."""
+def _scalar_like(w: jax.Array, acc: jax.Array) -> jax.Array:
+  """``w`` typed to multiply ``acc``: an unreduced array needs a *reduced* scalar."""
+  axes = _validation.unreduced_axes(acc)
+  if not axes:
+    return w
+  return jax.reshard(w, jax.sharding.PartitionSpec(reduced=set(axes)))
+
+
+def _cross_device(
+    config: Config, acc: Any, scalars: jax.Array, params: Any) -> tuple[Any, jax.Array]:
+  """The window summed over ``axis_name``, and a vector of scalars with it.
+
+  Under ``shard_map``/``pmap`` two ``psum``s (the scalars are per device).
+  Under jit with unreduced buffers, one ``jax.reshard`` per leaf to the
+  params' sharding: an all-reduce, or a reduce-scatter for sharded params;
+  the scalars are global values there already.
+  """
   if config.axis_name is None:
     return acc, scalars
-  return lax.psum(acc, config.axis_name), lax.psum(scalars, config.axis_name)
+  if _validation.explicit_axes(config.axis_name) is None:
+    return lax.psum(acc, config.axis_name), lax.psum(scalars, config.axis_name)
+  targets = acc if params is None else params
+  acc = jax.tree.map(
+      lambda a, t: jax.reshard(a, jax.sharding.PartitionSpec(*_spec(t).partitions)), acc, targets)
+  return acc, scalars
 
 
 def emit(
@@ -171,7 +221,7 @@ def emit(
   window_k = noise.window_count if tracking else count
   totals = jnp.stack([total_weight, count.astype(jnp.float32), window_k.astype(jnp.float32),
                       noise.window_sq_norms if tracking else jnp.zeros([], jnp.float32)])
-  acc, totals = _cross_device(config, acc, totals)
+  acc, totals = _cross_device(config, acc, totals, params)
   total_weight, count_f, window_k, window_sq = totals[0], totals[1], totals[2], totals[3]
   scale = _window_scale(config, count_f, total_weight)
 
@@ -229,19 +279,24 @@ def mid(operands: tuple[Any, ...], *, apply: bool, zeros: Any) -> tuple[Any, ...
 
 
 def _distinct_zeros(shapes: Any, false: jax.Array) -> Any:
-  """Zeros shaped like ``shapes``, one independent broadcast per leaf.
+  """Zeros shaped (and typed) like ``shapes``, one independent broadcast per leaf.
 
   Plain ``zeros_like`` leaves are identical HLO that XLA merges into one
   buffer and then copies into each output: nearly two passes instead of one.
   ``false`` is a traced bool that is False where this runs; XLA cannot know
-  it, so no two leaves look alike.
+  it, so no two leaves look alike. Both branches of a cond need equal types,
+  so each leaf also takes its target's sharding (explicit mode) or the mesh
+  axes it varies over (inside ``shard_map``).
   """
   leaves, treedef = jax.tree.flatten(shapes)
-  out = [
-      jnp.broadcast_to(jnp.where(false, jnp.asarray(i + 1, s.dtype), jnp.zeros((), s.dtype)),
-                       s.shape)
-      for i, s in enumerate(leaves)
-  ]
+  out = []
+  for i, s in enumerate(leaves):
+    fill = jnp.where(false, jnp.asarray(i + 1, s.dtype), jnp.zeros((), s.dtype))
+    sharding = getattr(s, "sharding", None)
+    explicit = isinstance(sharding, jax.sharding.NamedSharding) and any(
+        str(t).endswith("Explicit") for t in sharding.mesh.axis_types)
+    z = jnp.broadcast_to(fill, s.shape, out_sharding=sharding.spec if explicit else None)
+    out.append(_validation.match_varying(z, s))
   return jax.tree.unflatten(treedef, out)
 
 
@@ -284,7 +339,7 @@ def micro_step(
       emitting branch (mid-steps then never touch the params).
     extra_args: passed to the inner optimizer.
   """
-  k_now = window_length(config.k, window.gradient_step)
+  k_now = window_length(config.k, window)
   acc, count = add_to_buffer(config, window, grads, accept, weight)
   total_weight = window.acc_weight
   if weight is not None:

@@ -104,10 +104,11 @@ def accumulate(
     count advances), so that is not large-batch training.
 
   Args:
-    k: micro-batches per optimizer step: a positive int, or a schedule
+    k: micro-batches per optimizer step: a positive int, a schedule
       ``f(gradient_step) -> int`` (a batch-size ramp), evaluated on the traced
-      step count so changing values never recompile. A concrete value below 1
-      raises; under ``jit`` it is clamped to 1.
+      step count so changing values never recompile (a concrete value below 1
+      raises; under ``jit`` it is clamped to 1), or
+      :func:`~optax_accum.adaptive_k` to follow the gradient noise scale.
     optimizer: the inner optimizer, run once per window; ``None`` gives the
       chain form.
     reduction: ``"mean"`` (sum / k), ``"sum"``, or ``"weighted"``: then
@@ -164,22 +165,26 @@ def accumulate(
     >>> bool(jnp.allclose(params["w"], 1 + u["w"]))
     True
   """
-  k = _validation.check_k(k)
+  adaptive = isinstance(k, noise_lib.AdaptiveK)
+  k = k if adaptive else _validation.check_k(k)
   _validation.check_optimizer(optimizer)
+  noise_decay = noise_lib.check_decay(track_noise_scale)
+  if adaptive and noise_decay is None:
+    noise_decay = noise_lib.DEFAULT_DECAY  # the policy reads the estimate
   config = _window.Config(
       k=k,
       inner=None if optimizer is None else optax.with_extra_args_support(optimizer),
       reduction=_validation.check_reduction(reduction),
       acc_dtype=_validation.check_accumulator_dtype(accumulator_dtype),
       axis_name=axis_name,
-      noise_decay=noise_lib.check_decay(track_noise_scale),
+      noise_decay=noise_decay,
   )
   skip_nonfinite = _validation.check_flag(skip_nonfinite, "skip_nonfinite")
   # Only an optimizer that had to be wrapped is known to take no extra args;
   # in the chain form the chain hands every member the others' keywords.
   strict_kwargs = optimizer is not None and not isinstance(
       optimizer, optax.GradientTransformationExtraArgs)
-  if not isinstance(k, int):
+  if not isinstance(k, int) and not adaptive:
     _check_schedule_at_zero(k)
 
   def init_fn(params: optax.Params) -> AccumulateState:

@@ -77,8 +77,8 @@ class MultiSteps:
 
     Args:
       opt: the wrapped optimizer, run once per window.
-      every_k_schedule: mini-steps per update: an int (or integral float) or
-        ``f(gradient_step) -> int``.
+      every_k_schedule: mini-steps per update: an int (or integral float),
+        ``f(gradient_step) -> int``, or :func:`~optax_accum.adaptive_k`.
       use_grad_mean: average (True) or sum (False) the window's gradients.
       should_skip_update_fn: ``f(updates, gradient_step, params) -> (skip,
         skip_state)``, e.g. ``optax_accum.skip_not_finite``. A skipped
@@ -92,13 +92,16 @@ class MultiSteps:
     _validation.check_optimizer(opt, "opt")
     self._strict_kwargs = not isinstance(opt, optax.GradientTransformationExtraArgs)
     self._opt = optax.with_extra_args_support(opt)
+    noise_decay = noise_lib.check_decay(track_noise_scale)
+    if isinstance(every_k_schedule, noise_lib.AdaptiveK) and noise_decay is None:
+      noise_decay = noise_lib.DEFAULT_DECAY  # the policy reads the estimate
     self._config = _window.Config(
         k=_validation.check_k(every_k_schedule, "every_k_schedule"),
         inner=self._opt,
         reduction="mean" if use_grad_mean else "sum",
         running_mean=use_grad_mean,
         acc_dtype=_validation.check_accumulator_dtype(accumulator_dtype),
-        noise_decay=noise_lib.check_decay(track_noise_scale),
+        noise_decay=noise_decay,
     )
     self._should_skip = should_skip_update_fn
 

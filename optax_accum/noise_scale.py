@@ -31,12 +31,14 @@ This module holds the state and the arithmetic; ``accumulate``,
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["MIN_WINDOWS", "NoiseScaleState", "noise_scale", "sq_norm"]
+__all__ = ["MIN_WINDOWS", "AdaptiveK", "NoiseScaleState", "adaptive_k", "noise_scale", "sq_norm"]
 
 #: Windows folded in before :func:`noise_scale` returns a number (NaN before).
 MIN_WINDOWS = 10
@@ -202,3 +204,76 @@ def noise_scale(state: Any, min_windows: int = MIN_WINDOWS) -> jax.Array:
   ready = (jnp.asarray(found.num_windows) >= min_windows) & (jnp.asarray(found.signal) > 0)
   ratio = jnp.asarray(found.noise) / jnp.where(ready, jnp.asarray(found.signal), 1.0)
   return jnp.where(ready, ratio, jnp.nan).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveK:
+  """A window length driven by the noise scale; build it with :func:`adaptive_k`.
+
+  Attributes:
+    k_min: the shortest window (also used until the estimate is ready).
+    k_max: the longest window.
+    fraction: the window aims at ``fraction`` times the noise scale.
+    min_windows: windows folded in before the estimate is trusted.
+  """
+
+  k_min: int
+  k_max: int
+  fraction: float = 1.0
+  min_windows: int = MIN_WINDOWS
+
+  def __call__(self, state: NoiseScaleState) -> jax.Array:
+    """``k`` for the next window, from the estimate in ``state`` (an int32 scalar)."""
+    b = noise_scale(state, self.min_windows)
+    wanted = jnp.clip(jnp.round(self.fraction * b), self.k_min, self.k_max)
+    return jnp.where(jnp.isfinite(b), wanted, self.k_min).astype(jnp.int32)
+
+
+def adaptive_k(k_min: int, k_max: int, *, fraction: float = 1.0,
+               min_windows: int = MIN_WINDOWS) -> AdaptiveK:
+  r"""A ``k`` for :func:`~optax_accum.accumulate` that follows the noise scale.
+
+  Each window holds :math:`k = \operatorname{clip}(\operatorname{round}(
+  \text{fraction} \cdot B_\text{noise} / b), k_\min, k_\max)` micro-batches,
+  with :math:`B_\text{noise}/b` the estimate of :func:`noise_scale` (in
+  micro-batches). It is re-evaluated on the traced state at each window
+  boundary (the estimate only changes when a window closes), so changing
+  values never recompile. Until the estimate is ready the window holds
+  ``k_min``. Passing it as ``k`` turns on ``track_noise_scale``.
+
+  Training near the noise scale spends the fewest examples per unit of
+  progress for the steps it takes (McCandlish et al., 2018); ``fraction``
+  below 1 favours fewer examples, above 1 fewer optimizer steps. The inner
+  optimizer's schedules still count optimizer steps; to count examples
+  instead, see the README ("How large should k be?").
+
+  Args:
+    k_min: the shortest window, >= 1 (2 or more lets the estimate start).
+    k_max: the longest window, >= ``k_min``.
+    fraction: the target window length as a fraction of the noise scale.
+    min_windows: windows folded in before the estimate is used.
+
+  Returns:
+    An :class:`AdaptiveK`, to pass as ``accumulate``'s ``k``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum as oa
+    >>> tx = oa.accumulate(oa.adaptive_k(2, 64), optax.sgd(0.0))
+    >>> params = {"w": jnp.zeros(64)}
+    >>> state = tx.init(params)
+    >>> step = jax.jit(tx.update)
+    >>> key = jax.random.key(0)
+    >>> for i in range(400):   # noise scale 4 micro-batches (see noise_scale)
+    ...   g = {"w": 1.0 + 2.0 * jax.random.normal(jax.random.fold_in(key, i), (64,))}
+    ...   _, state = step(g, state, params)
+    >>> 2 <= int(oa.adaptive_k(2, 64)(state.noise_stats)) <= 8
+    True
+  """
+  for name, value in (("k_min", k_min), ("k_max", k_max), ("min_windows", min_windows)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"`{name}` must be an int >= 1; got {value!r}.")
+  if k_max < k_min or k_max > 2**31 - 1:
+    raise ValueError(f"Need k_min <= k_max < 2**31; got k_min={k_min}, k_max={k_max}.")
+  if not (isinstance(fraction, (int, float)) and fraction > 0 and math.isfinite(fraction)):
+    raise ValueError(f"`fraction` must be a positive number; got {fraction!r}.")
+  return AdaptiveK(k_min, k_max, float(fraction), min_windows)

@@ -1,18 +1,23 @@
-"""Sharding helpers: lay the accumulation state out like the params.
+"""Sharding helpers: one gradient reduction per window, on any kind of mesh.
 
-Two ways to run :func:`~optax_accum.accumulate` on many devices:
+Three ways to run :func:`~optax_accum.accumulate` data-parallel:
 
-* **jit with shardings** (auto-sharded, FSDP/ZeRO on a mesh): the buffer and
-  every params-shaped leaf of the inner optimizer's state take the params'
-  sharding. :func:`state_shardings` gives that tree, for
-  ``jax.jit(tx.init, out_shardings=...)`` and for the train step's
-  ``in_shardings``/``out_shardings``.
-* **shard_map with** ``axis_name`` (explicit data parallelism, one gradient
-  all-reduce per window): each device keeps its own buffer.
-  :func:`per_device_state` wraps the transform so those per-device leaves carry
-  a leading device axis, and :func:`shard_map_specs` gives the matching
-  ``in_specs``/``out_specs``. Under ``pmap`` no wrapper is needed: pmap already
-  stacks every leaf along the device axis.
+* **plain jit, explicit sharding** (``AxisType.Explicit`` mesh axes,
+  ``jax.set_mesh``): differentiate with respect to
+  :func:`defer_reduction` ``(params, "data")`` so the gradients come back
+  *unreduced* (each device holds its partial sum), and build
+  ``accumulate(k, opt, axis_name="data")``: its buffer stays unreduced,
+  mid-steps move no gradient bytes between devices, and the emitting step
+  reduces once (an all-reduce, or a reduce-scatter for FSDP-sharded params).
+* **shard_map with** ``axis_name``: each device keeps its own buffer.
+  :func:`per_device_state` wraps the transform so those per-device leaves
+  carry a leading device axis, and :func:`shard_map_specs` gives the matching
+  ``in_specs``/``out_specs``. Under ``pmap`` no wrapper is needed.
+* **jit with shardings** and no ``axis_name`` (auto-sharded, FSDP on a mesh):
+  correct, but XLA reduces the gradients on every micro-step.
+
+In every case :func:`state_shardings` lays the optimizer state out like the
+params, for ``jax.jit(tx.init, out_shardings=...)``.
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from optax_accum import debug
+from optax_accum import _validation, debug
+from optax_accum._window import strip_axes
 from optax_accum.accumulation import AccumulateState
+from optax_accum.noise_scale import NoiseScaleState
 
 __all__ = [
+    "defer_reduction",
     "per_device_state",
     "shard_map_specs",
     "state_shardings",
@@ -211,13 +219,22 @@ def state_shardings(
   return layout
 
 
+def _per_device_noise(noise: Any, fn: Any) -> Any:
+  """The open window's sums of a noise-scale state are per device; the averages are not."""
+  if not isinstance(noise, NoiseScaleState):
+    return noise
+  return noise._replace(window_sq_norms=fn(noise.window_sq_norms),
+                        window_count=fn(noise.window_count))
+
+
 def _map_per_device(state: Any, fn: Any) -> Any:
-  """Applies ``fn`` to the per-device leaves: the buffer and the weight total."""
+  """Applies ``fn`` to the per-device leaves: the buffer and the window's totals."""
 
   def visit(node: Any) -> Any:
     if isinstance(node, AccumulateState):
       return node._replace(
-          acc_grads=jax.tree.map(fn, node.acc_grads), acc_weight=fn(node.acc_weight))
+          acc_grads=jax.tree.map(fn, node.acc_grads), acc_weight=fn(node.acc_weight),
+          noise_stats=_per_device_noise(node.noise_stats, fn))
     return node
 
   return jax.tree.map(visit, state, is_leaf=lambda n: isinstance(n, AccumulateState))
@@ -372,10 +389,69 @@ def shard_map_specs(
     acc_grads = jax.tree.map(
         lambda v, spec: v if _is_masked(v) else per_device(spec), node.acc_grads, param_specs,
         is_leaf=_is_masked)
-    return node_specs._replace(acc_grads=acc_grads, acc_weight=per_device(PartitionSpec()))
+    return node_specs._replace(
+        acc_grads=acc_grads, acc_weight=per_device(PartitionSpec()),
+        noise_stats=_per_device_noise(node_specs.noise_stats,
+                                      lambda _: per_device(PartitionSpec())))
 
   return jax.tree.map(with_per_device_leaves, state, specs,
                       is_leaf=lambda n: isinstance(n, AccumulateState))
+
+
+def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
+  """``params`` typed so that their gradients come back unreduced over ``axis_name``.
+
+  Under ``jax.jit`` in explicit-sharding mode, replicating a value over a mesh
+  axis makes its gradient a cross-device sum, and XLA inserts that all-reduce
+  into every call. Resharding the params to ``P(..., reduced={axis})`` first
+  makes ``jax.grad`` return per-device partial sums instead
+  (``float32[...]{U:data}``): they can be added, carried and passed to the
+  next jitted call, and :func:`~optax_accum.accumulate` (or
+  :func:`~optax_accum.microbatched`) with ``axis_name`` reduces them once.
+  Params sharded over ``axis_name`` (FSDP) are all-gathered over it here.
+
+  Args:
+    params: the params, placed on an explicit mesh (``jax.set_mesh``).
+    axis_name: the data axis (or tuple of axes) the batch is sharded over.
+
+  Returns:
+    The params, resharded; use them only as the argument of ``jax.grad``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum as oa
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> from optax_accum.sharding import defer_reduction
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    >>> with jax.set_mesh(mesh):
+    ...   params = jax.device_put({"w": jnp.ones(3)}, P())
+    ...   x = jax.device_put(jnp.ones((16, 3)), P("data"))
+    ...   tx = oa.accumulate(2, optax.sgd(0.1), axis_name="data")
+    ...   state = tx.init(params)
+    ...   @jax.jit
+    ...   def step(params, state, x):
+    ...     grads = jax.grad(lambda p: jnp.mean(x @ p["w"]))(defer_reduction(params, "data"))
+    ...     return oa.update_and_apply(tx, grads, state, params)
+    ...   print(jax.typeof(state.acc_grads["w"]))
+    ...   for _ in range(2):
+    ...     params, state = step(params, state, x)
+    float32[3]{U:data}
+    >>> params["w"]  # one SGD step on the mean gradient (1, 1, 1)
+    Array([0.9, 0.9, 0.9], dtype=float32)
+  """
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  if _validation.explicit_axes(axes) is None:
+    raise ValueError(
+        f"`defer_reduction` needs `axis_name={axis_name!r}` to name Explicit axes of"
+        " the current mesh: build it with jax.make_mesh(..., axis_types="
+        "(AxisType.Explicit, ...)) and enter it with jax.set_mesh(mesh). Inside"
+        " shard_map use `jax.lax.pcast(params, axis_name, to='varying')` instead."
+    )
+
+  def one(p: jax.Array) -> jax.Array:
+    spec = jax.typeof(p).sharding.spec
+    return jax.reshard(p, PartitionSpec(*strip_axes(spec.partitions, axes), reduced=set(axes)))
+
+  return jax.tree.map(one, params)
 
 
 def __getattr__(name: str) -> Any:

@@ -296,19 +296,17 @@ def test_shard_map_specs_follow_each_param_through_masks_and_partitions(name: st
   state = init(params)
   assert state.acc_grads["w"].shape == (4, features)  # one buffer per "data" device
 
-  # The step runs without vma checking: accumulate's lax.cond does not yet
-  # type-check when params vary over a second mesh axis (see the xfail below),
-  # so the gradient of the "model"-replicated scale is summed over "model" here.
+  # With vma checking on: the gradient of the "model"-replicated scale is
+  # summed over "model" by JAX, and each "data" device keeps its own buffer.
   def body(p: Any, st: Any, xb: jax.Array, yb: jax.Array) -> tuple[Any, Any]:
-    grads = jax.grad(separable_loss)(p, xb, yb)
-    grads["s"] = lax.psum(grads["s"], "model")
+    grads = jax.grad(separable_loss)(lax.pcast(p, "data", to="varying"), xb, yb)
     updates, st = tx.update(grads, st, p)
     return optax.apply_updates(p, updates), st
 
   data_spec = P("data", "model")
   step = jax.jit(jax.shard_map(
       body, mesh=mesh, in_specs=(SEP_SPECS, specs, data_spec, data_spec),
-      out_specs=(SEP_SPECS, specs), check_vma=False))
+      out_specs=(SEP_SPECS, specs)))
 
   # The single-device run: the same optimizer, accumulating whole micro-batches.
   ref_tx = oa.accumulate(k, separable_optimizer(name))
@@ -325,11 +323,8 @@ def test_shard_map_specs_follow_each_param_through_masks_and_partitions(name: st
   assert not np.allclose(p["w"], params["w"])
 
 
-@pytest.mark.xfail(
-    strict=True, raises=TypeError,
-    reason="accumulate's lax.cond branches differ in vma when params vary over a second"
-           " mesh axis under shard_map (the mid branch's zeros are not 'model'-varying)")
 def test_shard_map_step_type_checks_with_params_sharded_over_a_second_axis() -> None:
+  """Both cond branches vary over "model" (the mid branch's zeros included)."""
   mesh = fsdp_mesh()
   params = {"w": jnp.ones((8,), jnp.float32), "b": jnp.zeros((8,), jnp.float32),
             "s": jnp.float32(1.0)}
@@ -347,7 +342,16 @@ def test_shard_map_step_type_checks_with_params_sharded_over_a_second_axis() -> 
   step = jax.jit(jax.shard_map(
       body, mesh=mesh, in_specs=(SEP_SPECS, specs, data_spec, data_spec),
       out_specs=(SEP_SPECS, specs)))
-  step(params, state, jnp.ones((16, 8)), jnp.zeros((16, 8)))
+  key = jax.random.key(3)
+  xs = jax.random.normal(key, (2, 16, 8))
+  ys = jax.random.normal(jax.random.fold_in(key, 1), (2, 16, 8))
+  p = params
+  for i in range(2):
+    p, state = step(p, state, xs[i], ys[i])
+  # One SGD step on the gradient of the whole window, on one device.
+  ref = jax.grad(lambda q: (separable_loss(q, xs[0], ys[0]) + separable_loss(q, xs[1], ys[1]))
+                 / 2)(params)
+  assert_trees_close(p, jax.tree.map(lambda q, g: q - 0.1 * g, params, ref))
 
 
 # --- the communication claim, read from the compiled HLO -----------------------------------
