@@ -38,7 +38,17 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["MIN_WINDOWS", "AdaptiveK", "NoiseScaleState", "adaptive_k", "noise_scale", "sq_norm"]
+__all__ = [
+    "MIN_WINDOWS",
+    "AdaptiveK",
+    "NoiseScaleState",
+    "WindowStats",
+    "adaptive_k",
+    "fold",
+    "init",
+    "noise_scale",
+    "sq_norm",
+]
 
 #: Windows folded in before :func:`noise_scale` returns a number (NaN before).
 MIN_WINDOWS = 10
@@ -145,6 +155,44 @@ def fold_window(
       noise=jnp.where(use, decay * state.noise + (1.0 - decay) * noise, state.noise),
       num_windows=state.num_windows + use.astype(jnp.int32),
   )
+
+
+class WindowStats(NamedTuple):
+  r"""What one window tells about the noise scale (``microbatched`` returns it).
+
+  Attributes:
+    window_sq_norms: :math:`\sum_i w_i |g_i|^2` over the window's micro-batch
+      gradients (``w_i = 1`` unweighted).
+    window_count: ``k``, the micro-batches of nonzero weight.
+    total_weight: :math:`\sum_i w_i` (``k`` unweighted).
+    mean_sq_norm: :math:`|\bar g|^2`, the squared norm of the window's mean.
+  """
+
+  window_sq_norms: jax.Array
+  window_count: jax.Array
+  total_weight: jax.Array
+  mean_sq_norm: jax.Array
+
+
+def fold(state: NoiseScaleState, stats: WindowStats, decay: float = DEFAULT_DECAY
+         ) -> NoiseScaleState:
+  """Folds one window's statistics (e.g. from ``microbatched``) into ``state``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_accum import noise_scale as ns
+    >>> state = ns.init()
+    >>> stats = ns.WindowStats(jnp.float32(20.0), jnp.int32(4), jnp.float32(4.0),
+    ...                        jnp.float32(2.0))   # S = 5, M = 2, k = 4
+    >>> state = ns.fold(state, stats, decay=0.5)
+    >>> float(state.signal / 0.5), float(state.noise / 0.5)   # (4*2 - 5)/3, 4*(5 - 2)/3
+    (1.0, 4.0)
+  """
+  check_decay(decay)
+  return fold_window(state, window_sq_norms=jnp.asarray(stats.window_sq_norms, jnp.float32),
+                     window_count=jnp.asarray(stats.window_count, jnp.int32),
+                     total_weight=jnp.asarray(stats.total_weight, jnp.float32),
+                     mean_sq_norm=jnp.asarray(stats.mean_sq_norm, jnp.float32), decay=decay)
 
 
 def find(state: Any) -> NoiseScaleState | None:
