@@ -11,7 +11,7 @@ Train with a large effective batch on a device that holds a small one:
   scaling (:mod:`optax_accum.precision`);
 * on many devices, ``axis_name=`` and :mod:`optax_accum.sharding`;
 * the gradient noise scale of every window, :func:`noise_scale`
-  (:mod:`optax_accum.noise_scale`), to choose ``k``.
+  (:mod:`optax_accum.gradient_noise`), to choose ``k``.
 
 Flax users get the fast path from :mod:`optax_accum.flax`; what a compiled step
 does can be checked with :mod:`optax_accum.debug`.
@@ -27,6 +27,7 @@ from optax_accum.accumulation import (
     has_updated,
     update_and_apply,
 )
+from optax_accum.gradient_noise import AdaptiveK, NoiseScaleState, adaptive_k, noise_scale
 from optax_accum.microbatching import AuxRule, microbatched, split_microbatches
 from optax_accum.multi_steps import (
     MultiSteps,
@@ -34,7 +35,6 @@ from optax_accum.multi_steps import (
     skip_large_updates,
     skip_not_finite,
 )
-from optax_accum.noise_scale import AdaptiveK, NoiseScaleState, adaptive_k, noise_scale
 from optax_accum.precision import (
     DynamicLossScale,
     LossScaler,

@@ -26,7 +26,7 @@ import optax
 from jax import lax
 
 from optax_accum import _validation
-from optax_accum import noise_scale as noise_lib
+from optax_accum import gradient_noise as noise_lib
 
 KSchedule = Callable[[jax.Array], Any]
 
@@ -37,7 +37,7 @@ class Config:
 
   Attributes:
     k: micro-batches per window: an int, a schedule ``f(gradient_step)``, or
-      an :class:`~optax_accum.noise_scale.AdaptiveK` policy.
+      an :class:`~optax_accum.gradient_noise.AdaptiveK` policy.
     inner: the inner optimizer, or None (the chain form: emit the reduced
       gradient itself).
     reduction: ``"mean"``, ``"sum"`` or ``"weighted"``.

@@ -17,7 +17,7 @@ import optax
 from jax import lax
 
 from optax_accum import _validation, _window
-from optax_accum import noise_scale as noise_lib
+from optax_accum import gradient_noise as noise_lib
 from optax_accum._window import KSchedule
 
 # The protocol's own channel for the two calls that are not a plain update:
@@ -45,7 +45,7 @@ class AccumulateState(NamedTuple):
     emitted: whether the last call took an optimizer step (bool).
     inner_opt_state: the state of the inner optimizer (``()`` without one).
     noise_stats: the gradient noise-scale estimate
-      (:class:`~optax_accum.noise_scale.NoiseScaleState`) with
+      (:class:`~optax_accum.gradient_noise.NoiseScaleState`) with
       ``track_noise_scale``; ``()`` otherwise.
   """
 
@@ -132,7 +132,7 @@ def accumulate(
       per window, inside the emitting branch. With ``skip_nonfinite`` the
       devices agree on a skip with one scalar reduction per micro-step.
     track_noise_scale: estimate the gradient noise scale from every window
-      (read it with :func:`~optax_accum.noise_scale.noise_scale`); a float in
+      (read it with :func:`~optax_accum.gradient_noise.noise_scale`); a float in
       (0, 1) sets the decay of its moving averages (True: 0.99). It costs one
       squared norm per micro-batch and a few scalars of state. With
       ``axis_name`` the estimate is global and its unit is one device's

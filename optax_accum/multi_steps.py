@@ -34,7 +34,7 @@ import optax
 from optax.transforms import ShouldSkipUpdateFunction, skip_large_updates, skip_not_finite
 
 from optax_accum import _validation, _window
-from optax_accum import noise_scale as noise_lib
+from optax_accum import gradient_noise as noise_lib
 from optax_accum.accumulation import _APPLY, _FLUSH, MODE, _Applied
 
 __all__ = [
@@ -87,7 +87,7 @@ class MultiSteps:
         narrower than the gradients (float32 for bfloat16 ones). optax's
         default is float32.
       track_noise_scale: estimate the gradient noise scale (see
-        :func:`optax_accum.noise_scale.noise_scale`).
+        :func:`optax_accum.gradient_noise.noise_scale`).
     """
     _validation.check_optimizer(opt, "opt")
     self._strict_kwargs = not isinstance(opt, optax.GradientTransformationExtraArgs)

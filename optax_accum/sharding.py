@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 from optax_accum import _validation, debug
 from optax_accum._window import strip_axes
 from optax_accum.accumulation import AccumulateState
-from optax_accum.noise_scale import NoiseScaleState
+from optax_accum.gradient_noise import NoiseScaleState
 
 __all__ = [
     "defer_reduction",

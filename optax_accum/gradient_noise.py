@@ -101,7 +101,7 @@ def sq_norm(tree: Any) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from optax_accum.noise_scale import sq_norm
+    >>> from optax_accum.gradient_noise import sq_norm
     >>> float(sq_norm({"a": jnp.array([3.0, 4.0]), "b": jnp.array([1j])}))
     26.0
   """
@@ -180,7 +180,7 @@ def fold(state: NoiseScaleState, stats: WindowStats, decay: float = DEFAULT_DECA
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from optax_accum import noise_scale as ns
+    >>> from optax_accum import gradient_noise as ns
     >>> state = ns.init()
     >>> stats = ns.WindowStats(jnp.float32(20.0), jnp.int32(4), jnp.float32(4.0),
     ...                        jnp.float32(2.0))   # S = 5, M = 2, k = 4
