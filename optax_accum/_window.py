@@ -162,7 +162,7 @@ def add_to_buffer(
       new = old + g
     return new if accept is True else jnp.where(accept, new, acc)
 
-  acc = jax.tree.map(add, window.acc_grads, grads)
+  acc = window.acc_grads if accept is False else jax.tree.map(add, window.acc_grads, grads)
   count = n + jnp.asarray(accept, n.dtype)
   return acc, count
 

@@ -225,8 +225,8 @@ def accumulate(
     _validation.check_tree_matches(updates, state.acc_grads)
     _validation.check_grad_dtypes(updates, state.acc_grads, config.acc_dtype is not None)
     weight = None if flushing else _validation.check_weight(weight, config.reduction)
-    if config.axis_name is not None and not flushing:
-      _validation.check_grads_are_local(updates, config.axis_name)
+    if not flushing:
+      _check_locality(updates, config, skip_nonfinite)
     accept = _accept(updates, weight, skip_nonfinite, config.axis_name)
     out = _window.micro_step(
         config, updates, _window_of(state), state.inner_opt_state, params,
@@ -256,6 +256,27 @@ def accumulate(
 def _window_of(state: AccumulateState) -> _window.Window:
   return _window.Window(state.mini_step, state.gradient_step, state.acc_grads,
                         state.acc_weight, state.noise_stats)
+
+
+def _check_locality(grads: Any, config: _window.Config, skip_nonfinite: bool) -> None:
+  """Raises unless the gradients are per-device partial sums where the window expects them."""
+  if config.axis_name is None:
+    _validation.check_grads_not_unreduced(grads)
+    return
+  axes = _validation.explicit_axes(config.axis_name)
+  if axes is None:  # shard_map / pmap
+    _validation.check_grads_are_local(grads, config.axis_name)
+    return
+  _validation.check_grads_unreduced(grads, axes)
+  for flag, on in (("skip_nonfinite", skip_nonfinite),
+                   ("track_noise_scale", config.noise_decay is not None)):
+    if on:
+      raise ValueError(
+          f"`{flag}` needs each device's gradient values, but under jit with"
+          f" `axis_name={config.axis_name!r}` they are unreduced partial sums (JAX has"
+          " no finiteness or squared-norm rule for those). Use shard_map with"
+          " `axis_name` (optax_accum.per_device_state), or drop the option."
+      )
 
 
 def _accept(grads: Any, weight: jax.Array | None, skip_nonfinite: bool, axis_name: Any) -> Any:
