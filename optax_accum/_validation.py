@@ -5,6 +5,7 @@ Every error names the argument at fault and says how to fix it.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any
 
@@ -376,3 +377,28 @@ def match_varying(x: jax.Array, target: Any) -> jax.Array:
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, names, to="varying")
   return jax.lax.pvary(x, names)  # older jax
+
+
+def check_keywords(extra: dict[str, Any], strict: bool, where: str, own: tuple[str, ...]) -> None:
+  """Raises on keyword arguments that would be silently ignored.
+
+  With ``strict`` (the inner optimizer takes no extra arguments) every unknown
+  keyword is an error. Otherwise unknown keywords may be meant for the inner
+  optimizer (or, in a chain, for another member), but one that looks like a
+  misspelling of our own (``emitnow``, ``wieght``) is still an error.
+  """
+  if not extra:
+    return
+  if strict:
+    raise TypeError(
+        f"Unknown keyword(s) {sorted(extra)} for {where}: it takes"
+        f" {', '.join(f'`{o}=`' for o in own) or 'no keywords'} and the inner optimizer"
+        " takes no extra arguments. Check the spelling."
+    )
+  for name in extra:
+    close = difflib.get_close_matches(name, own, n=1, cutoff=0.7)
+    if close:
+      raise TypeError(
+          f"Unknown keyword `{name}=` for {where}: did you mean `{close[0]}=`? (Extra"
+          " keywords go to the inner optimizer, which would silently ignore it.)"
+      )

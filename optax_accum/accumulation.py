@@ -210,12 +210,8 @@ def accumulate(
       **extra_args: Any,
   ) -> tuple[Any, AccumulateState]:
     mode = extra_args.pop(MODE, None)
-    if strict_kwargs and extra_args:
-      raise TypeError(
-          f"Unknown keyword(s) {sorted(extra_args)} for the update of"
-          " `accumulate`: it takes `weight=` and `emit_now=`, and its inner"
-          " optimizer takes no extra arguments. Check the spelling."
-      )
+    _validation.check_keywords(extra_args, strict_kwargs, "the update of `accumulate`",
+                               own=("weight", "emit_now"))
     if not isinstance(state, AccumulateState):
       raise TypeError(
           "`state` must be the AccumulateState returned by this transform's"

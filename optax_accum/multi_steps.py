@@ -145,11 +145,7 @@ class MultiSteps:
       on the emitting step.
     """
     mode = extra_args.pop(MODE, None)
-    if self._strict_kwargs and extra_args:
-      raise TypeError(
-          f"Unknown keyword(s) {sorted(extra_args)} for MultiSteps.update: the"
-          " wrapped optimizer takes no extra arguments. Check the spelling."
-      )
+    _validation.check_keywords(extra_args, self._strict_kwargs, "MultiSteps.update", own=())
     _validation.check_tree_matches(updates, state.acc_grads)
     _validation.check_grad_dtypes(updates, state.acc_grads, self._config.acc_dtype is not None)
     skip_state, noise = self._unpack(state.skip_state)

@@ -1,0 +1,389 @@
+"""No silently wrong answer: dtypes, weights, keywords, drop-in MultiSteps.
+
+Each test here reproduces an input that gave a wrong number without a word
+in 0.1.0 and checks the fix against an independent reference (numpy in
+float64/complex128, or optax itself). SGD is the inner optimizer wherever a
+wrong divisor could hide: Adam is invariant to the gradient's scale.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import optax_accum as oa
+
+
+@pytest.fixture
+def x64():
+  with jax.enable_x64(True):
+    yield
+
+
+def _run(tx, grads_seq, params, **kw_seq):
+  """Feeds a sequence of gradients (kwargs per step as lists); returns all updates."""
+  state = tx.init(params)
+  out = []
+  update = jax.jit(tx.update)
+  for i, g in enumerate(grads_seq):
+    kw = {k: v[i] for k, v in kw_seq.items()}
+    u, state = update(g, state, params, **kw)
+    out.append(u)
+  return out, state
+
+
+# --- 1, 2: the buffer is never narrower than the gradients ------------------------------------
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+def test_complex_gradients_keep_their_imaginary_part(jit):
+  params = {"z": jnp.zeros(3, jnp.complex64)}
+  grads = [{"z": jnp.array([1 + 2j, 3 - 1j, -2j], jnp.complex64)},
+           {"z": jnp.array([3 + 0j, 1 + 1j, 4 + 4j], jnp.complex64)}]
+  tx = oa.accumulate(2, optax.sgd(1.0))
+  state = tx.init(params)
+  assert state.acc_grads["z"].dtype == jnp.complex64
+  update = jax.jit(tx.update) if jit else tx.update
+  for g in grads:
+    u, state = update(g, state, params)
+  expected = -np.mean([np.asarray(g["z"], np.complex128) for g in grads], axis=0)
+  np.testing.assert_allclose(np.asarray(u["z"]), expected, rtol=1e-6)
+  assert np.abs(np.imag(np.asarray(u["z"]))).max() >= 1.0  # a real buffer gives 0
+
+
+def test_real_accumulator_for_complex_gradients_is_an_error():
+  params = {"z": jnp.zeros(2, jnp.complex64)}
+  with pytest.raises(TypeError, match="imaginary part"):
+    oa.accumulate(2, optax.sgd(1.0), accumulator_dtype=jnp.float32).init(params)
+  tx = oa.accumulate(2, optax.sgd(1.0))
+  state = tx.init({"z": jnp.zeros(2, jnp.float32)})  # real params, complex gradients
+  with pytest.raises(TypeError, match="imaginary part"):
+    tx.update({"z": jnp.ones(2, jnp.complex64)}, state)
+
+
+def test_float64_keeps_a_signal_float32_would_lose(x64):
+  params = {"w": jnp.zeros(2, jnp.float64)}
+  big, tiny = 1.0, 1e-12
+  grads = [{"w": jnp.array([big, big], jnp.float64)},
+           {"w": jnp.array([tiny - big, -big], jnp.float64)}]
+  for tx in (oa.accumulate(2, optax.sgd(1.0)), oa.MultiSteps(optax.sgd(1.0), 2)):
+    state = tx.init(params)
+    assert state.acc_grads["w"].dtype == jnp.float64
+    for g in grads:
+      u, state = tx.update(g, state, params)
+    expected = -(np.asarray(grads[0]["w"]) + np.asarray(grads[1]["w"])) / 2  # ~ -tiny / 2
+    # Within a few float64 ulps of the inputs (1.0); float32 would give 0.
+    np.testing.assert_allclose(np.asarray(u["w"]), expected, rtol=0, atol=1e-15)
+    assert float(u["w"][0]) < -4e-13
+  # The explicit float32 buffer (asked for) loses it, as documented.
+  tx = oa.accumulate(2, optax.sgd(1.0), accumulator_dtype=jnp.float32)
+  state = tx.init(params)
+  for g in grads:
+    u, state = tx.update(g, state, params)
+  assert float(u["w"][0]) == 0.0
+
+
+def test_gradient_wider_than_the_buffer_is_an_error(x64):
+  tx = oa.accumulate(2, optax.sgd(1.0))
+  state = tx.init({"w": jnp.zeros(2, jnp.float32)})
+  with pytest.raises(TypeError, match="wider than the float32 accumulator"):
+    tx.update({"w": jnp.ones(2, jnp.float64)}, state)
+
+
+DTYPES = {
+    "bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32, "f64": jnp.float64,
+    "c64": jnp.complex64,
+}
+TOL = {"bf16": 1e-2, "f16": 2e-3, "f32": 2e-6, "f64": 1e-12, "c64": 2e-6}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(sorted(DTYPES)),
+    reduction=st.sampled_from(["mean", "sum", "weighted"]),
+    k=st.integers(1, 4),
+    weights=st.lists(st.sampled_from([0.0, 1.0, 3.0, 17.0, float("nan"), -2.0]),
+                     min_size=4, max_size=4),
+    skip=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_emitted_gradient_against_a_wide_reference(dtype, reduction, k, weights, skip, seed):
+  """The chain form emits the reduced gradient itself: compare it with numpy.
+
+  Weights are traced (inside jit), so a negative one acts like NaN: skipped
+  with ``skip_nonfinite``, else a NaN update that is still a step.
+  """
+  with jax.enable_x64(dtype == "f64"):
+    rng = np.random.default_rng(seed)
+    raw = rng.normal(size=(k, 5)) + (1j * rng.normal(size=(k, 5)) if dtype == "c64" else 0)
+    grads = [{"g": jnp.asarray(r, DTYPES[dtype])} for r in raw]
+    params = {"g": jnp.zeros(5, DTYPES[dtype])}
+    tx = oa.accumulate(k, reduction=reduction, skip_nonfinite=skip)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    kept = []
+    for i, g in enumerate(grads):
+      kw, w_eff = {}, 1.0
+      if reduction == "weighted":
+        kw["weight"] = jnp.float32(weights[i])
+        w_eff = weights[i] if weights[i] >= 0 else float("nan")
+      if not (skip and not np.isfinite(w_eff)):
+        kept.append((w_eff, np.asarray(g["g"]).astype(np.complex128)))
+      u, state = update(g, state, params, **kw)
+    if len(kept) < k:  # skipped micro-batches do not count: the window is still open
+      assert not bool(oa.has_updated(state)) and int(state.mini_step) == len(kept)
+      assert int(state.num_skipped) == k - len(kept)
+      return
+    ws = np.asarray([w for w, _ in kept])
+    gs = [g for _, g in kept]
+    if reduction == "weighted" and np.isnan(ws).any():
+      assert bool(oa.has_updated(state)) and np.isnan(np.asarray(u["g"])).all()
+      return
+    if reduction == "weighted" and ws.sum() == 0:
+      assert not bool(oa.has_updated(state)) and int(state.gradient_step) == 0
+      chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, u))
+      return
+    if reduction == "mean":
+      ref = np.mean(gs, axis=0)
+    elif reduction == "sum":
+      ref = np.sum(gs, axis=0)
+    else:
+      ref = np.sum([w * g for w, g in kept if w != 0], axis=0) / ws.sum()
+    assert bool(oa.has_updated(state))
+    assert u["g"].dtype == DTYPES[dtype]
+    got = np.asarray(u["g"]).astype(np.complex128)
+    assert np.abs(got - ref).max() <= TOL[dtype] * max(np.abs(ref).max(), 1.0), (got, ref)
+
+
+# --- 3: weights -------------------------------------------------------------------------------
+
+
+def test_nan_weight_reaches_the_update_or_is_skipped():
+  params = {"w": jnp.zeros(2)}
+  grads = [{"w": jnp.ones(2)}, {"w": jnp.full(2, 3.0)}]
+  # Without skipping: a NaN weight is a NaN update, and it is a step.
+  updates, state = _run(oa.accumulate(2, optax.sgd(1.0), reduction="weighted"),
+                        grads, params, weight=[jnp.float32(jnp.nan), jnp.float32(1.0)])
+  assert np.isnan(np.asarray(updates[-1]["w"])).all()
+  assert int(state.gradient_step) == 1
+  # With skipping: dropped, counted, the window waits for one more.
+  tx = oa.accumulate(2, optax.sgd(1.0), reduction="weighted", skip_nonfinite=True)
+  updates, state = _run(tx, [*grads, {"w": jnp.full(2, 5.0)}], params,
+                        weight=[jnp.float32(jnp.nan), 1.0, 3.0])
+  assert int(state.num_skipped) == 1 and int(state.gradient_step) == 1
+  chex.assert_trees_all_close(updates[-1], {"w": jnp.full(2, -(3.0 + 15.0) / 4.0)})
+
+
+def test_negative_weight():
+  params = {"w": jnp.zeros(2)}
+  tx = oa.accumulate(2, optax.sgd(1.0), reduction="weighted")
+  with pytest.raises(ValueError, match="`weight` must be >= 0"):
+    tx.update({"w": jnp.ones(2)}, tx.init(params), params, weight=-1.0)
+  # Traced, it cannot be checked: it acts like a non-finite weight.
+  updates, state = _run(tx, [{"w": jnp.ones(2)}] * 2, params,
+                        weight=[jnp.float32(-1.0), jnp.float32(2.0)])
+  assert np.isnan(np.asarray(updates[-1]["w"])).all()
+  tx = oa.accumulate(2, optax.sgd(1.0), reduction="weighted", skip_nonfinite=True)
+  updates, state = _run(tx, [{"w": jnp.ones(2)}] * 2, params,
+                        weight=[jnp.float32(-1.0), jnp.float32(2.0)])
+  assert int(state.num_skipped) == 1 and int(state.mini_step) == 1
+
+
+@pytest.mark.parametrize("axis", [False, True], ids=["one_device", "pmap"])
+def test_zero_weight_window_is_not_a_step(axis):
+  params = {"w": jnp.ones(2)}
+  tx = oa.accumulate(2, optax.sgd(0.5, momentum=0.9), reduction="weighted",
+                     axis_name="d" if axis else None)
+  init, update = tx.init, tx.update
+  n = 2 if axis else 1
+  if axis:
+    init = jax.pmap(init, axis_name="d")
+    update = jax.pmap(update, axis_name="d")
+    params = jax.tree.map(lambda x: jnp.stack([x] * n), params)
+  state = init(params)
+  rep = lambda v: jnp.full((n,), v, jnp.float32) if axis else jnp.float32(v)
+  g = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), params)
+  for _ in range(2):  # padding only: weight 0 and NaN gradients
+    u, state = update(g, state, params, weight=rep(0.0))
+  assert not np.asarray(oa.has_updated(state)).any()
+  assert (np.asarray(state.gradient_step) == 0).all() and (np.asarray(state.mini_step) == 0).all()
+  chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, params))
+  chex.assert_trees_all_equal(state.inner_opt_state, init(params).inner_opt_state)
+  # The next window is a normal step: momentum starts from zero.
+  ones = jax.tree.map(jnp.ones_like, params)
+  for _ in range(2):
+    u, state = update(ones, state, params, weight=rep(1.0))
+  assert np.asarray(oa.has_updated(state)).all() and (np.asarray(state.gradient_step) == 1).all()
+  np.testing.assert_allclose(np.asarray(u["w"]), -0.5)
+
+
+# --- 4: misspelled keywords -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("typo", ["emitnow", "wieght", "emit_nwo", "Weight"])
+def test_misspelling_of_our_keywords_is_an_error(typo):
+  params = {"w": jnp.zeros(2)}
+  tx = oa.accumulate(2, optax.adam(0.1))  # a chain: it would forward the keyword
+  with pytest.raises(TypeError, match=f"`{typo}=`.*did you mean"):
+    tx.update({"w": jnp.ones(2)}, tx.init(params), params, **{typo: True})
+
+
+@pytest.mark.parametrize("kind", ["accumulate", "MultiSteps"])
+def test_any_unknown_keyword_is_an_error_when_the_inner_optimizer_takes_none(kind):
+  params = {"w": jnp.zeros(2)}
+  inner = optax.scale_by_adam()  # a plain GradientTransformation: no extra args
+  tx = oa.accumulate(2, inner) if kind == "accumulate" else oa.MultiSteps(inner, 2)
+  with pytest.raises(TypeError, match="valeu"):
+    tx.update({"w": jnp.ones(2)}, tx.init(params), params, valeu=1.0)
+
+
+def test_extra_args_still_reach_optimizers_that_take_them():
+  params = {"w": jnp.ones(2)}
+  plateau = optax.contrib.reduce_on_plateau(factor=0.5, patience=0)
+  inner = optax.chain(optax.sgd(1.0), plateau)
+  for tx in (oa.accumulate(1, inner), oa.MultiSteps(inner, 1)):
+    state = tx.init(params)
+    for loss in (1.0, 2.0, 3.0):
+      _, state = tx.update({"w": jnp.ones(2)}, state, params, value=jnp.asarray(loss))
+    assert float(state.inner_opt_state[1].scale) < 1.0
+
+
+# --- 7 and rough edges: consistent dtypes, early errors ---------------------------------------
+
+
+def test_flush_and_update_emit_the_same_dtypes():
+  params = {"a": jnp.zeros(3, jnp.float32), "b": jnp.zeros(2, jnp.bfloat16)}
+  grads = {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2, jnp.bfloat16)}
+  tx = oa.accumulate(2, optax.sgd(1.0))
+  state = tx.init(params)
+  _, state = tx.update(grads, state, params)
+  flushed, _ = oa.flush(tx, state, params)
+  _, state2 = tx.update(grads, tx.init(params), params)
+  updated, _ = tx.update(grads, state2, params)
+  chex.assert_trees_all_equal_dtypes(flushed, updated)
+  # The wider of the gradient's and the param's dtype: no precision thrown away.
+  assert flushed["a"].dtype == jnp.float32 and flushed["b"].dtype == jnp.bfloat16
+
+
+def test_k_beyond_int32_fails_at_construction():
+  with pytest.raises(ValueError, match="int32"):
+    oa.accumulate(2**31, optax.sgd(0.1))
+  with pytest.raises(ValueError, match="int32"):
+    oa.MultiSteps(optax.sgd(0.1), 2**40)
+
+
+def test_rough_edges_name_the_argument():
+  with pytest.raises(TypeError, match=r"optax.adam itself.*adam\(1e-3\)|adam itself"):
+    oa.accumulate(4, optax.adam)
+  with pytest.raises(TypeError, match="`opt`"):
+    oa.MultiSteps(optax.sgd, 2)
+  params = {"w": jnp.zeros(2)}
+  tx = oa.accumulate(2, optax.sgd(0.1))
+  with pytest.raises(ValueError, match="`emit_now` must be a scalar"):
+    tx.update({"w": jnp.ones(2)}, tx.init(params), params, emit_now=jnp.array([True, False]))
+  tx = oa.accumulate(2, optax.sgd(0.1), skip_nonfinite=np.bool_(True))
+  _, state = tx.update({"w": jnp.full(2, jnp.nan)}, tx.init(params), params)
+  assert int(state.num_skipped) == 1
+  with pytest.raises(TypeError, match="skip_nonfinite"):
+    oa.accumulate(2, skip_nonfinite=1)
+
+
+def test_public_update_functions_have_docstrings():
+  ms = oa.MultiSteps(optax.sgd(0.1), 2)
+  for fn in (ms.update, ms.init, ms.has_updated, ms.gradient_transformation, oa.accumulate,
+             oa.flush, oa.update_and_apply, oa.noise_scale):
+    assert fn.__doc__ and len(fn.__doc__.split()) > 5, fn
+  assert len(oa.__doc__.splitlines()) > 10
+
+
+# --- a true drop-in MultiSteps ----------------------------------------------------------------
+
+
+def test_multisteps_state_is_optax_own_type():
+  state = oa.MultiSteps(optax.adam(1e-3), 2).init({"w": jnp.zeros(2)})
+  assert type(state) is optax.MultiStepsState
+  # What t5x's partitioner does: dispatch on the state's type.
+  handlers = {optax.MultiStepsState: lambda s: "multi_steps"}
+  assert handlers[type(state)](state) == "multi_steps"
+
+
+@pytest.mark.parametrize("use_grad_mean", [True, False])
+@pytest.mark.parametrize("direction", ["ours_to_optax", "optax_to_ours"])
+def test_checkpoint_moves_mid_window_both_ways(use_grad_mean, direction):
+  """Restore mid-window in the other implementation: same trajectory as staying."""
+  key = jax.random.key(0)
+  params = {"w": jax.random.normal(key, (4,)), "b": jnp.zeros(2)}
+  grads = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.fold_in(key, i), p.shape)
+                        + 0.5, params) for i in range(9)]
+  inner = optax.sgd(0.3, momentum=0.9)
+  ours = oa.MultiSteps(inner, 3, use_grad_mean=use_grad_mean)
+  theirs = optax.MultiSteps(inner, 3, use_grad_mean=use_grad_mean)
+  first, second = (ours, theirs) if direction == "ours_to_optax" else (theirs, ours)
+
+  def train(tx, state, p, gs):
+    for g in gs:
+      u, state = tx.update(g, state, p)
+      p = optax.apply_updates(p, u)
+    return p, state
+
+  # 5 mini-steps (mid-window: mini_step == 2), checkpoint, 4 more in the other one.
+  p_mid, s_mid = train(first, first.init(params), params, grads[:5])
+  assert int(s_mid.mini_step) == 2
+  restored = jax.tree.map(np.asarray, s_mid)  # what a checkpointer writes and reads
+  restored = jax.tree.unflatten(jax.tree.structure(second.init(params)),
+                                jax.tree.leaves(restored))
+  p_end, _ = train(second, restored, p_mid, grads[5:])
+  p_ref, _ = train(theirs, theirs.init(params), params, grads)
+  chex.assert_trees_all_close(p_end, p_ref, rtol=1e-6, atol=1e-6)
+  # And the buffer means the same: optax's running mean (or sum).
+  _, s_theirs = train(theirs, theirs.init(params), params, grads[:5])
+  _, s_ours = train(ours, ours.init(params), params, grads[:5])
+  chex.assert_trees_all_close(s_ours.acc_grads, s_theirs.acc_grads, rtol=1e-6)
+
+
+def test_boundary_checkpoint_into_optax_mean_mode():
+  """At a window boundary optax (use_grad_mean=True) ignores the buffer, as we do."""
+  params = {"w": jnp.zeros(3)}
+  grads = [{"w": jnp.full(3, float(i + 1))} for i in range(4)]
+  ours, theirs = oa.MultiSteps(optax.sgd(1.0), 2), optax.MultiSteps(optax.sgd(1.0), 2)
+  s = ours.init(params)
+  for g in grads[:2]:
+    _, s = ours.update(g, s, params)
+  assert int(s.mini_step) == 0
+  u = None
+  for g in grads[2:]:
+    u, s = theirs.update(g, s, params)
+  chex.assert_trees_all_close(u, {"w": jnp.full(3, -3.5)})
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_multisteps_inside_pmap_and_nested_scan(k):
+  """As clients use it: under pmap and inside nested lax.scan."""
+  params = {"w": jnp.arange(3.0)}
+  ms = oa.MultiSteps(optax.sgd(0.1, momentum=0.5), k)
+  grads = jnp.arange(2 * 4 * k * 3, dtype=jnp.float32).reshape(2, 4, k, 3) / 10
+
+  def outer(carry, gs_outer):
+    def inner(c, g):
+      p, s = c
+      u, s = ms.update({"w": g}, s, p)
+      return (optax.apply_updates(p, u), s), None
+    carry, _ = jax.lax.scan(inner, carry, gs_outer)
+    return carry, None
+
+  run = jax.pmap(lambda g: jax.lax.scan(outer, (params, ms.init(params)), g)[0])
+  p, s = run(jnp.stack([grads[0], grads[1]]))
+  ref_tx = optax.sgd(0.1, momentum=0.5)
+  for dev in range(2):
+    q, rs = params, ref_tx.init(params)
+    for win in grads[dev].reshape(-1, k, 3):
+      u, rs = ref_tx.update({"w": win.mean(axis=0)}, rs, q)
+      q = optax.apply_updates(q, u)
+    np.testing.assert_allclose(np.asarray(p["w"][dev]), np.asarray(q["w"]), rtol=1e-5)
+  assert (np.asarray(s.gradient_step) == 4).all()
