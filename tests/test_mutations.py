@@ -1,0 +1,119 @@
+"""Deliberately broken cores: each must make the suite's reference tests fail.
+
+A test that passes on a wrong implementation checks nothing. Each mutant
+below patches one step of :mod:`optax_accum._window` with a plausible bug (a
+wrong divisor, an ignored weight, a buffer that is never reset, ...) and runs
+the tests that ought to catch it; at least one must fail. The same tests pass
+on the real core in the rest of the suite.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from optax_accum import _window
+from tests import test_accumulate, test_memory, test_trust
+
+_real = types.SimpleNamespace(
+    window_scale=_window._window_scale,
+    add_to_buffer=_window.add_to_buffer,
+    emit=_window.emit,
+)
+
+
+def _mean_divides_by_k(config, count, total_weight):
+  if config.reduction == "mean" and isinstance(config.k, int):
+    return jnp.asarray(1.0 / config.k, jnp.float32)
+  return _real.window_scale(config, count, total_weight)
+
+
+def _weighted_divides_by_count(config, count, total_weight):
+  if config.reduction == "weighted":
+    return 1.0 / count
+  return _real.window_scale(config, count, total_weight)
+
+
+def _weights_ignored(config, window, grads, accept, weight):
+  return _real.add_to_buffer(config, window, grads, accept, None)
+
+
+def _never_reset(config, window, grads, accept, weight):
+  acc, _ = _real.add_to_buffer(
+      config, window._replace(mini_step=jnp.maximum(window.mini_step, 1)), grads, accept, weight)
+  return acc, window.mini_step + jnp.asarray(accept, jnp.int32)
+
+
+def _reset_by_multiplying(config, window, grads, accept, weight):
+  """optax.MultiSteps' ``(1 - emit) * acc``: 0 * NaN is NaN."""
+  keep = (window.mini_step > 0).astype(jnp.float32)
+  window = window._replace(
+      acc_grads=jax.tree.map(lambda a: a * keep.astype(a.dtype), window.acc_grads),
+      mini_step=jnp.maximum(window.mini_step, 1))
+  acc, _ = _real.add_to_buffer(config, window, grads, accept, weight)
+  return acc, (window.mini_step * keep.astype(jnp.int32)) + jnp.asarray(accept, jnp.int32)
+
+
+def _zero_weight_window_steps(config, operands, **kwargs):
+  out, inner, _, noise = _real.emit(config, operands, **kwargs)
+  return out, inner, jnp.asarray(True), noise
+
+
+def _cond_as_selects(pred, true_fn, false_fn, *operands):
+  """What XLA's GPU compiler does to a cheap conditional: run both, select."""
+  t, f = true_fn(*operands), false_fn(*operands)
+  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), t, f)
+
+
+MUTANTS: dict[str, tuple[dict[str, Any], list[Callable[[], None]]]] = {
+    "mean divides by k, not the micro-batches accumulated": (
+        {"_window_scale": _mean_divides_by_k},
+        [test_accumulate.test_emit_now_flushes_a_partial_window,
+         lambda: test_accumulate.test_flush_closes_a_partial_window_without_a_new_micro_batch(
+             True)],
+    ),
+    "weighted divides by the count of micro-batches": (
+        {"_window_scale": _weighted_divides_by_count},
+        [test_accumulate.test_weighted_reduction_with_uneven_weights,
+         test_accumulate.test_flush_weighted_window_and_bad_transform],
+    ),
+    "weights ignored": (
+        {"add_to_buffer": _weights_ignored},
+        [test_accumulate.test_weighted_reduction_with_uneven_weights],
+    ),
+    "buffer never reset between windows": (
+        {"add_to_buffer": _never_reset},
+        [lambda: test_accumulate.test_equals_large_batch_for_every_optimizer("sgd")],
+    ),
+    "reset by multiplying (NaN poisons later windows)": (
+        {"add_to_buffer": _reset_by_multiplying},
+        [test_accumulate.test_nan_never_poisons_a_later_window],
+    ),
+    "a window of total weight 0 counts as a step": (
+        {"emit": _zero_weight_window_steps},
+        [lambda: test_trust.test_zero_weight_window_is_not_a_step(False)],
+    ),
+    "the inner optimizer runs on every micro-step (selects)": (
+        {"lax": types.SimpleNamespace(**{**vars(jax.lax), "cond": _cond_as_selects})},
+        [lambda: test_memory.test_inner_optimizer_sits_in_a_conditional("adam")],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutant_is_caught(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+  patches, detectors = MUTANTS[name]
+  for attr, value in patches.items():
+    monkeypatch.setattr(_window, attr, value)
+  caught = []
+  for detector in detectors:
+    try:
+      detector()
+    except AssertionError as e:
+      caught.append(type(e).__name__)
+  assert caught, f"no test caught the mutant {name!r}"
