@@ -120,10 +120,11 @@ python -m venv /tmp/gpuvenv
 /tmp/gpuvenv/bin/pip install --no-deps -e .      # from the repository root
 /tmp/gpuvenv/bin/python benchmarks/gpu_hlo.py"""
 
-# What the current design is expected to compile to on the GPU (reported, not
-# enforced): the standard path loses its cond (the inner optimizer runs every
-# step), update_and_apply keeps it.
-EXPECTED_GPU_CONDITIONALS = {"accumulate": 0, "update_and_apply": 1}
+# What the 0.2.0 design must compile to on the GPU: every optax_accum program
+# keeps its conditional (the inner optimizer runs on emitting steps only) and
+# copies no parameter-sized buffer. The script exits with status 1 otherwise.
+OURS = ("accumulate", "chain", "update_and_apply", "oa_multisteps", "accumulate_update_level")
+EXPECTED_GPU_CONDITIONALS = {key: 1 for key in OURS}
 
 
 def print_setup() -> None:
@@ -321,9 +322,9 @@ def markdown(result: dict[str, Any]) -> str:
       "",
       *table(result["cpu"]),
       "",
-      "## Expectations (reported, not enforced)",
+      "## Expectations (the script exits with status 1 when one differs)",
       "",
-      "| program | expected GPU conditionals | got | |",
+      "| program | expected on the GPU | got | |",
       "|---|---:|---:|---|",
   ]
   for e in result["expectations"]:
@@ -349,9 +350,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   gpu_rows = compile_all(n, args.k, sharding)
   cpu_rows = compile_all(n, args.k, None)
   by_key = {r["program"]: r for r in gpu_rows}
-  expectations = [{"program": p, "expected": want, "got": by_key[p]["conditionals"],
-                   "met": by_key[p]["conditionals"] == want}
-                  for p, want in EXPECTED_GPU_CONDITIONALS.items()]
+  expectations = [
+      {"program": p, "expected": f"{want} conditional, 0 data copies",
+       "got": f"{by_key[p]['conditionals']} conditional, "
+              f"{by_key[p]['param_sized_copies_data']} data copies",
+       "met": by_key[p]["conditionals"] == want and by_key[p]["param_sized_copies_data"] == 0}
+      for p, want in EXPECTED_GPU_CONDITIONALS.items()]
   result = {
       "meta": {
           "command": " ".join(["python benchmarks/gpu_hlo.py",
@@ -381,4 +385,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  main()
+  out = main()
+  if out and not all(e["met"] for e in out["expectations"]):
+    raise SystemExit(1)
