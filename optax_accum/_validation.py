@@ -402,3 +402,8 @@ def check_keywords(extra: dict[str, Any], strict: bool, where: str, own: tuple[s
           f"Unknown keyword `{name}=` for {where}: did you mean `{close[0]}=`? (Extra"
           " keywords go to the inner optimizer, which would silently ignore it.)"
       )
+
+
+def first_node(tree: Any, predicate: Callable[[Any], bool]) -> Any:
+  """The first node of ``tree`` (any pytree: a chain's tuple, a Flax state) matching, or None."""
+  return next((n for n in jax.tree.leaves(tree, is_leaf=predicate) if predicate(n)), None)

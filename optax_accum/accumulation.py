@@ -341,16 +341,9 @@ def has_updated(state: Any) -> jax.Array:
 
 
 def _find_accumulation_state(state: Any) -> Any:
-  if isinstance(state, (AccumulateState, optax.MultiStepsState)):
-    return state
-  if hasattr(state, "mini_step") and hasattr(state, "gradient_step"):
-    return state
-  if isinstance(state, (tuple, list)):
-    for sub in state:
-      found = _find_accumulation_state(sub)
-      if found is not None:
-        return found
-  return None
+  is_window = lambda n: isinstance(n, (AccumulateState, optax.MultiStepsState)) or (
+      hasattr(n, "mini_step") and hasattr(n, "gradient_step"))
+  return _validation.first_node(state, is_window)
 
 
 def flush(

@@ -1,7 +1,7 @@
-"""Demo: train a small character-level transformer four ways and compare.
+"""Demo: train a small character-level transformer four ways, then choose ``k`` adaptively.
 
 Run ``python -m optax_accum.demo`` (after ``pip install "optax_accum[demo]"``;
-about a minute and a half on two CPU cores; ``--help`` lists the sizes). The
+about two minutes on two CPU cores; ``--help`` lists the sizes). The
 model is a Flax NNX decoder-only transformer; the text is the source code of
 Python's own standard library, cut into lines of varying length and padded to
 ``--seq-len``. The loss is token-weighted: the sum of per-token cross-entropy
@@ -26,9 +26,34 @@ micro-batches (as length-bucketing loaders do), so micro-batches hold very
 different numbers of real tokens and the mean-of-means error shows.
 
 The arms run in lockstep (step ``i`` of every arm before step ``i + 1`` of
-any), so the load of a shared machine hits them alike. The output folder
-(default ``demo_out/``) gets ``results.json``, ``loss_curves.png`` and
-``memory.png``; a table is printed at the end.
+any), so the load of a shared machine hits them alike.
+
+Then (unless ``--no-adaptive``) the question of how large ``k`` should be.
+Three more arms see the same stream of micro-batches (``batch_size / k``
+sequences each, not sorted by length), as many examples in total as above,
+token-weighted, with Adam and the same learning-rate schedule:
+
+* ``small_k``: windows of ``--k-small`` micro-batches (many small steps);
+* ``large_k``: windows of ``--k-large`` (few large steps);
+* ``adaptive_k``: ``accumulate(adaptive_k(k_small, k_large,
+  fraction=--fraction), ...)``: each window holds ``fraction`` times the
+  estimated gradient noise scale ``B_noise`` (in micro-batches),
+  re-evaluated on the traced state at window boundaries, so one compiled step
+  serves every window length.
+
+Every arm tracks the noise scale, so each plots its own estimate along its
+own trajectory. The learning rate warms up over 5% and decays (cosine) to 10%
+of ``--lr``, counted in **examples** by default (``--schedule-unit
+examples``): :func:`scale_by_schedule_in_examples` is the recipe, since an
+adaptive run does not know its number of steps in advance. With
+``--schedule-unit steps`` the inner optimizer counts its own steps instead
+(optax's default), over the steps each fixed arm takes (for the adaptive arm,
+the steps it would take at ``k_small``).
+
+The output folder (default ``demo_out/``) gets ``results.json``,
+``loss_curves.png``, ``memory.png`` and ``adaptive_k.png`` (loss against
+examples seen, and the ``B_noise`` estimates with the adaptive
+window); two tables are printed at the end.
 """
 
 from __future__ import annotations
@@ -93,6 +118,12 @@ class Config:
   group_by_length: bool = True
   out: str = "demo_out"
   progress: bool = True
+  adaptive: bool = True
+  k_small: int = 2
+  k_large: int = 16
+  fraction: float = 1.0
+  min_windows: int = oa.gradient_noise.MIN_WINDOWS
+  schedule_unit: str = "examples"
 
 
 # ----------------------------------------------------------------------------- data
@@ -378,6 +409,210 @@ def _progress(cfg: Config) -> Any:
   from tqdm.auto import tqdm
 
   return tqdm(total=cfg.steps, desc="training 4 arms", unit="step", dynamic_ncols=True)
+
+
+# ----------------------------------------------------------------------------- adaptive k
+
+ADAPTIVE_ARMS = ("small_k", "large_k", "adaptive_k")
+ADAPTIVE_COLORS = {"small_k": "tab:orange", "large_k": "tab:purple", "adaptive_k": "tab:blue"}
+EVAL_POINTS = 6  # eval-loss checkpoints along the run, the last at the end
+
+
+def lr_schedule(cfg: Config, horizon: float) -> optax.Schedule:
+  """Linear warm-up over 5% of ``horizon``, then cosine decay to 10% of ``cfg.lr``.
+
+  ``horizon`` is in whatever the schedule will be called with: examples or
+  optimizer steps.
+
+  Example:
+    >>> from optax_accum.demo import Config, lr_schedule
+    >>> f = lr_schedule(Config(lr=1.0), 1000)
+    >>> float(f(0)), float(f(50)), round(float(f(1000)), 3)
+    (0.0, 1.0, 0.1)
+  """
+  return optax.warmup_cosine_decay_schedule(
+      0.0, cfg.lr, warmup_steps=max(1, round(0.05 * horizon)),
+      decay_steps=max(2, round(horizon)), end_value=0.1 * cfg.lr)
+
+
+def scale_by_schedule_in_examples(schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:
+  """Multiplies the updates by ``-schedule(examples)``: a learning rate counted in examples.
+
+  Optax schedules count the inner optimizer's own steps. With a window
+  length that changes (``adaptive_k``, a ``k`` schedule) the steps no longer
+  track the data seen; count examples instead. Chain this after a direction
+  (``optax.scale_by_adam()``), put the chain inside ``accumulate`` and pass
+  ``examples=`` (seen so far, this micro-batch included) to every update:
+  ``accumulate`` hands extra arguments to its inner optimizer only when a
+  window closes, so the schedule is read once per optimizer step.
+
+  Args:
+    schedule: the learning rate as a function of examples seen.
+
+  Returns:
+    A transform whose ``update`` takes ``examples=`` (a scalar; traced is fine).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_accum as oa
+    >>> from optax_accum.demo import scale_by_schedule_in_examples
+    >>> lr = lambda n: 0.1 / (1.0 + n / 8)   # halves after 8 examples
+    >>> tx = oa.accumulate(2, optax.chain(optax.scale_by_sign(),
+    ...                                   scale_by_schedule_in_examples(lr)))
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> for seen in (4.0, 8.0):   # two micro-batches of 4 examples: one step
+    ...   updates, state = tx.update({"w": jnp.ones(2)}, state, params, examples=seen)
+    >>> updates["w"].tolist()   # -lr(8) * sign(1)
+    [-0.05000000074505806, -0.05000000074505806]
+  """
+  def init_fn(params: optax.Params) -> optax.EmptyState:
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates: optax.Updates, state: optax.EmptyState, params: Any = None, *,
+                examples: Any, **extra_args: Any) -> tuple[optax.Updates, optax.EmptyState]:
+    del params, extra_args
+    lr = schedule(examples)
+    return jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates), state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def adaptive_arms(cfg: Config, n_micro: int) -> dict[str, tuple[Any, optax.GradientTransformation]]:
+  """``{arm: (k, accumulate transform)}``; each tracks the noise scale, token-weighted."""
+  b = cfg.batch_size // cfg.k
+  policy = oa.adaptive_k(cfg.k_small, cfg.k_large, fraction=cfg.fraction,
+                         min_windows=cfg.min_windows)
+  arms: dict[str, tuple[Any, optax.GradientTransformation]] = {}
+  for arm, k in (("small_k", cfg.k_small), ("large_k", cfg.k_large), ("adaptive_k", policy)):
+    if cfg.schedule_unit == "examples":
+      inner = optax.chain(optax.scale_by_adam(),
+                          scale_by_schedule_in_examples(lr_schedule(cfg, n_micro * b)))
+    else:  # optimizer steps: the horizon of a fixed arm; the adaptive arm's at k_small
+      inner = optax.adam(lr_schedule(cfg, n_micro / (cfg.k_small if arm == "adaptive_k" else k)))
+    arms[arm] = (k, oa.accumulate(k, inner, reduction="weighted", track_noise_scale=True))
+  return arms
+
+
+def build_adaptive_step(loss_terms: LossTerms, tx: optax.GradientTransformation,
+                        by_examples: bool) -> Callable[..., Any]:
+  """``step(params, opt_state, micro, examples, last) -> (params, opt_state, loss_sum,
+  tokens, emitted, noise_scale)``: one micro-batch, token-weighted, through the fast path."""
+  grad_fn = jax.value_and_grad(_own_mean(loss_terms), has_aux=True)
+
+  def step(params, opt_state, micro, examples, last):
+    (_, (total, count)), grads = grad_fn(params, micro)
+    extra = {"examples": examples} if by_examples else {}
+    # emit_now on the stream's last micro-batch: a short final window is still a step.
+    params, opt_state = oa.update_and_apply(tx, grads, opt_state, params, weight=count,
+                                            emit_now=last, **extra)
+    return params, opt_state, total, count, opt_state.emitted, oa.noise_scale(opt_state)
+  return step
+
+
+@dataclasses.dataclass
+class _AdaptiveArm:
+  """One arm of the adaptive experiment: its compiled step, state and per-call outputs."""
+
+  name: str
+  k: Any
+  compiled: Any
+  params: Any
+  opt_state: Any
+  compile_s: float
+  outputs: list[Any] = dataclasses.field(default_factory=list)
+  evals: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+
+
+def _eval_loss(evaluate: Callable[..., Any], params: Any,
+               eval_batches: dict[str, np.ndarray]) -> float:
+  ev_sum = ev_count = 0.0
+  for i in range(eval_batches["inputs"].shape[0]):
+    s, n = evaluate(params, jax.tree.map(jnp.asarray, _host_micro(eval_batches, i, 0, 1)))
+    ev_sum, ev_count = ev_sum + float(s), ev_count + float(n)
+  return ev_sum / max(ev_count, 1.0)
+
+
+def run_adaptive(cfg: Config, pieces: list[str], loss_terms: LossTerms, params0: Any,
+                 eval_batches: dict[str, np.ndarray]) -> dict[str, Any]:
+  """Trains the three arms of the adaptive-k experiment in lockstep; returns their summaries."""
+  start = time.perf_counter()
+  b = cfg.batch_size // cfg.k
+  n_micro = cfg.steps * cfg.k  # as many examples as each arm of the first experiment
+  stream = make_batches(pieces, dataclasses.replace(cfg, batch_size=b, group_by_length=False),
+                        n_micro, cfg.seed + 2)
+  by_examples = cfg.schedule_unit == "examples"
+  example = jax.tree.map(jnp.asarray, {name: v[0] for name, v in stream.items()})
+  arms = []
+  for name, (k, tx) in adaptive_arms(cfg, n_micro).items():
+    t0 = time.perf_counter()
+    opt_state = jax.jit(tx.init)(params0)
+    args = (params0, opt_state, example, jnp.float32(b), jnp.bool_(False))
+    compiled = jax.jit(build_adaptive_step(loss_terms, tx, by_examples)).lower(*args).compile()
+    jax.block_until_ready(compiled(*args))  # warm-up, discarded
+    arms.append(_AdaptiveArm(name, k, compiled, params0, opt_state, time.perf_counter() - t0))
+  evaluate = jax.jit(loss_terms)
+  checkpoints = {round(n_micro * i / EVAL_POINTS) for i in range(1, EVAL_POINTS + 1)}
+  bar = None
+  if cfg.progress:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=n_micro, desc="adaptive k: 3 arms", unit="micro-batch", dynamic_ncols=True)
+  for j in range(n_micro):  # lockstep, as above; no per-call sync
+    micro = jax.tree.map(jnp.asarray, {name: v[j] for name, v in stream.items()})
+    examples, last = jnp.float32((j + 1) * b), jnp.bool_(j == n_micro - 1)
+    for a in arms:
+      a.params, a.opt_state, *out = a.compiled(a.params, a.opt_state, micro, examples, last)
+      a.outputs.append(out)
+    if j + 1 in checkpoints:
+      for a in arms:
+        a.evals.append(((j + 1) * b, _eval_loss(evaluate, a.params, eval_batches)))
+    if bar is not None:
+      bar.update(1)
+  if bar is not None:
+    bar.close()
+  summaries = {a.name: _summarise_adaptive(a, b, n_micro) for a in arms}
+  return {
+      "micro_batch_sequences": b,
+      "micro_batches": n_micro,
+      "total_sequences": n_micro * b,
+      "k_small": cfg.k_small,
+      "k_large": cfg.k_large,
+      "fraction": cfg.fraction,
+      "min_windows": cfg.min_windows,
+      "schedule_unit": cfg.schedule_unit,
+      "arms": summaries,
+      "wall_s": time.perf_counter() - start,
+  }
+
+
+def _summarise_adaptive(a: _AdaptiveArm, b: int, n_micro: int) -> dict[str, Any]:
+  out = np.asarray([[float(x) for x in o] for o in a.outputs])  # one host sync, at the end
+  total, count, emitted, noise = out[:, 0], out[:, 1], out[:, 2] > 0.5, out[:, 3]
+  ends = np.flatnonzero(emitted)
+  starts = np.concatenate([[0], ends[:-1] + 1])
+  steps = int(jnp.asarray(a.opt_state.gradient_step))
+  if steps != len(ends) or ends[-1] != n_micro - 1:
+    raise AssertionError(f"{a.name}: {steps} optimizer steps, {len(ends)} windows closed.")
+  tail = slice(int(0.9 * n_micro), n_micro)  # the last 10% of the examples
+  return {
+      "label": {"small_k": f"k = {a.k}", "large_k": f"k = {a.k}",
+                "adaptive_k": f"adaptive k ({a.k.k_min}..{a.k.k_max})"}[a.name],
+      "optimizer_steps": steps,
+      "mean_k": n_micro / steps,
+      "window_k": (ends - starts + 1).tolist(),
+      "window_end_sequences": ((ends + 1) * b).tolist(),
+      "window_loss": [float(total[s:e + 1].sum() / max(count[s:e + 1].sum(), 1.0))
+                      for s, e in zip(starts, ends, strict=True)],
+      # noise_scale after each window, in micro-batches (NaN until ready) -> sequences.
+      "b_noise_sequences": (noise[ends] * b).tolist(),
+      "final_b_noise_sequences": float(noise[-1] * b),
+      "train_loss_last_10pct": float(total[tail].sum() / max(count[tail].sum(), 1.0)),
+      "eval_points": [e for e, _ in a.evals],
+      "eval_losses": [v for _, v in a.evals],
+      "eval_loss": a.evals[-1][1],
+      "compile_s": a.compile_s,
+  }
 
 
 # ----------------------------------------------------------------------------- reporting

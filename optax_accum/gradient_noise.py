@@ -38,6 +38,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from optax_accum._validation import first_node
+
 __all__ = [
     "MIN_WINDOWS",
     "AdaptiveK",
@@ -197,19 +199,7 @@ def fold(state: NoiseScaleState, stats: WindowStats, decay: float = DEFAULT_DECA
 
 def find(state: Any) -> NoiseScaleState | None:
   """The first :class:`NoiseScaleState` inside ``state``, or None."""
-  if isinstance(state, NoiseScaleState):
-    return state
-  if isinstance(state, (tuple, list)):
-    for sub in state:
-      found = find(sub)
-      if found is not None:
-        return found
-  if isinstance(state, dict):
-    for sub in state.values():
-      found = find(sub)
-      if found is not None:
-        return found
-  return None
+  return first_node(state, lambda n: isinstance(n, NoiseScaleState))
 
 
 def noise_scale(state: Any, min_windows: int = MIN_WINDOWS) -> jax.Array:

@@ -17,12 +17,18 @@ Where to put the other two memory tricks:
 * ``jax.checkpoint`` goes *inside the loss*, around each block (layer) of the
   model — never around ``fn`` or the whole loss, which recomputes everything
   and saves nothing.
+
+Across devices the gradients are reduced once, after the loop: inside
+``shard_map``/``pmap`` with ``axis_name``, and under plain ``jit`` with the
+batch sharded over Explicit mesh axes (or Auto axes named by ``axis_name``),
+where the loop is run inside a ``shard_map`` over them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -31,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum import _validation
+from optax_accum import _validation, gradient_noise
 
 __all__ = [
     "AUX_RULES",
@@ -241,6 +247,7 @@ class _Config:
   acc_dtype: jnp.dtype | None
   axis_name: Any
   unroll: int | bool
+  return_noise_stats: bool = False
 
 
 class _Inputs(NamedTuple):
@@ -260,6 +267,13 @@ class _Out(NamedTuple):
   grads: Any
 
 
+class _NoiseSums(NamedTuple):
+  """The noise-scale sums over the micro-batches (``return_noise_stats=True``)."""
+
+  sq_norms: jax.Array  # sum of w_i |g_i|^2, float32 (w_i = 1 unless weighted)
+  count: jax.Array  # micro-batches of nonzero weight, float32
+
+
 class _Carry(NamedTuple):
   """The loop carry: running sums and the aux rules' states."""
 
@@ -267,6 +281,7 @@ class _Carry(NamedTuple):
   den: Any
   grads: Any
   aux: list[Any]  # one state per aux rule
+  noise: _NoiseSums | tuple[()] = ()
 
 
 class _AuxPlan(NamedTuple):
@@ -325,7 +340,8 @@ def microbatched(
     accumulator_dtype: Any = None,
     axis_name: Any = None,
     unroll: int | bool = 1,
-) -> Callable[..., tuple[Any, Any]]:
+    return_noise_stats: bool = False,
+) -> Callable[..., Any]:
   r"""Runs a value-and-grad function over ``k`` micro-batches in one ``lax.scan``.
 
   ``fn(params, batch, *rest) -> (value, grads)`` is typically
@@ -395,21 +411,68 @@ def microbatched(
       complex128 in themselves. An explicit dtype is used as given, even if
       narrower; a real one for complex values raises ``TypeError`` (it would
       drop the imaginary part).
-    axis_name: a ``shard_map``/``pmap`` axis name (or tuple of names) over
-      which the batch is split across devices. Each device accumulates its
-      local micro-batches, and the results are reduced **once, after the
-      loop**: ``pmean`` for ``"mean"``, ``psum`` for ``"sum"``, and for
-      ``"weighted"`` a ``psum`` of numerators, denominators and gradients
-      before the one division, so the normalisation is global. Non-batch
-      arguments are cast to device-varying first, so that ``shard_map``'s
-      autodiff does not insert an all-reduce into every micro-step. Aux rules
-      ``mean``/``sum``/``max``/``min`` are reduced across devices too;
-      ``last``, ``concat``, ``stack`` and custom rules stay per device.
+    axis_name: the mesh axis name (or tuple of names) over which the batch is
+      split across devices. Each device accumulates its local micro-batches,
+      and the results are reduced **once, after the loop**: a mean for
+      ``"mean"``, a sum for ``"sum"``, and for ``"weighted"`` a sum of
+      numerators, denominators and gradients before the one division, so the
+      normalisation is global. Inside ``shard_map``/``pmap`` name their axes:
+      non-batch arguments are cast to device-varying first, so that
+      ``shard_map``'s autodiff does not insert an all-reduce into every
+      micro-step. Under plain ``jit`` see "Data parallel under plain jit"
+      below: Explicit axes need no ``axis_name``; Auto axes are named here.
+      Aux rules ``mean``/``sum``/``max``/``min`` are reduced across devices
+      too; ``last``, ``concat``, ``stack`` and custom rules stay per device.
     unroll: passed to ``lax.scan``.
+    return_noise_stats: also return the gradient noise statistics of this
+      call's micro-batches, a :class:`~optax_accum.gradient_noise.WindowStats`
+      (the same sums ``accumulate(k, opt, track_noise_scale=True)`` keeps for
+      a window of the same micro-batch gradients). Fold them into a running
+      estimate with :func:`optax_accum.gradient_noise.fold` and read it with
+      :func:`optax_accum.noise_scale` (in micro-batches). Each micro-batch
+      adds one scalar, its squared gradient norm, to the loop carry: no
+      gradient-sized memory. ``"weighted"`` weights micro-batch ``i`` by its
+      denominator (a micro-batch of denominator 0 is not counted);
+      ``"sum"`` takes the window's mean gradient as the sum over ``k``. Split
+      over ``D`` devices, the statistics span all ``k * D`` per-device
+      micro-batches, and their scalars ride in the one reduction after the
+      loop. Under plain ``jit`` they need ``fn`` to be a per-example mean or
+      sum (as for the results).
 
   Returns:
     A function with ``fn``'s signature returning ``(value, grads)`` (or
-    ``((value, aux), grads)``), reduced over the micro-batches.
+    ``((value, aux), grads)``), reduced over the micro-batches; with
+    ``return_noise_stats=True``, ``((value, grads), stats)`` (or
+    ``(((value, aux), grads), stats)``).
+
+  Data parallel under plain jit:
+
+  * **Explicit axes** (``jax.make_mesh(..., axis_types=(AxisType.Explicit,
+    ...))`` and ``jax.set_mesh``): a batch whose leading dim is sharded over
+    mesh axes (visible in its type, e.g. ``float32[32@data,5]``) is split
+    there. No argument is needed: the loop runs inside a ``shard_map`` over
+    those axes (the ``axis_name`` path above), so each device scans its own
+    rows and the gradients are reduced once, after the loop. Non-batch
+    arguments are made whole over the data axes before it (FSDP params: one
+    all-gather); each gradient comes back with the sharding of the argument
+    of its structure (the params), reduce-scattered onto it when that param
+    is sharded over the data axes alone (``P("data")``), else all-reduced
+    and sliced.
+  * **Auto axes** (the default): types do not show the batch's sharding, so
+    name the data axes, ``microbatched(fn, k, axis_name="data")``, and the
+    same ``shard_map`` is applied for you over ``jax.set_mesh``'s mesh.
+    Without it, ``jit`` reduces the gradients inside the loop, once per
+    micro-batch.
+
+  Either way ``fn`` runs per device on that device's rows of each
+  micro-batch, like under ``shard_map``: the results equal the full batch's
+  for a loss that is a mean or sum over examples (or ``"weighted"``), not
+  for batch statistics across examples; ``fn`` must not name the data axes
+  in sharding annotations; per-example aux (``"concat"``, and ``"last"`` and
+  ``"stack"`` of per-example values) is put back in batch order, other
+  per-device aux raises. On jax 0.10, ``shard_map``'s boundary all-gathers
+  operands sharded over *other* Explicit axes (tensor parallel), once per
+  call, outside the loop.
 
   Raises:
     ValueError: when called with a batch whose size ``num_microbatches`` does
@@ -417,6 +480,11 @@ def microbatched(
       that do not match ``batch_argnums``/``rng_argnums``.
     TypeError: when called with complex values and a real
       ``accumulator_dtype``.
+    ValueError: under plain ``jit``, for batch leaves split differently over
+      the mesh, ``axis_name`` naming axes the batch is not split over or of
+      mixed kinds, a mesh mixing Auto and Explicit axes where a split could
+      not be seen, or a batch not divisible into ``k`` micro-batches per
+      device.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -452,13 +520,44 @@ def microbatched(
     >>> _, gc = microbatched(jax.value_and_grad(loss_c), 2, normalize="sum")(wc, xc)
     >>> gc.dtype, bool(jnp.allclose(gc, jax.grad(loss_c)(wc, xc)))
     (dtype('complex64'), True)
+
+    The noise statistics of the micro-batches, folded into a running
+    estimate:
+
+    >>> from optax_accum import gradient_noise
+    >>> fn = microbatched(jax.value_and_grad(loss_fn), 4, return_noise_stats=True)
+    >>> (loss, grads), stats = fn(w, batch)
+    >>> int(stats.window_count)
+    4
+    >>> state = gradient_noise.fold(gradient_noise.init(), stats)
+    >>> int(state.num_windows)
+    1
+
+    Data parallel under plain jit, with the batch sharded over an Explicit
+    axis (8 devices): one gradient all-reduce, after the loop.
+
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> from optax_accum.debug import hlo_collectives
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    >>> with jax.set_mesh(mesh):
+    ...   big = {"x": jnp.arange(64.0).reshape(32, 2) / 64, "y": jnp.ones(32)}
+    ...   big = jax.device_put(big, P("data"))
+    ...   step = jax.jit(microbatched(jax.value_and_grad(loss_fn), 4))
+    ...   loss, grads = step(jax.device_put(w, P()), big)
+    ...   ops = [(c.op, c.context) for c in hlo_collectives(step.lower(w, big).compile())]
+    >>> ops   # () is after the loop; inside it would read (('while', 'body'),)
+    [('all-reduce', ())]
+    >>> ref = jax.grad(loss_fn)(w, jax.device_get(big))
+    >>> bool(jnp.allclose(grads, ref, atol=1e-6))
+    True
   """
   _check_fn(fn)
   batch_nums = _as_argnums(batch_argnums, "batch_argnums")
   if not batch_nums:
     raise ValueError("`batch_argnums` is empty; name at least one batch argument of `fn`.")
-  if not isinstance(has_aux, bool):
-    raise TypeError(f"`has_aux` must be a bool; got {has_aux!r}.")
+  for name, flag in (("has_aux", has_aux), ("return_noise_stats", return_noise_stats)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"`{name}` must be a bool; got {flag!r}.")
   config = _Config(
       k=_check_num_microbatches(num_microbatches),
       batch_argnums=batch_nums,
@@ -475,19 +574,23 @@ def microbatched(
       acc_dtype=_validation.check_accumulator_dtype(accumulator_dtype),
       axis_name=axis_name,
       unroll=unroll,
+      return_noise_stats=return_noise_stats,
   )
 
   @functools.wraps(fn)
-  def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    return _run(functools.partial(fn, **kwargs), config, _split_inputs(config, args))
+  def wrapped(*args: Any, **kwargs: Any) -> Any:
+    call = functools.partial(fn, **kwargs)
+    place = _place(config, args)
+    if place is not None:
+      return _run_on_mesh(call, config, place, args)
+    return _run(call, config, _split_inputs(config, args))
 
   return wrapped
 
 
 # ------------------------------------------------- stage 1: split the batch
-def _split_inputs(config: _Config, args: tuple[Any, ...]) -> _Inputs:
-  """Checks the batch arguments and reshapes them for ``_index``; prepares the keys."""
-  nargs = len(args)
+def _positions(config: _Config, nargs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """The positions of the batch arguments and of the keys, for ``nargs`` arguments."""
   b_nums = _resolve_argnums(config.batch_argnums, nargs, "batch_argnums")
   r_nums = _resolve_argnums(config.rng_argnums, nargs, "rng_argnums")
   if set(b_nums) & set(r_nums):
@@ -495,6 +598,13 @@ def _split_inputs(config: _Config, args: tuple[Any, ...]) -> _Inputs:
         f"`batch_argnums` {b_nums} and `rng_argnums` {r_nums} overlap; an"
         " argument is either split (batch) or a key (folded per micro-batch)."
     )
+  return b_nums, r_nums
+
+
+def _split_inputs(config: _Config, args: tuple[Any, ...]) -> _Inputs:
+  """Checks the batch arguments and reshapes them for ``_index``; prepares the keys."""
+  nargs = len(args)
+  b_nums, r_nums = _positions(config, nargs)
   _batch_size({i: args[i] for i in b_nums}, config.k)
   rest = list(args)
   if config.axis_name is not None:
@@ -594,28 +704,47 @@ def _unpack_weighted(value: Any, has_aux: bool) -> tuple[Any, Any, Any]:
 
 
 # ------------------------------------------------------ stage 3: the loop
-def _run(call: Callable[..., Any], config: _Config, inputs: _Inputs) -> tuple[Any, Any]:
-  """Loops over the micro-batches, then normalises and reduces once."""
+def _run(
+    call: Callable[..., Any], config: _Config, inputs: _Inputs, scatter: list[Any] | None = None,
+) -> Any:
+  """Loops over the micro-batches, then reduces once and normalises.
+
+  ``scatter`` (one entry per gradient leaf, or None) names the leaves that are
+  reduce-scattered over ``axis_name`` instead of all-reduced: ``(dim, axes)``.
+  """
   step = functools.partial(_call_microbatch, call, config)
   shapes = _unpack(config, jax.eval_shape(step, inputs, jnp.zeros([], jnp.int32)))
   plan = _resolve_aux_rules(config, shapes.aux) if config.has_aux else None
 
   def body(carry: _Carry, idx: jax.Array) -> tuple[_Carry, list[Any]]:
-    return _add(plan, carry, _unpack(config, step(inputs, idx)), idx)
+    return _add(config, plan, carry, _unpack(config, step(inputs, idx)), idx)
 
   init = _init_carry(config, plan, shapes)
   carry, stacked = _loop(config, body, init, _any_varying(inputs))
-  num, grads = _normalize(config, carry)
+  num, grads, stats = _normalize(config, carry, scatter)
   num = jax.tree.map(lambda x, s: x.astype(s.dtype), num, shapes.num)
   grads = jax.tree.map(lambda x, s: x.astype(s.dtype), grads, shapes.grads)
   aux = None if plan is None else _aux_outputs(config, plan, carry.aux, stacked)
-  return ((num, aux) if config.has_aux else num), grads
+  out = ((num, aux) if config.has_aux else num), grads
+  return (out, stats) if config.return_noise_stats else out
+
+
+def _filled(s: jax.ShapeDtypeStruct, dtype: Any, fill: Any = 0) -> jax.Array:
+  """``fill`` shaped like ``s``; under explicit sharding also sharded like ``s``.
+
+  A ``lax.scan`` carry must keep its type, and under explicit sharding the
+  type includes the sharding (a gradient sharded over a ``"model"`` axis).
+  """
+  sharding = getattr(s, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  explicit = any(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ()) or ())
+  return jnp.full(s.shape, fill, dtype, out_sharding=sharding.spec if explicit else None)
 
 
 def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _Out) -> _Carry:
   """Zero accumulators shaped like one micro-batch's output, in the accumulator dtypes."""
   def zeros(s: jax.ShapeDtypeStruct) -> jax.Array:
-    return jnp.zeros(s.shape, _acc_dtype(s.dtype, config.acc_dtype))
+    return _filled(s, _acc_dtype(s.dtype, config.acc_dtype))
 
   num, grads = jax.tree.map(zeros, (shapes.num, shapes.grads))
   den = None
@@ -625,11 +754,14 @@ def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _Out) -> _Carry:
     den = jnp.zeros([], _acc_dtype(den_dtype, config.acc_dtype))
   aux = [] if plan is None else [
       _aux_init(config, r, s) for r, s in zip(plan.rules, plan.shapes, strict=True)]
-  return _Carry(num, den, grads, aux)
+  noise = ()
+  if config.return_noise_stats:
+    noise = _NoiseSums(jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
+  return _Carry(num, den, grads, aux, noise)
 
 
 def _add(
-    plan: _AuxPlan | None, carry: _Carry, out: _Out, idx: jax.Array,
+    config: _Config, plan: _AuxPlan | None, carry: _Carry, out: _Out, idx: jax.Array,
 ) -> tuple[_Carry, list[Any]]:
   """One loop step: ``out`` added to the carry; the outputs the loop stacks."""
   num, grads = jax.tree.map(
@@ -637,12 +769,29 @@ def _add(
   den = None
   if carry.den is not None:
     den = carry.den + jnp.asarray(out.den).astype(carry.den.dtype)
+  noise = _add_noise(carry.noise, out) if config.return_noise_stats else ()
   if plan is None:
-    return _Carry(num, den, grads, []), []
+    return _Carry(num, den, grads, [], noise), []
   parts = plan.treedef.flatten_up_to(out.aux)
   aux = [_aux_update(r, c, v, idx) for r, c, v in zip(plan.rules, carry.aux, parts, strict=True)]
   ys = [v if _collects(r) else () for r, v in zip(plan.rules, parts, strict=True)]
-  return _Carry(num, den, grads, aux), ys
+  return _Carry(num, den, grads, aux, noise), ys
+
+
+def _add_noise(noise: _NoiseSums, out: _Out) -> _NoiseSums:
+  """One micro-batch's (weighted) squared gradient norm: a scalar, no gradient-sized buffer.
+
+  Weighted: ``fn``'s grads are those of the numerator ``n``, the micro-batch's
+  mean gradient is ``g = grad n / d`` and its weight ``w = d``, so
+  ``w |g|^2 = |grad n|^2 / d``. A micro-batch of weight 0 is not counted.
+  """
+  sq = gradient_noise.sq_norm(out.grads)
+  if out.den is None:
+    return _NoiseSums(noise.sq_norms + sq, noise.count + 1.0)
+  den = jnp.asarray(out.den).astype(jnp.float32)
+  counted = den != 0
+  sq = jnp.where(counted, sq / jnp.where(counted, den, 1.0), 0.0)
+  return _NoiseSums(noise.sq_norms + sq, noise.count + counted.astype(jnp.float32))
 
 
 def _loop(
@@ -666,17 +815,64 @@ def _loop(
     return lax.scan(body, init, jnp.arange(config.k, dtype=jnp.int32), unroll=config.unroll)
 
 
-# ------------------------------------------- stages 4 and 5: normalise, reduce
-def _normalize(config: _Config, carry: _Carry) -> tuple[Any, Any]:
-  """The summed value and grads to the outputs (before the cast back)."""
+# ------------------------------------------- stages 4 and 5: reduce, normalise
+def _normalize(
+    config: _Config, carry: _Carry, scatter: list[Any] | None,
+) -> tuple[Any, Any, gradient_noise.WindowStats | None]:
+  """The sums to the outputs (before the cast back), and the window's noise statistics."""
   num, grads = carry.num, carry.grads
   if config.normalize == "mean":
     num, grads = jax.tree.map(lambda x: x / config.k, (num, grads))
-    return _all_reduce(config, (num, grads), lax.pmean)
-  num, den, grads = _all_reduce(config, (num, carry.den, grads), lax.psum)
+  (num, den, noise), grads, devices = _cross_device(
+      config, (num, carry.den, carry.noise), grads, scatter)
+  if config.normalize == "mean" and devices > 1:
+    num, grads = jax.tree.map(lambda x: x / devices, (num, grads))
+  if config.normalize == "weighted":
+    num, grads = jax.tree.map(lambda x: _safe_div(x, den), (num, grads))
+  stats = _window_stats(config, noise, den, grads, scatter) if config.return_noise_stats else None
+  return num, grads, stats
+
+
+def _cross_device(
+    config: _Config, scalars: Any, grads: Any, scatter: list[Any] | None,
+) -> tuple[Any, Any, int]:
+  """Sums over ``axis_name`` once, after the loop; also returns the number of devices.
+
+  One ``psum`` carries the value, the denominator, the noise sums and every
+  gradient leaf that is not reduce-scattered; each scattered leaf is one
+  ``psum_scatter`` (tiled) onto its dimension. A no-op without ``axis_name``.
+  """
+  if config.axis_name is None:
+    return scalars, grads, 1
+  leaves, treedef = jax.tree.flatten(grads)
+  scatter = scatter or [None] * len(leaves)
+  plain = [g for g, s in zip(leaves, scatter, strict=True) if s is None]
+  scalars, plain = lax.psum((scalars, plain), config.axis_name)
+  summed = iter(plain)
+  leaves = [next(summed) if s is None else
+            lax.psum_scatter(g, s[1], scatter_dimension=s[0], tiled=True)
+            for g, s in zip(leaves, scatter, strict=True)]
+  return scalars, jax.tree.unflatten(treedef, leaves), lax.axis_size(config.axis_name)
+
+
+def _window_stats(
+    config: _Config, noise: _NoiseSums, den: Any, grads: Any, scatter: list[Any] | None,
+) -> gradient_noise.WindowStats:
+  """The micro-batches' noise statistics (over all devices), as ``accumulate`` keeps them.
+
+  The window's mean gradient is the weighted or plain mean output; for
+  ``normalize="sum"`` it is the summed output over the count of micro-batches.
+  """
+  leaves = jax.tree.leaves(grads)
+  scatter = scatter or [None] * len(leaves)
+  mean_sq = gradient_noise.sq_norm([g for g, s in zip(leaves, scatter, strict=True) if s is None])
+  scattered = [g for g, s in zip(leaves, scatter, strict=True) if s is not None]
+  if scattered:  # each device holds a slice of these leaves
+    mean_sq = mean_sq + lax.psum(gradient_noise.sq_norm(scattered), config.axis_name)
   if config.normalize == "sum":
-    return num, grads
-  return jax.tree.map(lambda x: _safe_div(x, den), (num, grads))
+    mean_sq = mean_sq / jnp.maximum(noise.count, 1.0) ** 2
+  total = den.astype(jnp.float32) if config.normalize == "weighted" else noise.count
+  return gradient_noise.WindowStats(noise.sq_norms, noise.count.astype(jnp.int32), total, mean_sq)
 
 
 def _all_reduce(config: _Config, tree: Any, op: Callable[[Any, Any], Any]) -> Any:
@@ -735,9 +931,9 @@ def _leaf_init(config: _Config, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array
     dtype = _acc_dtype(s.dtype, config.acc_dtype)
     if rule == "mean" and not _is_float(dtype):
       dtype = jnp.float32  # the mean of integers
-    return jnp.zeros(s.shape, dtype)
+    return _filled(s, dtype)
   if rule == "last":
-    return jnp.zeros(s.shape, s.dtype)
+    return _filled(s, s.dtype)
   if _is_float(s.dtype):
     start = -jnp.inf if rule == "max" else jnp.inf
   elif jnp.issubdtype(s.dtype, jnp.bool_):
@@ -745,7 +941,7 @@ def _leaf_init(config: _Config, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array
   else:
     info = jnp.iinfo(s.dtype)
     start = info.min if rule == "max" else info.max
-  return jnp.full(s.shape, start, s.dtype)
+  return _filled(s, s.dtype, start)
 
 
 def _aux_update(rule: str | AuxRule, carry: Any, value: Any, idx: jax.Array) -> Any:
@@ -807,3 +1003,296 @@ def _any_varying(tree: Any) -> bool:
 def _match_varying(init: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
   missing = _validation.varying_axes(target) - _validation.varying_axes(init)
   return _pcast_varying(init, tuple(sorted(missing, key=str)))
+
+
+# ---------------------------------------------- plain jit: the batch on a mesh
+class _Placement(NamedTuple):
+  """A batch split over mesh axes under plain ``jit``: the loop runs inside ``shard_map``."""
+
+  axes: tuple[Any, ...]  # the data axes
+  mesh: Any  # the mesh to ``shard_map`` over
+  explicit: bool  # shardings are in the types: gradients go back to their params' shardings
+
+
+def _axis_tuple(axis_name: Any) -> tuple[Any, ...]:
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _axis_kinds(mesh: Any, axes: tuple[Any, ...]) -> set[str] | None:
+  """``{"Explicit", "Auto", "Manual"}`` kinds of ``axes``; None if the mesh lacks one (pmap)."""
+  names = tuple(getattr(mesh, "axis_names", ()) or ())
+  if not axes or not all(a in names for a in axes):
+    return None
+  return {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
+
+
+def _leading_axes(leaf: Any) -> tuple[tuple[Any, ...], Any]:
+  """The mesh axes the leading dim of ``leaf`` is sharded over per its type, and its mesh."""
+  sharding = getattr(jax.typeof(leaf), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  lead = spec[0] if spec is not None and len(spec) else None
+  names = () if lead is None else tuple(lead) if isinstance(lead, tuple) else (lead,)
+  return names, getattr(sharding, "mesh", None)
+
+
+def _batch_axes(args: tuple[Any, ...], b_nums: tuple[int, ...]) -> tuple[tuple[Any, ...], Any]:
+  """The Explicit axes the batch is split over (``()`` if none), the same for every leaf."""
+  found = [(f"argument {i}{jax.tree_util.keystr(path)}", *_leading_axes(leaf))
+           for i in b_nums for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]]
+  where, axes, mesh = found[0]
+  for other, other_axes, _ in found[1:]:
+    if other_axes != axes:
+      raise ValueError(
+          f"The batch leaves are split differently over the mesh: {where} has its"
+          f" leading dim sharded over {axes or 'no axis'} but {other} over"
+          f" {other_axes or 'no axis'}. Place every batch leaf the same way, e.g."
+          f" jax.device_put(batch, P({_spec_entry(axes or other_axes)!r}))."
+      )
+  return axes, mesh
+
+
+def _spec_entry(axes: tuple[Any, ...]) -> Any:
+  return axes[0] if len(axes) == 1 else axes
+
+
+def _place(config: _Config, args: tuple[Any, ...]) -> _Placement | None:
+  """Where the batch lives: None to run as written (one device, or inside shard_map/pmap)."""
+  b_nums, _ = _positions(config, len(args))
+  _batch_size({i: args[i] for i in b_nums}, config.k)
+  axes, mesh = _batch_axes(args, b_nums)
+  if config.axis_name is None:
+    if axes:
+      return _Placement(axes, mesh, explicit=True)
+    _check_no_hidden_split(args, b_nums)
+    return None
+  named = _axis_tuple(config.axis_name)
+  current = jax.sharding.get_abstract_mesh()
+  kinds = _axis_kinds(current, named)
+  if kinds is None or kinds == {"Manual"}:  # inside shard_map, or pmap
+    if axes:
+      raise ValueError(
+          f"The batch is sharded over the Explicit mesh axes {axes} while"
+          f" `axis_name={config.axis_name!r}` names shard_map/pmap axes: both would"
+          f" split it. Drop `axis_name` (microbatched reads the split from the"
+          " batch's type), or replicate the batch over the Explicit axes.")
+    return None
+  if len(kinds) > 1 or (axes and set(axes) != set(named)):
+    raise ValueError(
+        f"`axis_name={config.axis_name!r}` names mesh axes of kinds {sorted(kinds)}"
+        f" and the batch's type shows it sharded over {axes or 'no Explicit axis'}."
+        " Name the axes the batch is split over, all of one kind: Explicit ones"
+        " (then `axis_name` may be dropped) or Auto ones.")
+  return _Placement(named, current, explicit=kinds == {"Explicit"})
+
+
+def _check_no_hidden_split(args: tuple[Any, ...], b_nums: tuple[int, ...]) -> None:
+  """Raises on a mesh that mixes Auto and Explicit axes with params in explicit types.
+
+  An Auto axis does not appear in the batch's type: a batch split over it
+  would go undetected, and the partitioner would reduce the gradients on
+  every micro-batch.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  names = tuple(getattr(mesh, "axis_names", ()) or ())
+  if not {"Auto", "Explicit"} <= (_axis_kinds(mesh, names) or set()):
+    return
+  for i, arg in enumerate(args):
+    if i in b_nums:
+      continue
+    for leaf in jax.tree.leaves(arg):
+      if isinstance(leaf, (jax.Array, np.ndarray)) and any(_spec_of(leaf)):
+        auto = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                     if str(t).endswith("Auto"))
+        raise ValueError(
+            f"The mesh mixes Auto axes {auto} with Explicit ones, argument {i} of"
+            " `fn` is sharded in its type, and the batch's type shows no split of"
+            " its leading dim: a split over an Auto axis cannot be seen, and the"
+            " gradients would be reduced on every micro-batch. Make the data axes"
+            " Explicit and shard the batch over them, or name them:"
+            f" `microbatched(..., axis_name={_spec_entry(auto)!r})`.")
+
+
+def _spec_of(leaf: Any) -> jax.sharding.PartitionSpec:
+  sharding = getattr(jax.typeof(leaf), "sharding", None)
+  return getattr(sharding, "spec", None) or jax.sharding.PartitionSpec()
+
+
+def _run_on_mesh(call: Callable[..., Any], config: _Config, place: _Placement,
+                 args: tuple[Any, ...]) -> Any:
+  """Plain ``jit``: the loop inside a ``shard_map`` over the data axes, reduced once after it.
+
+  Each device scans over its own rows with ``axis_name`` set to the data axes
+  (the tested ``shard_map`` path); outside, each gradient takes the sharding
+  of the parameter it belongs to.
+  """
+  b_nums, r_nums = _positions(config, len(args))
+  size = _batch_size({i: args[i] for i in b_nums}, config.k)
+  sizes = dict(zip(place.mesh.axis_names, place.mesh.axis_sizes, strict=True))
+  devices = math.prod(sizes[a] for a in place.axes)
+  if size % (devices * config.k):
+    raise ValueError(
+        f"A batch of {size} examples split over {devices} devices (mesh axes"
+        f" {place.axes}) and num_microbatches={config.k} needs a multiple of"
+        f" {devices * config.k} examples: each device splits its own rows. Use a"
+        f" num_microbatches that divides {size // devices or 1}, or pad the batch.")
+  inner = dataclasses.replace(config, axis_name=_spec_entry(place.axes))
+  arrays = _ArrayArgs.of(args, b_nums)
+  shapes = _abstract_outputs(call, config, arrays, size // devices // config.k)
+  targets, scatter = _grad_targets(place, args, (*b_nums, *r_nums), shapes.grads)
+  out_specs = _out_specs(inner, place.axes, shapes, scatter, size // devices // config.k)
+
+  def body(*values: Any) -> Any:
+    return _run(call, inner, _split_inputs(inner, arrays.rebuild(values)), scatter)
+
+  values = [v if batch else _gather_data_axes(v, place) for v, batch in
+            zip(arrays.values, arrays.is_batch, strict=True)]
+  in_specs = tuple(jax.sharding.PartitionSpec(_spec_entry(place.axes)) if batch
+                   else jax.sharding.PartitionSpec() for batch in arrays.is_batch)
+  out = jax.shard_map(body, mesh=place.mesh, in_specs=in_specs, out_specs=out_specs,
+                      axis_names=set(place.axes))(*values)
+  return _to_param_shardings(config, out, targets)
+
+
+def _gather_data_axes(x: Any, place: _Placement) -> Any:
+  """A non-batch input made whole over the data axes (FSDP params: one all-gather).
+
+  Under Explicit axes ``shard_map`` wants inputs typed as its ``in_specs``
+  say; under Auto ones the partitioner does this itself.
+  """
+  if not place.explicit:
+    return x
+  spec = _spec_of(x)
+  entries = [None if e is None else tuple(n for n in _axis_tuple(e) if n not in place.axes)
+             for e in spec]
+  if all(e is None or len(e) == len(_axis_tuple(o)) for e, o in zip(entries, spec, strict=True)):
+    return x
+  return jax.reshard(x, jax.sharding.PartitionSpec(
+      *[None if not e else _spec_entry(e) for e in entries]))
+
+
+class _ArrayArgs(NamedTuple):
+  """``fn``'s positional arguments split into array leaves (through ``shard_map``) and the rest."""
+
+  leaves: list[Any]
+  treedef: Any
+  where: list[int]  # positions of the array leaves in `leaves`
+  is_batch: list[bool]  # per array leaf: part of a batch argument
+
+  @classmethod
+  def of(cls, args: tuple[Any, ...], b_nums: tuple[int, ...]) -> _ArrayArgs:
+    per_arg = [jax.tree.leaves(a) for a in args]
+    owner = [i for i, leaves in enumerate(per_arg) for _ in leaves]
+    leaves, treedef = jax.tree.flatten(list(args))
+    where = [j for j, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+    return cls(leaves, treedef, where, [owner[j] in b_nums for j in where])
+
+  @property
+  def values(self) -> list[Any]:
+    return [self.leaves[j] for j in self.where]
+
+  def rebuild(self, values: Any) -> tuple[Any, ...]:
+    leaves = list(self.leaves)
+    for j, v in zip(self.where, values, strict=True):
+      leaves[j] = v
+    return tuple(jax.tree.unflatten(self.treedef, leaves))
+
+
+def _abstract_outputs(call: Callable[..., Any], config: _Config, arrays: _ArrayArgs,
+                      rows: int) -> _Out:
+  """``fn``'s output shapes on one device's micro-batch of ``rows`` examples (for out_specs)."""
+  def plain(x: Any, batch: bool) -> jax.ShapeDtypeStruct:
+    shape = (rows, *jnp.shape(x)[1:]) if batch else jnp.shape(x)
+    return jax.ShapeDtypeStruct(shape, jnp.result_type(x))
+
+  shapes = [plain(x, b) for x, b in zip(arrays.values, arrays.is_batch, strict=True)]
+  return _unpack(config, jax.eval_shape(lambda *v: call(*arrays.rebuild(v)), *shapes))
+
+
+def _grad_targets(place: _Placement, args: tuple[Any, ...], skip: tuple[int, ...],
+                  grads: Any) -> tuple[list[Any] | None, list[Any] | None]:
+  """The gradients' target specs and their reduce-scatter dims, or ``(None, None)``.
+
+  The targets are the shardings of the first argument (other than the batch
+  and the keys) that has the gradients' structure and shapes: the params.
+  A gradient whose param is sharded over exactly the data axes along one
+  dimension (FSDP) is reduce-scattered onto it. Under Auto axes the types
+  hold no shardings: everything is all-reduced, and the partitioner places
+  the result.
+  """
+  if not place.explicit:
+    return None, None
+  g_leaves, g_def = jax.tree.flatten(grads)
+  for i, arg in enumerate(args):
+    leaves, treedef = jax.tree.flatten(arg)
+    if i in skip or treedef != g_def or any(
+        jnp.shape(p) != g.shape for p, g in zip(leaves, g_leaves, strict=True)):
+      continue
+    specs = [_spec_of(p) for p in leaves]
+    return specs, [_scatter_dim(spec, place.axes) for spec in specs]
+  return None, None
+
+
+def _scatter_dim(spec: jax.sharding.PartitionSpec, axes: tuple[Any, ...]) -> Any:
+  """``(dim, names)`` if ``spec`` shards one dim over exactly the data axes, else None.
+
+  Only when no other dim is sharded: jax 0.10's ``psum_scatter`` fails to
+  lower an operand that is also sharded over an Explicit axis inside a
+  partial-manual ``shard_map``. Such a gradient is all-reduced, then sliced.
+  """
+  entries = [() if e is None else _axis_tuple(e) for e in spec]
+  hits = [dim for dim, names in enumerate(entries) if set(names) == set(axes)]
+  if len(hits) != 1 or sum(bool(names) for names in entries) != 1:
+    return None
+  return hits[0], entries[hits[0]]
+
+
+def _out_specs(config: _Config, axes: tuple[Any, ...], shapes: _Out, scatter: list[Any] | None,
+               rows: int) -> Any:
+  """``shard_map`` out_specs: reduced outputs replicated, per-example aux split like the batch."""
+  rep = jax.sharding.PartitionSpec()
+  leaves, treedef = jax.tree.flatten(shapes.grads)
+  scatter = scatter or [None] * len(leaves)
+  grads = jax.tree.unflatten(treedef, [
+      rep if s is None else jax.sharding.PartitionSpec(*[None] * s[0], _spec_entry(s[1]))
+      for s in scatter])
+  value = rep
+  if config.has_aux:
+    value = (rep, _aux_specs(config, axes, shapes.aux, rows))
+  out = (value, grads)
+  return (out, rep) if config.return_noise_stats else out
+
+
+def _aux_specs(config: _Config, axes: tuple[Any, ...], aux: Any, rows: int) -> Any:
+  """The out_specs of the aux: per rule, reduced (replicated) or split like the batch."""
+  plan = _resolve_aux_rules(config, aux)
+  split = _spec_entry(axes)
+  parts = []
+  for rule, shapes, where in zip(plan.rules, plan.shapes, plan.where, strict=True):
+    if isinstance(rule, str) and rule in (*_CROSS_DEVICE, "mean"):
+      parts.append(jax.sharding.PartitionSpec())
+      continue
+    leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    bad = [where + jax.tree_util.keystr(p) for p, s in leaves if rule != "concat" and (
+        isinstance(rule, AuxRule) or not s.shape or s.shape[0] != rows)]
+    if bad:
+      raise ValueError(
+          f"aux_rules={rule!r} at {bad[0]} keeps one value per device, and under plain"
+          f" jit with the batch split over {axes} microbatched can only join per-example"
+          f" values (a leading dim of the {rows} rows each device holds per"
+          " micro-batch). Use 'mean', 'sum', 'max' or 'min' there, or call"
+          " microbatched(..., axis_name=...) inside your own shard_map and choose"
+          " its out_specs.")
+    lead = (None,) if rule == "stack" else ()
+    parts.append(jax.sharding.PartitionSpec(*lead, split))
+  return jax.tree.unflatten(plan.treedef, parts)
+
+
+def _to_param_shardings(config: _Config, out: Any, targets: list[Any] | None) -> Any:
+  """The wrapper's outputs with each gradient resharded to its param's sharding."""
+  if targets is None:
+    return out
+  (value, grads), stats = (out, None) if not config.return_noise_stats else out
+  leaves, treedef = jax.tree.flatten(grads)
+  grads = jax.tree.unflatten(treedef, [
+      jax.reshard(g, spec) for g, spec in zip(leaves, targets, strict=True)])
+  return ((value, grads), stats) if config.return_noise_stats else (value, grads)
