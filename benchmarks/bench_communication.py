@@ -1,7 +1,8 @@
-"""Bytes all-reduced per accumulation window, read from the compiled HLO.
+"""Bytes reduced across devices per accumulation window, read from the compiled HLO.
 
 For k = 8 micro-batches on 8 data-parallel devices, each variant's train step
-is lowered and compiled (nothing is run), its all-reduces are listed with
+is lowered and compiled (nothing is run), its reductions (all-reduce,
+reduce-scatter) and all-gathers are listed with
 :func:`optax_accum.debug.hlo_collectives`, and each is weighted by how many
 times it runs per window:
 
@@ -10,6 +11,14 @@ times it runs per window:
 * in the ``lax.cond``'s emitting branch (branch 1): once per window;
   in the mid-step branch (branch 0): k - 1 times;
 * in a ``while`` body (the micro-batch loop): k times per call.
+
+The variants: ``shard_map`` with ``axis_name``; plain ``jit`` with
+auto-sharding; plain ``jit`` on an ``AxisType.Explicit`` mesh, where ours
+differentiates with respect to ``defer_reduction(params, "data")`` (unreduced
+gradients) and builds ``accumulate(k, opt, axis_name="data")``, and the naive
+path takes ``jax.grad`` of the params as they are (FSDP ones all-gathered with
+``jax.reshard(p, P())``) into ``accumulate(k, opt)``; the params are replicated
+or FSDP-sharded (ZeRO-3 over "data", all-gathered for every forward pass).
 
 Run (8 host CPU devices are forced; a few seconds)::
 
@@ -35,18 +44,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
 from optax_accum.debug import hlo_collectives
-from optax_accum.sharding import per_device_state, shard_map_specs
+from optax_accum.sharding import defer_reduction, per_device_state, shard_map_specs
 
 K = 8
 N_DEV = 8
 WIDTH = 512  # two 512x512 layers: ~0.5 M params, 2 MiB of f32 gradients
 PER_DEV = 4
 RESULTS = Path(__file__).resolve().parent / "results"
+REDUCTIONS = ("all-reduce", "all-reduce-start", "reduce-scatter")
+GATHERS = ("all-gather", "all-gather-start")
+# Plain jit, Explicit mesh: every param replicated, or sharded over "data" (ZeRO-3).
+LAYOUTS = {
+    "replicated": {"w1": P(), "b1": P(), "w2": P(), "b2": P()},
+    "FSDP": {"w1": P("data", None), "b1": P("data"), "w2": P("data", None), "b2": P("data")},
+}
 
 
 def init_params() -> dict[str, jax.Array]:
@@ -59,17 +75,30 @@ def init_params() -> dict[str, jax.Array]:
   }
 
 
+def broadcast_like(v: jax.Array, act: jax.Array) -> jax.Array:
+  """``v`` broadcast like the activation ``act`` when ``defer_reduction`` typed it reduced.
+
+  JAX does not add a reduced param to a batch-sharded activation directly;
+  broadcasting, then resharding like the activation, moves no data.
+  """
+  if not jax.typeof(v).sharding.spec.reduced:
+    return v
+  return jax.reshard(jnp.broadcast_to(v, act.shape), jax.typeof(act).sharding.spec)
+
+
 def loss_fn(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-  h = jnp.tanh(x @ params["w1"] + params["b1"])
-  return jnp.mean((h @ params["w2"] + params["b2"] - y) ** 2)
+  z = x @ params["w1"]
+  h = jnp.tanh(z + broadcast_like(params["b1"], z))
+  o = h @ params["w2"]
+  return jnp.mean((o + broadcast_like(params["b2"], o) - y) ** 2)
 
 
 def bytes_per_window(compiled: Any, calls_per_window: int) -> dict[str, Any]:
-  """All-reduce bytes per window, and where the all-reduces sit."""
-  total = 0
+  """Reduced and all-gathered bytes per window, and where the reductions sit."""
+  total = gathered = 0
   where = []
   for c in hlo_collectives(compiled):
-    if c.op not in ("all-reduce", "all-reduce-start", "reduce-scatter"):
+    if c.op not in REDUCTIONS + GATHERS:
       continue
     runs = calls_per_window
     for kind, which in c.context:
@@ -77,10 +106,43 @@ def bytes_per_window(compiled: Any, calls_per_window: int) -> dict[str, Any]:
         runs = 1 if which == 1 else calls_per_window - 1
       elif kind == "while" and which == "body":
         runs *= K
+    if c.op in GATHERS:
+      gathered += c.bytes * runs
+      continue
     total += c.bytes * runs
     where.append({"op": c.op, "bytes": c.bytes, "context": [list(x) for x in c.context],
                   "runs_per_window": runs})
-  return {"bytes_per_window": total, "all_reduces": where}
+  return {"bytes_per_window": total, "gathered_per_window": gathered, "all_reduces": where}
+
+
+def plain_jit_rows(params: Any, x: jax.Array, y: jax.Array,
+                   opt: optax.GradientTransformation) -> list[tuple[str, str, dict[str, Any]]]:
+  """Ours (defer_reduction + axis_name) and naive, replicated and FSDP, on an Explicit mesh."""
+  mesh = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Explicit,),
+                       devices=jax.devices()[:N_DEV])
+
+  def make_step(tx: optax.GradientTransformation, ours: bool) -> Any:
+    def step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> Any:
+      # Ours: unreduced gradients. Naive: FSDP params all-gathered (their
+      # gradient is then all-reduced on every call), replicated ones as they are.
+      local = defer_reduction(p, "data") if ours else jax.tree.map(
+          lambda a: jax.reshard(a, P()), p)
+      grads = jax.grad(loss_fn)(local, xb, yb)
+      return oa.update_and_apply(tx, grads, s, p)
+    return jax.jit(step)
+
+  rows = []
+  with jax.set_mesh(mesh):
+    xb, yb = jax.device_put(x, P("data")), jax.device_put(y, P("data"))
+    for layout, specs in LAYOUTS.items():
+      placed = {name: jax.device_put(v, specs[name]) for name, v in params.items()}
+      for ours in (True, False):
+        tx = oa.accumulate(K, opt, axis_name="data") if ours else oa.accumulate(K, opt)
+        compiled = make_step(tx, ours).lower(placed, tx.init(placed), xb, yb).compile()
+        name = ("accumulate(k, opt, axis_name) + defer_reduction, plain jit (ours)" if ours
+                else "naive: jax.grad(params), accumulate(k, opt), plain jit")
+        rows.append((f"{name}, {layout}", "across steps", bytes_per_window(compiled, K)))
+  return rows
 
 
 def main() -> dict[str, Any]:
@@ -139,6 +201,8 @@ def main() -> dict[str, Any]:
                    jit_params, jax.device_put(naive_tx.init(params), rep),
                    jax.device_put(x, batch), jax.device_put(y, batch)).compile(), K)))
 
+  rows += plain_jit_rows(params, x, y, opt)
+
   notes = []
   try:
     from optax_accum.microbatching import microbatched
@@ -186,21 +250,39 @@ def main() -> dict[str, Any]:
       "notes": notes,
       "rows": [{"variant": name, "accumulation": kind, **data} for name, kind, data in rows],
   }
+  by_name = {r["variant"]: r["bytes_per_window"] for r in result["rows"]}
+  result["plain_jit_naive_over_ours"] = {
+      layout: by_name[f"naive: jax.grad(params), accumulate(k, opt), plain jit, {layout}"]
+      / by_name[f"accumulate(k, opt, axis_name) + defer_reduction, plain jit (ours), {layout}"]
+      for layout in LAYOUTS}
   RESULTS.mkdir(parents=True, exist_ok=True)
   (RESULTS / "communication.json").write_text(json.dumps(result, indent=2) + "\n")
 
   lines = [
-      f"Bytes all-reduced per window, k = {K} micro-batches, {N_DEV} devices, "
-      f"{param_bytes / 2**20:.2f} MiB of f32 gradients (jax {jax.__version__}; "
-      "from the compiled HLO; `python benchmarks/bench_communication.py`).",
+      f"Bytes reduced across devices (all-reduce, reduce-scatter) per window, k = {K}"
+      f" micro-batches, {N_DEV} devices, {param_bytes / 2**20:.2f} MiB of f32 gradients"
+      f" (jax {jax.__version__}; from the compiled HLO;"
+      " `python benchmarks/bench_communication.py`).",
       "",
-      "| variant | accumulation | bytes all-reduced per window | MiB | x gradient size |",
-      "|---|---|---:|---:|---:|",
+      "| variant | accumulation | bytes reduced per window | MiB | x gradient size"
+      " | MiB all-gathered per window |",
+      "|---|---|---:|---:|---:|---:|",
   ]
   for row in result["rows"]:
     b = row["bytes_per_window"]
     lines.append(f"| {row['variant']} | {row['accumulation']} | {b:,} | {b / 2**20:.2f} |"
-                 f" {b / param_bytes:.2f} |")
+                 f" {b / param_bytes:.2f} | {row['gathered_per_window'] / 2**20:.2f} |")
+  ratios = result["plain_jit_naive_over_ours"]
+  lines += ["", "Plain jit on an Explicit mesh, naive / ours, bytes reduced per window: "
+            + ", ".join(f"{layout} {r:.2f}x" for layout, r in ratios.items()) + "."]
+  ops = sorted({c["op"] for r in result["rows"] for c in r["all_reduces"]})
+  lines += ["", f"Reduction ops in these programs ({jax.default_backend()} backend):"
+            f" {', '.join(ops)}."]
+  if "reduce-scatter" not in ops:
+    lines[-1] += (" The FSDP window's reduce-scatter to the params' sharding is lowered as an"
+                  " all-reduce of the whole buffer (then a slice).")
+  lines += ["", "FSDP all-gathers the params for the forward pass on every micro-step, in"
+            " both paths (the last column)."]
   lines += [""] + [f"Note: {n}" for n in notes]
   (RESULTS / "communication.md").write_text("\n".join(lines).rstrip() + "\n")
 
@@ -218,7 +300,7 @@ def main() -> dict[str, Any]:
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, 1.15 * max(values))
-    ax.set_xlabel(f"MiB all-reduced per window (k={K}, {N_DEV} devices)")
+    ax.set_xlabel(f"MiB reduced across devices per window (k={K}, {N_DEV} devices)")
     for i, v in enumerate(values):
       ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
     fig.tight_layout()

@@ -1,12 +1,17 @@
-"""FSDP + tensor parallelism on a 2-D mesh with gradient accumulation.
+"""FSDP + tensor parallelism under plain ``jax.jit``, one gradient reduction per window.
 
 The params are sharded over a ``data x model`` mesh (ZeRO-3 style over
-``data``, tensor parallel over ``model``), the batch over ``data``. Plain
-``jax.jit`` partitions the step; :func:`optax_accum.sharding.state_shardings`
-lays the accumulation buffer and Adam's moments out exactly like the params,
-so no device ever holds a full copy of either. The run is checked against
-single-device large-batch training (Adam on the gradient of each whole
-window).
+``data``, tensor parallel over ``model``), the batch over ``data``. The mesh
+axes are ``AxisType.Explicit`` and set with ``jax.set_mesh``: the gradients
+are taken with respect to ``defer_reduction(params, "data")`` (all-gathered
+over ``data`` for the forward pass, as FSDP does), so they come back
+*unreduced*: each device's partial sum, with no communication.
+``accumulate(k, opt, axis_name="data")`` adds them to a buffer that stays
+unreduced, and when the window closes reduce-scatters it once to the params'
+own sharding and steps the optimizer there; its momentum is laid out like the
+params. The run is checked against single-device large-batch training (SGD
+with momentum on the gradient of each whole window: a gradient reduced twice,
+or summed instead of averaged, would show).
 
 Run on 8 host CPU devices (no accelerator needed)::
 
@@ -23,19 +28,21 @@ if __name__ == "__main__":  # before jax is imported
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
-from optax_accum.sharding import state_shardings
+from optax_accum.sharding import defer_reduction
 
 D_IN, D_HID, D_OUT = 16, 32, 8
+MOMENTUM = 0.9
 SPECS = {"w1": P("data", "model"), "b1": P("model"), "w2": P("model", "data"), "b2": P()}
 
 
@@ -49,9 +56,27 @@ def init_params(seed: int) -> dict[str, np.ndarray]:
   }
 
 
+def broadcast_like(v: jax.Array, act: jax.Array) -> jax.Array:
+  """``v`` broadcast to the activation ``act``, as the sharding types require.
+
+  A param from ``defer_reduction`` is typed *reduced* over "data", and JAX
+  will not add it to a batch-sharded activation directly: broadcast it, then
+  reshard it like the activation (no data moves; its gradient stays
+  unreduced). Any other param broadcasts as usual.
+  """
+  if not jax.typeof(v).sharding.spec.reduced:
+    return v
+  return jax.reshard(jnp.broadcast_to(v, act.shape), jax.typeof(act).sharding.spec)
+
+
 def loss_fn(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-  h = jax.nn.gelu(x @ params["w1"] + params["b1"])
-  return jnp.mean((h @ params["w2"] + params["b2"] - y) ** 2)
+  z = x @ params["w1"]
+  h = jax.nn.gelu(z + broadcast_like(params["b1"], z))
+  if jax.sharding.get_abstract_mesh().empty:  # the single-device reference
+    o = h @ params["w2"]
+  else:  # contracts over "model": say how the result is sharded (an all-reduce)
+    o = jnp.einsum("bh,ho->bo", h, params["w2"], out_sharding=P("data", None))
+  return jnp.mean((o + broadcast_like(params["b2"], o) - y) ** 2)
 
 
 def make_data(windows: int, k: int, batch: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -59,8 +84,22 @@ def make_data(windows: int, k: int, batch: int, seed: int) -> tuple[np.ndarray, 
   rng = np.random.default_rng(seed)
   teacher = init_params(seed + 1)
   x = rng.normal(size=(windows, k, batch, D_IN)).astype(np.float32)
-  y = np.asarray(jnp.tanh(x @ teacher["w1"]) @ teacher["w2"])
-  return x, y
+  y = np.tanh(x @ teacher["w1"]) @ teacher["w2"]
+  return x, y.astype(np.float32)
+
+
+def large_batch_reference(
+    host_params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, lr: float,
+) -> dict[str, jax.Array]:
+  """Single device: SGD with momentum on the gradient of each whole window."""
+  params = jax.tree.map(jnp.asarray, host_params)
+  opt = optax.sgd(lr, momentum=MOMENTUM)
+  opt_state = opt.init(params)
+  for w in range(x.shape[0]):
+    grads = jax.grad(loss_fn)(params, x[w].reshape(-1, D_IN), y[w].reshape(-1, D_OUT))
+    updates, opt_state = opt.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  return params
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -76,58 +115,50 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"This example needs 8 devices (got {jax.device_count()}); on CPU set"
         " XLA_FLAGS=--xla_force_host_platform_device_count=8 before starting Python.")
 
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
+                       devices=jax.devices()[:8])
   host_params = init_params(0)
-  params = jax.tree.map(
-      lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), host_params, SPECS)
-  tx = oa.accumulate(args.k, optax.adam(args.lr))
-  shardings = state_shardings(tx, params)  # buffer + Adam moments like the params
-  state = jax.jit(tx.init, out_shardings=shardings)(params)
-  param_shardings = jax.tree.map(lambda p: p.sharding, params)
-  batch_sharding = NamedSharding(mesh, P("data"))
-
-  def train_step(p: Any, s: Any, x: jax.Array, y: jax.Array) -> tuple[Any, Any, jax.Array]:
-    value, grads = jax.value_and_grad(loss_fn)(p, x, y)
-    updates, s = tx.update(grads, s, p)
-    return optax.apply_updates(p, updates), s, value
-
-  step = jax.jit(
-      train_step, in_shardings=(param_shardings, shardings, batch_sharding, batch_sharding),
-      out_shardings=(param_shardings, shardings, NamedSharding(mesh, P())),
-      donate_argnums=(0, 1))
-
   x, y = make_data(args.windows, args.k, args.micro_batch, seed=1)
-  losses = []
-  for w in range(args.windows):
-    window_loss = 0.0
-    for i in range(args.k):
-      params, state, value = step(params, state, x[w, i], y[w, i])
-      window_loss += float(value) / args.k
-    losses.append(window_loss)
-    if not args.quiet:
-      print(f"step {w + 1}: loss {window_loss:.5f}")
-  for name, leaf in state.acc_grads.items():  # still laid out like the params
-    assert leaf.sharding.is_equivalent_to(params[name].sharding, leaf.ndim), name
+  tx = oa.accumulate(args.k, optax.sgd(args.lr, momentum=MOMENTUM), axis_name="data")
 
-  # Reference: single-device Adam on the gradient of each whole window.
-  ref = jax.tree.map(jnp.asarray, host_params)
-  opt = optax.adam(args.lr)
-  opt_state = opt.init(ref)
-  for w in range(args.windows):
-    grads = jax.grad(loss_fn)(ref, x[w].reshape(-1, D_IN), y[w].reshape(-1, D_OUT))
-    updates, opt_state = opt.update(grads, opt_state, ref)
-    ref = optax.apply_updates(ref, updates)
-  diff = max(float(jnp.max(jnp.abs(np.asarray(params[n]) - ref[n]))) for n in ref)
+  @partial(jax.jit, donate_argnums=(0, 1))
+  def step(p: Any, s: Any, x: jax.Array, y: jax.Array) -> tuple[Any, Any, jax.Array]:
+    # Unreduced gradients: no gradient communication on this micro-step.
+    value, grads = jax.value_and_grad(loss_fn)(defer_reduction(p, "data"), x, y)
+    p, s = oa.update_and_apply(tx, grads, s, p)  # reduce-scatter only when emitting
+    return p, s, value
+
+  with jax.set_mesh(mesh):
+    params = {name: jax.device_put(v, SPECS[name]) for name, v in host_params.items()}
+    state = jax.jit(tx.init)(params)  # under the mesh: buffer {U:data}, momentum like params
+    losses = []
+    for w in range(args.windows):
+      window_loss = 0.0
+      for i in range(args.k):
+        xb, yb = (jax.device_put(a[w, i], P("data")) for a in (x, y))
+        params, state, value = step(params, state, xb, yb)
+        window_loss += float(value) / args.k
+      losses.append(window_loss)
+      if not args.quiet:
+        print(f"step {w + 1}: loss {window_loss:.5f}")
+    momentum = state.inner_opt_state[0].trace
+    for name, p in params.items():  # the momentum stays laid out like the params
+      assert momentum[name].sharding.is_equivalent_to(p.sharding, p.ndim), name
+    layout = (f"w1: {jax.typeof(params['w1'])} | buffer: {jax.typeof(state.acc_grads['w1'])}"
+              f" | momentum: {jax.typeof(momentum['w1'])}")
+    final = jax.tree.map(np.asarray, params)
+
+  ref = large_batch_reference(host_params, x, y, args.lr)
+  diff = max(float(np.max(np.abs(final[n] - np.asarray(ref[n])))) for n in ref)
+  first = (x[0].reshape(-1, D_IN), y[0].reshape(-1, D_OUT))
   result = {
-      "initial_loss": float(loss_fn(host_params, x[0].reshape(-1, D_IN), y[0].reshape(-1, D_OUT))),
-      "final_loss": float(loss_fn(params, x[0].reshape(-1, D_IN), y[0].reshape(-1, D_OUT))),
+      "initial_loss": float(loss_fn(host_params, *first)),
+      "final_loss": float(loss_fn(final, *first)),
       "max_abs_diff_vs_large_batch": diff,
   }
   if not args.quiet:
     print(f"max |params - single-device large batch| = {diff:.2e}")
-    mu = state.inner_opt_state[0].mu
-    print(f"w1 sharding: {params['w1'].sharding.spec} | buffer:"
-          f" {state.acc_grads['w1'].sharding.spec} | adam mu: {mu['w1'].sharding.spec}")
+    print(layout)
   return result
 
 

@@ -3,15 +3,24 @@
 Every process runs this same script. ``jax.distributed.initialize`` joins
 them into one JAX runtime; the mesh spans every device of every process; each
 process loads only its own rows of the global batch
-(``jax.make_array_from_process_local_data``). Inside ``shard_map`` each device
-accumulates its local gradients; the cross-device mean (and the optimizer
-step) runs once per window, in the emitting branch of
-``accumulate(k, opt, axis_name="data")``.
+(``jax.make_array_from_process_local_data``). Each device accumulates its own
+partial gradients; the cross-device reduction (and the optimizer step) runs
+once per window, in the emitting branch of
+``accumulate(k, opt, axis_name="data")``. Two ways to write the step:
+
+* ``--mode plain_jit``: plain ``jax.jit`` on an ``AxisType.Explicit`` mesh
+  (``jax.set_mesh``); gradients with respect to
+  ``defer_reduction(params, "data")`` come back unreduced (``{U:data}``).
+* ``--mode shard_map`` (the default): gradients with respect to
+  ``pcast(params, "data", to="varying")`` inside ``shard_map``, the buffer
+  per device (``per_device_state``).
 
 Local run, 2 processes x 2 CPU devices, gloo collectives over 127.0.0.1::
 
     python examples/multihost.py --process-id 0 --num-processes 2 --port 12355 &
     python examples/multihost.py --process-id 1 --num-processes 2 --port 12355
+
+(add ``--mode plain_jit`` to both for the plain-jit step).
 
 On a cluster (GPU/TPU hosts, SLURM, Open MPI) start one copy per host (or per
 GPU) with no address arguments: ``jax.distributed.initialize()`` reads the
@@ -41,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="real cluster: jax.distributed.initialize() with no arguments")
   parser.add_argument("--cpu-devices", type=int, default=2,
                       help="host CPU devices per process (local runs; ignored with --cluster)")
+  parser.add_argument("--mode", choices=("shard_map", "plain_jit"), default="shard_map",
+                      help="shard_map with per-device buffers, or plain jit on an Explicit mesh")
   parser.add_argument("--windows", type=int, default=3, help="optimizer steps")
   parser.add_argument("--k", type=int, default=4, help="micro-batches per optimizer step")
   parser.add_argument("--global-batch", type=int, default=16, help="examples per micro-step")
@@ -81,10 +92,105 @@ def make_data(windows: int, k: int, global_batch: int) -> tuple[Any, Any]:
   return x, np.tanh(x @ teacher) + noise
 
 
+def broadcast_like(v: Any, act: Any) -> Any:
+  """``v`` broadcast to the activation ``act``, as the sharding types require.
+
+  A param from ``defer_reduction`` is typed *reduced* over "data", and JAX
+  will not add it to a batch-sharded activation directly: broadcast it, then
+  reshard it like the activation (no data moves; its gradient stays
+  unreduced). Any other param broadcasts as usual.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  if not jax.typeof(v).sharding.spec.reduced:
+    return v
+  return jax.reshard(jnp.broadcast_to(v, act.shape), jax.typeof(act).sharding.spec)
+
+
 def loss_fn(params: Any, x: Any, y: Any) -> Any:
   import jax.numpy as jnp
 
-  return jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - y) ** 2)
+  z = x @ params["w"]
+  return jnp.mean((jnp.tanh(z + broadcast_like(params["b"], z)) - y) ** 2)
+
+
+# --- the two ways to write the train step -------------------------------------------------
+
+
+def replicated(mesh: Any, host_params: Any) -> Any:
+  """The host params as global arrays, replicated over ``mesh``."""
+  import jax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  return jax.tree.map(
+      lambda a: jax.make_array_from_callback(
+          a.shape, NamedSharding(mesh, P()), lambda idx, a=a: a[idx]), host_params)
+
+
+def shard_map_step(k: int, host_params: Any) -> tuple[Any, Any, Any, Any]:
+  """``(params, state, train_step, batch_sharding)``: shard_map, per-device buffers."""
+  from functools import partial
+
+  import jax
+  import numpy as np
+  import optax
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import optax_accum as oa
+  from optax_accum.sharding import per_device_state, shard_map_specs
+
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  tx = per_device_state(
+      oa.accumulate(k, optax.sgd(LR, momentum=MOMENTUM), axis_name="data"), "data")
+  specs = shard_map_specs(tx, host_params, "data")
+  params = replicated(mesh, host_params)
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+  @jax.jit
+  @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+           out_specs=(P(), specs, P()))
+  def train_step(p: Any, s: Any, x: Any, y: Any) -> tuple[Any, Any, Any]:
+    # Local gradients: differentiate w.r.t. device-varying params, so that no
+    # all-reduce is inserted here; it happens once per window, inside `update`.
+    local = jax.lax.pcast(p, "data", to="varying")
+    grads = jax.grad(loss_fn)(local, x, y)
+    updates, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, updates), s, s.emitted
+
+  return params, state, train_step, NamedSharding(mesh, P("data"))
+
+
+def plain_jit_step(k: int, host_params: Any) -> tuple[Any, Any, Any, Any]:
+  """``(params, state, train_step, batch_sharding)``: plain jit, Explicit mesh.
+
+  Sets the mesh (``jax.set_mesh``) for the rest of the run.
+  """
+  import jax
+  import optax
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import optax_accum as oa
+  from optax_accum.sharding import defer_reduction
+
+  mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,))
+  jax.set_mesh(mesh)
+  tx = oa.accumulate(k, optax.sgd(LR, momentum=MOMENTUM), axis_name="data")
+  params = replicated(mesh, host_params)
+  state = jax.jit(tx.init)(params)  # under the mesh: the buffer is typed {U:data}
+
+  @jax.jit
+  def train_step(p: Any, s: Any, x: Any, y: Any) -> tuple[Any, Any, Any]:
+    # Unreduced gradients (each device's partial sum): no all-reduce here. The
+    # window is reduced once, in the emitting branch, to the params' sharding.
+    grads = jax.grad(loss_fn)(defer_reduction(p, "data"), x, y)
+    p, s = oa.update_and_apply(tx, grads, s, p)
+    return p, s, s.emitted
+
+  return params, state, train_step, NamedSharding(mesh, P("data"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,12 +205,6 @@ def main(argv: list[str] | None = None) -> int:
 
   import jax
   import numpy as np
-  import optax
-  from jax.sharding import Mesh, NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  import optax_accum as oa
-  from optax_accum.sharding import per_device_state, shard_map_specs
 
   if args.cluster:
     jax.distributed.initialize()
@@ -122,29 +222,9 @@ def main(argv: list[str] | None = None) -> int:
   log = partial(print, f"[process {pid}/{nproc}]", flush=True)
   log(f"{jax.local_device_count()} local / {jax.device_count()} global devices")
 
-  mesh = Mesh(np.array(jax.devices()), ("data",))
-  replicated = NamedSharding(mesh, P())
-  batch_sharding = NamedSharding(mesh, P("data"))
-
-  host_params = init_params()
-  params = jax.tree.map(
-      lambda a: jax.make_array_from_callback(a.shape, replicated, lambda idx, a=a: a[idx]),
-      host_params)
-  tx = per_device_state(
-      oa.accumulate(args.k, optax.sgd(LR, momentum=MOMENTUM), axis_name="data"), "data")
-  specs = shard_map_specs(tx, host_params, "data")
-  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-
-  @jax.jit
-  @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
-           out_specs=(P(), specs, P()))
-  def train_step(p: Any, s: Any, x: Any, y: Any) -> tuple[Any, Any, Any]:
-    # Local gradients: differentiate w.r.t. device-varying params, so that no
-    # all-reduce is inserted here; it happens once per window, inside `update`.
-    local = jax.lax.pcast(p, "data", to="varying")
-    grads = jax.grad(loss_fn)(local, x, y)
-    updates, s = tx.update(grads, s, p)
-    return optax.apply_updates(p, updates), s, s.emitted
+  build = plain_jit_step if args.mode == "plain_jit" else shard_map_step
+  params, state, train_step, batch_sharding = build(args.k, init_params())
+  log(f"{args.mode}: buffer {jax.typeof(state.acc_grads['w'])}")
 
   x, y = make_data(args.windows, args.k, args.global_batch)
   if args.global_batch % jax.device_count():

@@ -1,8 +1,11 @@
 """Two processes x two CPU devices through ``jax.distributed`` (gloo on 127.0.0.1).
 
-Each test launches ``examples/multihost.py`` twice as subprocesses with hard
-timeouts; a subprocess that outlives its timeout is killed with its whole
-process group, so a hang fails the test instead of the suite.
+Training is checked in both of ``examples/multihost.py``'s modes: ``shard_map``
+with per-device buffers, and plain ``jit`` on an Explicit mesh over all 4
+devices with ``defer_reduction`` (unreduced gradients). Each test launches
+``examples/multihost.py`` twice as subprocesses with hard timeouts; a
+subprocess that outlives its timeout is killed with its whole process group,
+so a hang fails the test instead of the suite.
 """
 
 from __future__ import annotations
@@ -86,15 +89,21 @@ def _reference(mh: Any, windows: int, k: int, global_batch: int) -> dict[str, np
   return {name: np.asarray(v) for name, v in params.items()}
 
 
-def test_two_processes_match_single_process_large_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["shard_map", "plain_jit"])
+def test_two_processes_match_single_process_large_batch(tmp_path: Path, mode: str) -> None:
   windows, k, global_batch = 3, 4, 16
   outs = [tmp_path / f"params{pid}.npz" for pid in range(2)]
   results = _launch(
       tmp_path, {pid: ["--out", str(outs[pid])] for pid in range(2)},
-      ["--windows", str(windows), "--k", str(k), "--global-batch", str(global_batch)])
+      ["--mode", mode, "--windows", str(windows), "--k", str(k),
+       "--global-batch", str(global_batch)])
   for pid, r in enumerate(results):
     assert not r["timed_out"] and r["returncode"] == 0, f"process {pid}:\n{r['log'][-3000:]}"
     assert "2 local / 4 global devices" in r["log"]
+    # Each device's buffer: one per device under shard_map, a partial sum under jit.
+    buffer = {"shard_map": "buffer float32[4,8,4]", "plain_jit": "buffer float32[8,4]{U:data}"}
+    assert f"{mode}: {buffer[mode]}" in r["log"], r["log"][-3000:]
+    assert r["log"].count("emitted=True") == windows
   expected = _reference(_load_script(), windows, k, global_batch)
   initial = _load_script().init_params()
   for out in outs:
