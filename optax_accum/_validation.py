@@ -303,6 +303,11 @@ def explicit_axes(axis_name: Any) -> tuple[Any, ...] | None:
   mesh = jax.sharding.get_abstract_mesh()
   names = tuple(getattr(mesh, "axis_names", ()) or ())
   if not all(a in names for a in axes):
+    if names and not _bound(axes):
+      raise ValueError(
+          f"`axis_name={axis_name!r}` is not an axis of the current mesh (its axes are"
+          f" {names}) nor a bound pmap/shard_map axis. Pass one of the mesh's axes."
+      )
     return None  # pmap, or a shard_map axis the abstract mesh does not list
   kinds = {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
   if kinds == {"Manual"}:
@@ -315,6 +320,16 @@ def explicit_axes(axis_name: Any) -> tuple[Any, ...] | None:
       " and jax.set_mesh) for jit with unreduced gradients, or Manual ones"
       " (inside shard_map) for psum: not Auto axes, and not a mix."
   )
+
+
+def _bound(axes: tuple[Any, ...]) -> bool:
+  """Whether every axis is bound by an enclosing pmap / shard_map."""
+  try:
+    for a in axes:
+      jax.lax.axis_index(a)
+  except NameError:
+    return False
+  return True
 
 
 def unreduced_axes(x: Any) -> frozenset[Any]:
@@ -345,6 +360,20 @@ def check_grads_unreduced(grads: Any, axes: tuple[Any, ...]) -> None:
         f" accumulator reduces over {sorted(want)}. Pass the same axes to"
         " `defer_reduction` and to `accumulate(..., axis_name=...)`."
     )
+
+
+def check_buffer_unreduced(buffer: Any, axes: tuple[Any, ...]) -> None:
+  """Raises unless the accumulator was built (by ``init``) unreduced over ``axes``."""
+  want = frozenset(axes)
+  for path, b in jax.tree_util.tree_flatten_with_path(buffer)[0]:
+    if unreduced_axes(b) != want:
+      raise ValueError(
+          f"The accumulator at {_path_str(path)} is {jax.typeof(b)}, not unreduced over"
+          f" {sorted(want)}: `init` ran outside the mesh. Call `tx.init(params)` (or"
+          " jax.jit(tx.init)) inside `jax.set_mesh(mesh)`, or lay the state out with"
+          " `jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, params))`"
+          " there."
+      )
 
 
 def check_grads_not_unreduced(grads: Any) -> None:

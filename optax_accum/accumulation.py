@@ -222,7 +222,7 @@ def accumulate(
     _validation.check_grad_dtypes(updates, state.acc_grads, config.acc_dtype is not None)
     weight = None if flushing else _validation.check_weight(weight, config.reduction)
     if not flushing:
-      _check_locality(updates, config, skip_nonfinite)
+      _check_locality(updates, state.acc_grads, config, skip_nonfinite)
     accept = _accept(updates, weight, skip_nonfinite, config.axis_name)
     out = _window.micro_step(
         config, updates, _window_of(state), state.inner_opt_state, params,
@@ -254,7 +254,8 @@ def _window_of(state: AccumulateState) -> _window.Window:
                         state.acc_weight, state.noise_stats)
 
 
-def _check_locality(grads: Any, config: _window.Config, skip_nonfinite: bool) -> None:
+def _check_locality(grads: Any, buffer: Any, config: _window.Config,
+                    skip_nonfinite: bool) -> None:
   """Raises unless the gradients are per-device partial sums where the window expects them."""
   if config.axis_name is None:
     _validation.check_grads_not_unreduced(grads)
@@ -264,6 +265,7 @@ def _check_locality(grads: Any, config: _window.Config, skip_nonfinite: bool) ->
     _validation.check_grads_are_local(grads, config.axis_name)
     return
   _validation.check_grads_unreduced(grads, axes)
+  _validation.check_buffer_unreduced(buffer, axes)
   for flag, on in (("skip_nonfinite", skip_nonfinite),
                    ("track_noise_scale", config.noise_decay is not None)):
     if on:

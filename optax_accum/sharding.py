@@ -36,6 +36,7 @@ from optax_accum.accumulation import AccumulateState
 from optax_accum.gradient_noise import NoiseScaleState
 
 __all__ = [
+    "broadcast_like",
     "defer_reduction",
     "per_device_state",
     "shard_map_specs",
@@ -60,6 +61,11 @@ def _leaf_layout(value: Any, target: Any, param: Any, other: Any) -> Any:
   """
   if _is_masked(value):
     return value
+  unreduced = _validation.unreduced_axes(value)
+  if unreduced and isinstance(target, NamedSharding):  # the plain-jit buffer: a partial sum
+    axes = tuple(sorted(unreduced, key=str))
+    spec = PartitionSpec(*strip_axes(target.spec.partitions, axes), unreduced=set(unreduced))
+    return NamedSharding(target.mesh, spec, memory_kind=target.memory_kind)
   shape, lead = tuple(jnp.shape(value)), len(jnp.shape(value)) - len(param.shape)
   if lead < 0 or shape[lead:] != tuple(param.shape):
     return other
@@ -439,7 +445,7 @@ def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
     Array([0.9, 0.9, 0.9], dtype=float32)
   """
   axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  if _validation.explicit_axes(axes) is None:
+  if _validation.explicit_axes(axis_name) is None:
     raise ValueError(
         f"`defer_reduction` needs `axis_name={axis_name!r}` to name Explicit axes of"
         " the current mesh: build it with jax.make_mesh(..., axis_types="
@@ -452,6 +458,31 @@ def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
     return jax.reshard(p, PartitionSpec(*strip_axes(spec.partitions, axes), reduced=set(axes)))
 
   return jax.tree.map(one, params)
+
+
+def broadcast_like(x: jax.Array, like: jax.Array) -> jax.Array:
+  """``x`` broadcast to ``like``'s shape and sharding, with no communication.
+
+  Under :func:`defer_reduction` a param is typed *reduced* over the data axes,
+  and JAX will not combine it elementwise with a batch-sharded activation
+  (a bias add raises "Inputs cannot be sharded/varying on the same axes that
+  another input is reduced on"). Broadcasting it to the activation's type
+  first is free: each device already holds the whole param.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> from optax_accum.sharding import broadcast_like, defer_reduction
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    >>> with jax.set_mesh(mesh):
+    ...   p = defer_reduction({"w": jax.device_put(jnp.ones((3, 2)), P()),
+    ...                        "b": jax.device_put(jnp.ones(2), P())}, "data")
+    ...   x = jax.device_put(jnp.ones((16, 3)), P("data"))
+    ...   h = x @ p["w"]
+    ...   print(jax.typeof(h + broadcast_like(p["b"], h)))
+    float32[16@data,2]
+  """
+  return jax.reshard(jnp.broadcast_to(x, jnp.shape(like)), jax.typeof(like).sharding.spec)
 
 
 def __getattr__(name: str) -> Any:

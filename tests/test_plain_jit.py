@@ -317,12 +317,7 @@ def test_init_under_the_mesh_lays_the_state_out_like_the_params() -> None:
         assert layout(state.acc_grads[name])[1] == {"data"}, name
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core bug: state_shardings(tx, params) gives the buffer the param's sharding without"
-    " unreduced={'data'}, so jax.jit(tx.init, out_shardings=...) builds a reduced buffer and"
-    " the step fails ('rhs is unreduced while lhs is not'). Fix: keep the unreduced axes of"
-    " the eval_shape'd state leaf in _leaf_layout."))
-def test_core_bug_state_shardings_keeps_the_buffer_unreduced() -> None:
+def test_state_shardings_keeps_the_buffer_unreduced() -> None:
   k = 2
   data = make_data(k)
   tx = oa.accumulate(k, inner_opt(), axis_name="data")
@@ -465,11 +460,7 @@ def test_axis_name_mixing_axis_types_raises() -> None:
       tx.init(params)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core bug: tx.init outside jax.set_mesh builds a replicated buffer, and the step then fails"
-    " inside accumulate with JAX's 'rhs is unreduced while lhs is not'. Fix: in update, check"
-    " that the buffer is unreduced over the axes and name the fix (init under the mesh)."))
-def test_core_bug_state_built_outside_the_mesh_gets_a_clear_error() -> None:
+def test_state_built_outside_the_mesh_gets_a_clear_error() -> None:
   tx = oa.accumulate(2, inner_opt(), axis_name="data")
   mesh = data_mesh()
   params = {name: jax.device_put(v, NamedSharding(mesh, P())) for name, v in make_params().items()}
@@ -479,12 +470,7 @@ def test_core_bug_state_built_outside_the_mesh_gets_a_clear_error() -> None:
     make_step(tx, apply=True)(params, state, x, y, mask, jnp.asarray(False))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core bug: an axis_name that is not an axis of the current (Explicit) mesh is taken for a"
-    " pmap/shard_map axis; the step then fails with JAX's 'rhs is unreduced while lhs is not'."
-    " Fix: in explicit_axes, raise naming the mesh's axes when the mesh is set and the name is"
-    " neither one of them nor a bound pmap axis."))
-def test_core_bug_axis_name_missing_from_the_mesh_raises() -> None:
+def test_axis_name_missing_from_the_mesh_raises() -> None:
   tx = oa.accumulate(2, inner_opt(), axis_name="batch")
   with jax.set_mesh(data_mesh()):
     params = place_params(REPLICATED)
