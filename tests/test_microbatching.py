@@ -16,9 +16,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import optax_accum as oa
+from optax_accum import gradient_noise
+from optax_accum.debug import hlo_collectives
 from optax_accum.microbatching import AuxRule, microbatched, split_microbatches
 
 RTOL, ATOL = 2e-5, 1e-6
@@ -830,6 +834,148 @@ def test_property_dtypes_equal_wide_numpy_reference(dtype, normalize, k, m, seed
     assert np.all(err <= bound), (name, err, bound)
 
 
+# ------------------------------------------------------- noise statistics
+def sum_loss(params, batch):
+  return jnp.sum(per_example_loss(params, batch))
+
+
+# Strided k=4 over 8 rows: micro-batches 1 (rows 1, 5) and 3 (rows 3, 7) are
+# pure padding, so two of the four count.
+PADDED = [6, 0, 1, 0, 2, 0, 5, 0]
+
+
+def _noise_problem(normalize):
+  """`fn` for microbatched, and the per-micro-batch (gradient, weight) that
+  accumulate sees for the same micro-batches, computed independently."""
+  if normalize == "weighted":
+    batch = token_batch(lengths=PADDED)
+    fn = jax.value_and_grad(token_sum_loss, has_aux=True)
+    def per_mb(p, b):
+      _, den = token_sum_loss(p, b)
+      return jax.grad(lambda q: token_sum_loss(q, b)[0] / den)(p), den
+  else:
+    batch = make_batch(jax.random.key(3), 8)
+    loss = mean_loss if normalize == "mean" else sum_loss
+    fn = jax.value_and_grad(loss)
+    def per_mb(p, b):
+      return jax.grad(loss)(p, b), None
+  return batch, fn, per_mb
+
+
+def _accumulate_window(params, per_mb, micro_batches, reduction, decay):
+  """One window through accumulate(track_noise_scale=...): its folded state."""
+  tx = oa.accumulate(len(micro_batches), reduction=reduction, track_noise_scale=decay)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for mb in micro_batches:
+    g, w = per_mb(params, mb)
+    _, state = update(g, state, params, **({} if w is None else {"weight": w}))
+  return state.noise_stats
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+@pytest.mark.parametrize("normalize", ["mean", "sum", "weighted"])
+def test_noise_stats_equal_what_accumulate_keeps(params, normalize, jit):
+  batch, fn, per_mb = _noise_problem(normalize)
+  wrapped = microbatched(fn, 4, normalize=normalize, return_noise_stats=True)
+  out, stats = maybe_jit(wrapped, jit)(params, batch)
+  # The outputs are unchanged by the option.
+  assert_trees_close(out, microbatched(fn, 4, normalize=normalize)(params, batch))
+  assert int(stats.window_count) == (2 if normalize == "weighted" else 4)
+  ref = _accumulate_window(params, per_mb, manual_microbatches(batch, 4, "strided"),
+                           normalize, 0.9)
+  mine = gradient_noise.fold(gradient_noise.init(), stats, decay=0.9)
+  assert int(ref.num_windows) == int(mine.num_windows) == 1
+  np.testing.assert_allclose(mine.signal, ref.signal, rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(mine.noise, ref.noise, rtol=1e-4, atol=1e-7)
+  assert float(mine.noise) > 0  # a real estimate, not two zeros
+
+
+def test_noise_stats_are_invariant_to_the_loss_scale(params):
+  batch = make_batch(jax.random.key(4), 16)
+  def ratio(scale):
+    fn = jax.value_and_grad(lambda p, b: scale * mean_loss(p, b))
+    _, stats = microbatched(fn, 8, return_noise_stats=True)(params, batch)
+    state = gradient_noise.fold(gradient_noise.init(), stats, decay=0.5)
+    return float(state.noise / state.signal)
+  assert np.isfinite(ratio(1.0))
+  np.testing.assert_allclose(ratio(1000.0), ratio(1.0), rtol=1e-4)
+  np.testing.assert_allclose(ratio(1e-3), ratio(1.0), rtol=1e-4)
+
+
+def test_noise_stats_with_has_aux_and_k1(params, batch):
+  fn = jax.value_and_grad(loss_with_aux, has_aux=True)
+  ((loss, aux), grads), stats = microbatched(fn, 1, has_aux=True, return_noise_stats=True)(
+      params, batch)
+  (ref_loss, ref_aux), ref_grads = fn(params, batch)
+  assert_trees_close((loss, aux, grads), (ref_loss, ref_aux, ref_grads))
+  assert int(stats.window_count) == 1  # one micro-batch: fold leaves the estimate alone
+  np.testing.assert_allclose(stats.window_sq_norms, stats.mean_sq_norm, rtol=1e-6)
+  assert int(gradient_noise.fold(gradient_noise.init(), stats).num_windows) == 0
+
+
+def test_noise_scale_of_linear_regression_is_near_the_closed_form():
+  # x ~ N(0, I_d), y = x.w* + sigma * eps, loss 0.5 * mean residual^2, at
+  # w = w* + delta: per example G = delta, tr(Sigma) = (d + 1)|delta|^2 + sigma^2 d.
+  d, sigma, b, k, windows = 4, 1.0, 4, 8, 400
+  delta = jnp.ones(d) / 2.0  # |delta|^2 = 1
+  w_star = jnp.arange(d, dtype=jnp.float32)
+  b_simple = ((d + 1) * 1.0 + sigma**2 * d) / 1.0  # 9 examples
+  def loss(w, batch):
+    return 0.5 * jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+  fn = microbatched(jax.value_and_grad(loss), k, return_noise_stats=True)
+
+  def window(state, key):
+    kx, ke = jax.random.split(key)
+    x = jax.random.normal(kx, (k * b, d))
+    batch = {"x": x, "y": x @ w_star + sigma * jax.random.normal(ke, (k * b,))}
+    _, stats = fn(w_star + delta, batch)
+    return gradient_noise.fold(state, stats, decay=0.99), None
+  keys = jax.random.split(jax.random.key(0), windows)
+  state, _ = jax.jit(lambda s: lax.scan(window, s, keys))(gradient_noise.init())
+  estimate = float(oa.noise_scale(state)) * b  # micro-batches -> examples
+  assert abs(estimate - b_simple) < 0.2 * b_simple, (estimate, b_simple)
+
+
+def test_noise_stats_add_no_parameter_sized_memory():
+  d, hidden, n = 32, 512, 1024
+  params = {"w1": jax.ShapeDtypeStruct((d, hidden), jnp.float32),
+            "w2": jax.ShapeDtypeStruct((hidden, hidden), jnp.float32),
+            "w3": jax.ShapeDtypeStruct((hidden,), jnp.float32)}
+  batch = {"x": jax.ShapeDtypeStruct((n, d), jnp.float32),
+           "y": jax.ShapeDtypeStruct((n,), jnp.float32)}
+  param_bytes = sum(math.prod(p.shape) * 4 for p in jax.tree.leaves(params))
+  fn = jax.value_and_grad(wide_loss)
+  without = temp_bytes(microbatched(fn, 8), params, batch)
+  with_stats = temp_bytes(microbatched(fn, 8, return_noise_stats=True), params, batch)
+  assert abs(with_stats - without) <= 0.05 * param_bytes, (with_stats, without, param_bytes)
+
+
+def test_noise_stats_under_shard_map_span_all_devices_in_the_one_reduction(params):
+  mesh = _mesh()
+  batch = make_batch(jax.random.key(9), 32)  # 4 rows per device, k=2
+  def step(return_noise_stats):
+    fn = microbatched(jax.value_and_grad(mean_loss), 2, axis_name="data",
+                      return_noise_stats=return_noise_stats)
+    out_specs = (P(), P()) if return_noise_stats else P()
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")),
+                                 out_specs=out_specs))
+  p, b = _put(mesh, params, batch)
+  out, stats = step(True)(p, b)
+  assert_trees_close(out, jax.value_and_grad(mean_loss)(params, batch))
+  assert int(stats.window_count) == 16
+  device_mbs = [mb for dev in range(8) for mb in manual_microbatches(
+      jax.tree.map(lambda x, dev=dev: np.asarray(x)[4 * dev:4 * dev + 4], batch), 2, "strided")]
+  ref = _accumulate_window(params, lambda q, mb: (jax.grad(mean_loss)(q, mb), None),
+                           device_mbs, "mean", 0.9)
+  mine = gradient_noise.fold(gradient_noise.init(), stats, decay=0.9)
+  np.testing.assert_allclose((mine.signal, mine.noise), (ref.signal, ref.noise), rtol=1e-4)
+  # The statistics ride in the gradients' reduction: no extra collective.
+  count = lambda f: sum(c.op.startswith("all-reduce")
+                        for c in hlo_collectives(f.lower(p, b).compile()))
+  assert count(step(True)) == count(step(False)) == 1
+
+
 # ---------------------------------------------------------------- bad inputs
 def test_indivisible_batch_names_the_sizes(params):
   batch = make_batch(jax.random.key(0), 10)
@@ -858,6 +1004,7 @@ def test_bad_num_microbatches(k, exc, pattern):
     ({"batch_argnums": "1"}, TypeError, "`batch_argnums` must be an int"),
     ({"batch_argnums": ()}, ValueError, "`batch_argnums` is empty"),
     ({"has_aux": 1}, TypeError, "`has_aux` must be a bool"),
+    ({"return_noise_stats": "yes"}, TypeError, "`return_noise_stats` must be a bool"),
     ({"accumulator_dtype": jnp.int32}, TypeError, "`accumulator_dtype` must be a floating"),
 ])
 def test_bad_options(kwargs, exc, pattern):
