@@ -396,7 +396,10 @@ def microbatched(
     split: ``"strided"`` (default): micro-batch ``i`` holds rows ``i, i + k,
       ...``; a reshape that keeps a batch-sharded input on its devices.
       ``"contiguous"``: rows ``i * B/k`` to ``(i + 1) * B/k - 1`` (under a
-      sharded batch this moves data between devices).
+      sharded batch this moves data between devices). Split over devices
+      (``axis_name``, or plain ``jit`` below) each device splits its own
+      rows the same way: for ``"strided"`` the devices' micro-batch ``i``
+      together is the one-device micro-batch ``i``, for ``"contiguous"`` not.
     rng_argnums: position(s) of PRNG key arguments (e.g. dropout keys). Each
       micro-batch gets its own key, never the same one twice. The key passed
       in is never given to ``fn`` itself, not even with ``k = 1``.
