@@ -412,8 +412,9 @@ def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
   into every call. Resharding the params to ``P(..., reduced={axis})`` first
   makes ``jax.grad`` return per-device partial sums instead
   (``float32[...]{U:data}``): they can be added, carried and passed to the
-  next jitted call, and :func:`~optax_accum.accumulate` (or
-  :func:`~optax_accum.microbatched`) with ``axis_name`` reduces them once.
+  next jitted call, and :func:`~optax_accum.accumulate` with ``axis_name``
+  reduces them once, when the window closes. (``microbatched`` needs none of
+  this: under plain jit it reads the data axes from the batch's type.)
   Params sharded over ``axis_name`` (FSDP) are all-gathered over it here.
 
   Args:
