@@ -243,7 +243,33 @@ def analyse(compiled: Any, param_bytes: int, leaf_bytes: int) -> dict[str, Any]:
       "param_sized_copies_fill": sum(c["fill"] for c in cps),
       "copies_where": ", ".join(f"{n} {k}" for k, n in sorted(where.items())) or "none",
       "selects": len(re.findall(r"\bselect\(", text)),
+      **kernel_launches(compiled),
   }
+
+
+_LAUNCHING = ("fusion", "copy", "custom-call", "all-reduce", "reduce-scatter", "all-gather")
+
+
+def kernel_launches(compiled: Any) -> dict[str, int]:
+  """Kernels a mid-step and an emitting step launch (top-level launching ops).
+
+  On a dispatch-bound small model every launch (and the conditional's
+  predicate, read on the host) is host time. Counted on the paths a step
+  takes: the entry plus the conditional's false (mid) or true (emit) branch.
+  Without ``optax_accum.debug`` it is not counted (-1).
+  """
+  if oa_debug is None:
+    return {"kernels_mid": -1, "kernels_emit": -1}
+  count = {"mid": 0, "emit": 0}
+  for site in oa_debug._walk(compiled):
+    if site.fused or site.instruction.opcode not in _LAUNCHING:
+      continue
+    branches = [b for kind, b in site.context if kind == "conditional"]
+    if not branches or branches[0] == 0:
+      count["mid"] += 1
+    if not branches or branches[0] == 1:
+      count["emit"] += 1
+  return {"kernels_mid": count["mid"], "kernels_emit": count["emit"]}
 
 
 # ------------------------------------------------------------------ programs
@@ -289,13 +315,15 @@ def compile_all(n_params: int, k: int, sharding: NamedSharding | None) -> list[d
 # ------------------------------------------------------------------- reports
 def table(rows: list[dict[str, Any]]) -> list[str]:
   lines = ["| program | donated | conditionals | temps / params | param-sized copies:"
-           " data / fill (where) | aliased / params | select ops (incl. fused) |",
-           "|---|---|---:|---:|---|---:|---:|"]
+           " data / fill (where) | aliased / params | select ops (incl. fused) |"
+           " kernels: mid / emit |",
+           "|---|---|---:|---:|---|---:|---:|---:|"]
   for r in rows:
     lines.append(
         f"| {r['label']} | {r['donated']} | {r['conditionals']} | {r['temps_ratio']:.2f}x |"
         f" {r['param_sized_copies_data']} / {r['param_sized_copies_fill']}"
-        f" ({r['copies_where']}) | {r['alias_ratio']:.2f}x | {r['selects']} |")
+        f" ({r['copies_where']}) | {r['alias_ratio']:.2f}x | {r['selects']} |"
+        f" {r['kernels_mid']} / {r['kernels_emit']} |")
   return lines
 
 
