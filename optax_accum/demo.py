@@ -435,7 +435,8 @@ def lr_schedule(cfg: Config, horizon: float) -> optax.Schedule:
       decay_steps=max(2, round(horizon)), end_value=0.1 * cfg.lr)
 
 
-def scale_by_schedule_in_examples(schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:
+def scale_by_schedule_in_examples(
+    schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:
   """Multiplies the updates by ``-schedule(examples)``: a learning rate counted in examples.
 
   Optax schedules count the inner optimizer's own steps. With a window
@@ -455,7 +456,7 @@ def scale_by_schedule_in_examples(schedule: optax.Schedule) -> optax.GradientTra
   Example:
     >>> import jax.numpy as jnp, optax, optax_accum as oa
     >>> from optax_accum.demo import scale_by_schedule_in_examples
-    >>> lr = lambda n: 0.1 / (1.0 + n / 8)   # halves after 8 examples
+    >>> lr = lambda n: 0.5 / (1.0 + n / 8)   # halves after 8 examples
     >>> tx = oa.accumulate(2, optax.chain(optax.scale_by_sign(),
     ...                                   scale_by_schedule_in_examples(lr)))
     >>> params = {"w": jnp.zeros(2)}
@@ -463,7 +464,7 @@ def scale_by_schedule_in_examples(schedule: optax.Schedule) -> optax.GradientTra
     >>> for seen in (4.0, 8.0):   # two micro-batches of 4 examples: one step
     ...   updates, state = tx.update({"w": jnp.ones(2)}, state, params, examples=seen)
     >>> updates["w"].tolist()   # -lr(8) * sign(1)
-    [-0.05000000074505806, -0.05000000074505806]
+    [-0.25, -0.25]
   """
   def init_fn(params: optax.Params) -> optax.EmptyState:
     del params
@@ -495,9 +496,12 @@ def adaptive_arms(cfg: Config, n_micro: int) -> dict[str, tuple[Any, optax.Gradi
 
 
 def build_adaptive_step(loss_terms: LossTerms, tx: optax.GradientTransformation,
-                        by_examples: bool) -> Callable[..., Any]:
+                        by_examples: bool, min_windows: int) -> Callable[..., Any]:
   """``step(params, opt_state, micro, examples, last) -> (params, opt_state, loss_sum,
-  tokens, emitted, noise_scale)``: one micro-batch, token-weighted, through the fast path."""
+  tokens, emitted, noise_scale)``: one micro-batch, token-weighted, through the fast path.
+
+  The noise scale (in micro-batches) is NaN until ``min_windows`` windows are in.
+  """
   grad_fn = jax.value_and_grad(_own_mean(loss_terms), has_aux=True)
 
   def step(params, opt_state, micro, examples, last):
@@ -506,7 +510,8 @@ def build_adaptive_step(loss_terms: LossTerms, tx: optax.GradientTransformation,
     # emit_now on the stream's last micro-batch: a short final window is still a step.
     params, opt_state = oa.update_and_apply(tx, grads, opt_state, params, weight=count,
                                             emit_now=last, **extra)
-    return params, opt_state, total, count, opt_state.emitted, oa.noise_scale(opt_state)
+    return (params, opt_state, total, count, opt_state.emitted,
+            oa.noise_scale(opt_state, min_windows))
   return step
 
 
@@ -548,7 +553,8 @@ def run_adaptive(cfg: Config, pieces: list[str], loss_terms: LossTerms, params0:
     t0 = time.perf_counter()
     opt_state = jax.jit(tx.init)(params0)
     args = (params0, opt_state, example, jnp.float32(b), jnp.bool_(False))
-    compiled = jax.jit(build_adaptive_step(loss_terms, tx, by_examples)).lower(*args).compile()
+    step = build_adaptive_step(loss_terms, tx, by_examples, cfg.min_windows)
+    compiled = jax.jit(step).lower(*args).compile()
     jax.block_until_ready(compiled(*args))  # warm-up, discarded
     arms.append(_AdaptiveArm(name, k, compiled, params0, opt_state, time.perf_counter() - t0))
   evaluate = jax.jit(loss_terms)
@@ -586,6 +592,10 @@ def run_adaptive(cfg: Config, pieces: list[str], loss_terms: LossTerms, params0:
   }
 
 
+def _finite_or_none(x: float) -> float | None:
+  return float(x) if np.isfinite(x) else None  # JSON has no NaN
+
+
 def _summarise_adaptive(a: _AdaptiveArm, b: int, n_micro: int) -> dict[str, Any]:
   out = np.asarray([[float(x) for x in o] for o in a.outputs])  # one host sync, at the end
   total, count, emitted, noise = out[:, 0], out[:, 1], out[:, 2] > 0.5, out[:, 3]
@@ -596,8 +606,8 @@ def _summarise_adaptive(a: _AdaptiveArm, b: int, n_micro: int) -> dict[str, Any]
     raise AssertionError(f"{a.name}: {steps} optimizer steps, {len(ends)} windows closed.")
   tail = slice(int(0.9 * n_micro), n_micro)  # the last 10% of the examples
   return {
-      "label": {"small_k": f"k = {a.k}", "large_k": f"k = {a.k}",
-                "adaptive_k": f"adaptive k ({a.k.k_min}..{a.k.k_max})"}[a.name],
+      "label": (f"adaptive k ({a.k.k_min}..{a.k.k_max})" if isinstance(a.k, oa.AdaptiveK)
+                else f"k = {a.k}"),
       "optimizer_steps": steps,
       "mean_k": n_micro / steps,
       "window_k": (ends - starts + 1).tolist(),
@@ -605,8 +615,8 @@ def _summarise_adaptive(a: _AdaptiveArm, b: int, n_micro: int) -> dict[str, Any]
       "window_loss": [float(total[s:e + 1].sum() / max(count[s:e + 1].sum(), 1.0))
                       for s, e in zip(starts, ends, strict=True)],
       # noise_scale after each window, in micro-batches (NaN until ready) -> sequences.
-      "b_noise_sequences": (noise[ends] * b).tolist(),
-      "final_b_noise_sequences": float(noise[-1] * b),
+      "b_noise_sequences": [_finite_or_none(x * b) for x in noise[ends]],
+      "final_b_noise_sequences": _finite_or_none(noise[-1] * b),
       "train_loss_last_10pct": float(total[tail].sum() / max(count[tail].sum(), 1.0)),
       "eval_points": [e for e, _ in a.evals],
       "eval_losses": [v for _, v in a.evals],
@@ -630,7 +640,7 @@ def _fmt_bytes(n: float | None) -> str:
 def format_table(results: dict[str, Any]) -> str:
   """The summary table printed at the end of a run (Markdown)."""
   rows = [
-      "| arm | jitted calls / step | final train loss | eval loss |"
+      "| arm | jitted calls / step | train loss (mean of last 10 steps) | eval loss |"
       " max abs loss diff vs full | tokens/s | compiled temporaries |",
       "|---|---:|---:|---:|---:|---:|---:|",
   ]
@@ -710,6 +720,81 @@ def _plot(results: dict[str, Any], out: Path) -> list[str]:
   return [str(curves), str(memory)]
 
 
+def format_adaptive_table(adaptive: dict[str, Any]) -> str:
+  """The adaptive-k experiment's table (Markdown)."""
+  b = adaptive["micro_batch_sequences"]
+  rows = [
+      f"| arm (micro-batches of {b} sequences) | optimizer steps | mean k |"
+      f" eval loss at {adaptive['total_sequences']:,} sequences |"
+      " train loss (last 10% of sequences) | final B_noise estimate (sequences) |",
+      "|---|---:|---:|---:|---:|---:|",
+  ]
+  for arm in ADAPTIVE_ARMS:
+    r = adaptive["arms"][arm]
+    bn = r["final_b_noise_sequences"]
+    rows.append(
+        f"| {r['label']} | {r['optimizer_steps']} | {r['mean_k']:.1f} | {r['eval_loss']:.4f} |"
+        f" {r['train_loss_last_10pct']:.4f} | {'n/a' if bn is None else f'{bn:.0f}'} |")
+  return "\n".join(rows)
+
+
+def _binned(x: np.ndarray, y: np.ndarray, w: np.ndarray, bins: int) -> tuple[np.ndarray, ...]:
+  """Weighted means of ``y`` over ``bins`` equal ranges of ``x`` (empty bins dropped)."""
+  edges = np.linspace(0, x.max(), bins + 1)
+  idx = np.clip(np.searchsorted(edges, x, side="left") - 1, 0, bins - 1)
+  sw = np.bincount(idx, w, bins)
+  keep = sw > 0
+  mids = 0.5 * (edges[1:] + edges[:-1])
+  return mids[keep], np.bincount(idx, w * y, bins)[keep] / sw[keep]
+
+
+def _plot_adaptive(results: dict[str, Any], out: Path) -> str:
+  import matplotlib
+
+  matplotlib.use("Agg", force=True)
+  import matplotlib.pyplot as plt
+
+  ad = results["adaptive"]
+  b = ad["micro_batch_sequences"]
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+  for arm in ADAPTIVE_ARMS:
+    r = ad["arms"][arm]
+    color = ADAPTIVE_COLORS[arm]
+    x = np.asarray(r["window_end_sequences"], float)
+    k = np.asarray(r["window_k"], float)
+    mx, my = _binned(x, np.asarray(r["window_loss"]), k, bins=min(40, max(2, len(x) // 2)))
+    ax1.plot(mx, my, color=color, lw=1.5,
+             label=f"{r['label']}: {r['optimizer_steps']} steps, mean k {r['mean_k']:.1f}")
+    ax1.plot(r["eval_points"], r["eval_losses"], "o--", color=color, ms=4, lw=0.8)
+    bn = np.asarray([np.nan if v is None else v for v in r["b_noise_sequences"]])
+    ax2.plot(x, bn, color=color, lw=1.0, alpha=0.8, label=f"B_noise estimate, {r['label']}")
+    if arm == "adaptive_k":  # (without the last window: the end of the data cuts it short)
+      ax2.step(x[:-1], k[:-1] * b, where="pre", color="black", lw=1.5,
+               label=f"adaptive window: k x {b} sequences")
+  ax1.set_xlabel("sequences seen")
+  ax1.set_ylabel("loss (CE per real token)")
+  ax1.set_title("Training loss (binned) and eval loss (o) at equal examples")
+  ax1.legend(fontsize=8)
+  ax1.grid(alpha=0.3)
+  for name, k in (("k_small", ad["k_small"]), ("k_large", ad["k_large"])):
+    ax2.axhline(k * b, color="gray", ls=":", lw=1)
+    ax2.annotate(f"{name} x {b}", (0, k * b), textcoords="offset points", xytext=(2, 2),
+                 fontsize=7, color="gray")
+  ax2.set_yscale("log")
+  ax2.set_xlabel("sequences seen")
+  ax2.set_ylabel("sequences")
+  ax2.set_title(f"Noise scale B_noise and the adaptive window (fraction {ad['fraction']:g})")
+  ax2.legend(fontsize=8)
+  ax2.grid(alpha=0.3, which="both")
+  fig.suptitle(f"Same {ad['total_sequences']:,} sequences in micro-batches of {b}; learning"
+               f" rate counted in {ad['schedule_unit']}")
+  fig.tight_layout()
+  path = out / "adaptive_k.png"
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return str(path)
+
+
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv: Sequence[str] | None) -> Config:
@@ -746,17 +831,35 @@ def parse_args(argv: Sequence[str] | None) -> Config:
                  default=d.group_by_length,
                  help="sort each batch by length before cutting micro-batches, as"
                  " length-bucketing loaders do")
+  p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=d.adaptive,
+                 help="also run the adaptive-k experiment (fixed small k, fixed large k,"
+                 " k from the gradient noise scale)")
+  p.add_argument("--k-small", type=int, default=d.k_small,
+                 help="adaptive experiment: the small fixed k, and adaptive k's minimum")
+  p.add_argument("--k-large", type=int, default=d.k_large,
+                 help="adaptive experiment: the large fixed k, and adaptive k's maximum")
+  p.add_argument("--fraction", type=float, default=d.fraction,
+                 help="adaptive k aims at this fraction of the noise scale")
+  p.add_argument("--min-windows", type=int, default=d.min_windows,
+                 help="windows folded in before the noise-scale estimate drives k")
+  p.add_argument("--schedule-unit", choices=("examples", "steps"), default=d.schedule_unit,
+                 help="adaptive experiment: count the learning-rate schedule in examples"
+                 " seen or in optimizer steps")
   p.add_argument("--out", default=d.out, help="output folder")
   p.add_argument("--no-progress", dest="progress", action="store_false",
                  help="no progress bar")
   a = p.parse_args(argv)
   for name in ("steps", "k", "batch_size", "seq_len", "d_model", "layers", "heads",
-               "eval_batches", "max_files"):
+               "eval_batches", "max_files", "k_small", "k_large", "min_windows"):
     if getattr(a, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(a, name)}.")
   if a.batch_size % a.k:
     p.error(f"--batch-size ({a.batch_size}) must be divisible by --k ({a.k}); e.g."
             f" --batch-size {a.k * max(1, a.batch_size // a.k)}.")
+  if a.k_large < a.k_small:
+    p.error(f"--k-large ({a.k_large}) must be >= --k-small ({a.k_small}).")
+  if not a.fraction > 0:
+    p.error(f"--fraction must be > 0; got {a.fraction}.")
   if a.d_model % a.heads:
     p.error(f"--d-model ({a.d_model}) must be divisible by --heads ({a.heads}).")
   return Config(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Config)})
@@ -768,13 +871,17 @@ def _max_abs_diff(a: Any, b: Any) -> float:
 
 
 def run(cfg: Config) -> dict[str, Any]:
-  """Runs the four arms and writes the outputs; returns the results (as in the JSON)."""
+  """Runs the four arms (and the adaptive-k experiment) and writes the outputs.
+
+  Returns the results, as in ``results.json``.
+  """
   start = time.perf_counter()
   out = Path(cfg.out)
   out.mkdir(parents=True, exist_ok=True)
   pieces = load_corpus(cfg.seq_len + 1, cfg.max_files, cfg.unit)
   held_out = max(1, len(pieces) // 10)
-  batches = make_batches(pieces[:-held_out], cfg, cfg.steps, cfg.seed)
+  train_pieces = pieces[:-held_out]
+  batches = make_batches(train_pieces, cfg, cfg.steps, cfg.seed)
   eval_batches = make_batches(pieces[-held_out:], cfg, cfg.eval_batches, cfg.seed + 1)
   model = CharTransformer(seq_len=cfg.seq_len, d_model=cfg.d_model, layers=cfg.layers,
                           heads=cfg.heads, rngs=nnx.Rngs(cfg.seed))
@@ -828,6 +935,12 @@ def run(cfg: Config) -> dict[str, Any]:
       "jax": {"version": jax.__version__, "backend": jax.default_backend()},
   }
   results["plots"] = _plot(results, out)
+  if cfg.adaptive:
+    print(f"adaptive k: {cfg.steps * cfg.k} micro-batches of {cfg.batch_size // cfg.k}"
+          f" sequences, k = {cfg.k_small}, k = {cfg.k_large} and adaptive k"
+          f" ({cfg.k_small}..{cfg.k_large}, fraction {cfg.fraction:g}) ...", flush=True)
+    results["adaptive"] = run_adaptive(cfg, train_pieces, loss_terms, params0, eval_batches)
+    results["plots"].append(_plot_adaptive(results, out))
   results["wall_s"] = time.perf_counter() - start
   with open(out / "results.json", "w") as f:
     json.dump(results, f, indent=1)
@@ -840,6 +953,15 @@ def run(cfg: Config) -> dict[str, Any]:
   print(f"mean of means vs full batch:               max |loss diff| = {naive:.1e}"
         f" ({naive / max(exact, 1e-12):,.0f}x larger; eval loss"
         f" {results['mean_of_means_eval_loss_minus_full']:+.4f}): a different objective")
+  if cfg.adaptive:
+    ad = results["adaptive"]
+    print()
+    print(format_adaptive_table(ad))
+    print()
+    print(f"learning rate counted in {cfg.schedule_unit}; B_noise: the noise-scale estimate"
+          " times the sequences per micro-batch; adaptive k ="
+          f" clip(round({cfg.fraction:g} x B_noise / {ad['micro_batch_sequences']}),"
+          f" {cfg.k_small}, {cfg.k_large}), re-evaluated at each window boundary")
   print(f"wrote {out / 'results.json'}, {', '.join(results['plots'])}"
         f" in {results['wall_s']:.0f} s")
   return results

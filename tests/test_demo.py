@@ -4,13 +4,20 @@ The full-batch arm is plain ``optax.adam`` on the whole batch: the independent
 reference. The accumulate and microbatched arms must track it to float
 rounding; the mean-of-means arm must not (the tiny data is grouped by length,
 so its micro-batches hold very different numbers of real tokens).
+
+The same run does the adaptive-k experiment at a tiny size, with an estimate
+that is ready after 2 windows and a fraction large enough that the adaptive
+arm must leave ``k_small``; that its windows are the large-batch steps is the
+core's tests' job (tests/test_noise_scale.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -22,6 +29,7 @@ TINY = [
     "--steps", "6", "--k", "2", "--batch-size", "8", "--seq-len", "32",
     "--d-model", "16", "--layers", "1", "--heads", "2", "--max-files", "3",
     "--eval-batches", "1", "--unit", "line", "--group-by-length", "--no-progress",
+    "--k-small", "2", "--k-large", "4", "--min-windows", "2", "--fraction", "50",
 ]
 
 
@@ -34,9 +42,9 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 def test_writes_json_and_readable_pngs(tiny_run):
   out, _ = tiny_run
-  for name in ("results.json", "loss_curves.png", "memory.png"):
+  for name in ("results.json", "loss_curves.png", "memory.png", "adaptive_k.png"):
     assert (out / name).is_file(), name
-  for name in ("loss_curves.png", "memory.png"):
+  for name in ("loss_curves.png", "memory.png", "adaptive_k.png"):
     data = (out / name).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
   saved = json.loads((out / "results.json").read_text())
@@ -75,6 +83,52 @@ def test_table_lists_every_arm(tiny_run, capsys):
   for arm in ("full batch", "accumulate", "microbatched", "mean of means"):
     assert arm in table
   assert "compiled temporaries" in table and "tokens/s" in table
+  assert "train loss (mean of last 10 steps)" in table  # not a "final" loss
+
+
+def test_adaptive_arm_changes_k_on_the_same_examples(tiny_run):
+  out, results = tiny_run
+  ad = json.loads((out / "results.json").read_text())["adaptive"]
+  assert ad == json.loads(json.dumps(results["adaptive"]))
+  n_micro = 6 * 2  # --steps x --k micro-batches of --batch-size / --k sequences
+  assert (ad["micro_batches"], ad["micro_batch_sequences"]) == (n_micro, 4)
+  arms = ad["arms"]
+  assert set(arms) == {"small_k", "large_k", "adaptive_k"}
+  for arm, r in arms.items():
+    assert sum(r["window_k"]) == n_micro, arm  # every arm saw every example
+    assert r["window_end_sequences"][-1] == n_micro * 4, arm
+    assert r["optimizer_steps"] == len(r["window_k"]), arm
+    np.testing.assert_allclose(r["mean_k"], n_micro / r["optimizer_steps"])
+    assert np.isfinite(r["eval_loss"]) and len(r["eval_losses"]) >= 2, arm
+  assert arms["small_k"]["window_k"] == [2] * 6
+  assert arms["large_k"]["window_k"] == [4] * 3
+  k = arms["adaptive_k"]["window_k"]
+  assert k[:2] == [2, 2] and len(set(k)) > 1, k  # k_small until the estimate is ready
+  # The estimate is reported once ready (2 windows), in sequences.
+  b_noise = arms["adaptive_k"]["b_noise_sequences"]
+  assert b_noise[0] is None and b_noise[1] is not None and b_noise[1] > 0, b_noise
+  table = demo.format_adaptive_table(ad)
+  for label in ("k = 2", "k = 4", "adaptive k (2..4)", "optimizer steps", "mean k"):
+    assert label in table
+
+
+def test_learning_rate_counted_in_examples_or_in_steps():
+  """First window (2 micro-batches of 4 sequences): Adam's first update is the
+  sign of the gradient times the learning rate, read at 8 examples (warm-up
+  over 5% of 160 examples: the peak) or at step 0 (warm-up starts at 0)."""
+  cfg = demo.Config(lr=0.5, k=2, batch_size=8, k_small=2, k_large=4)
+  params = {"w": jnp.zeros(3)}
+  grads = {"w": jnp.array([1.0, -2.0, 3.0])}
+  first = {}
+  for unit in ("examples", "steps"):
+    _, tx = demo.adaptive_arms(dataclasses.replace(cfg, schedule_unit=unit), 40)["small_k"]
+    state = tx.init(params)
+    kw = {"examples": 8.0} if unit == "examples" else {}
+    _, state = tx.update(grads, state, params, weight=1.0, **kw)
+    first[unit], state = tx.update(grads, state, params, weight=1.0, **kw)
+  np.testing.assert_allclose(first["examples"]["w"], [-0.5, 0.5, -0.5], rtol=1e-5)
+  np.testing.assert_allclose(first["steps"]["w"], 0.0)
+  assert float(demo.lr_schedule(cfg, 160)(8)) == 0.5
 
 
 def test_bad_flags_name_the_fix(capsys):
