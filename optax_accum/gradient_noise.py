@@ -79,9 +79,9 @@ class NoiseScaleState(NamedTuple):
 
 
 def init() -> NoiseScaleState:
-  """An empty estimate."""
-  zero = jnp.zeros([], jnp.float32)
-  return NoiseScaleState(zero, jnp.zeros([], jnp.int32), zero, zero, jnp.zeros([], jnp.int32))
+  """An empty estimate (one buffer per field, so the state can be donated)."""
+  f32, i32 = (lambda: jnp.zeros([], jnp.float32)), (lambda: jnp.zeros([], jnp.int32))
+  return NoiseScaleState(f32(), i32(), f32(), f32(), i32())
 
 
 def check_decay(value: Any) -> float | None:
