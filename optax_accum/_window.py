@@ -223,7 +223,10 @@ def emit(
                       noise.window_sq_norms if tracking else jnp.zeros([], jnp.float32)])
   acc, totals = _cross_device(config, acc, totals, params)
   total_weight, count_f, window_k, window_sq = totals[0], totals[1], totals[2], totals[3]
-  scale = _window_scale(config, count_f, total_weight)
+  # In the buffer's precision (float64 buffers would lose digits to a float32 1/3).
+  wide = jnp.result_type(jnp.float32, *(jnp.finfo(a.dtype).dtype for a in jax.tree.leaves(acc)
+                                        if jnp.issubdtype(a.dtype, jnp.inexact)))
+  scale = _window_scale(config, count_f.astype(wide), total_weight.astype(wide))
 
   def step(inner_state: Any, params: Any) -> tuple[Any, Any]:
     # XLA's GPU compiler turns a conditional whose branches hold only cheap
@@ -256,7 +259,7 @@ def _window_scale(config: Config, count: jax.Array, total_weight: jax.Array) -> 
     return 1.0 / jnp.where(total_weight == 0, 1.0, total_weight)
   if config.reduction == "mean" and not config.running_mean:
     return 1.0 / count
-  return jnp.ones([], jnp.float32)  # a sum, or a running mean already
+  return jnp.ones([], count.dtype)  # a sum, or a running mean already
 
 
 def run_inner(config: Config, reduced: Any, inner_state: Any, params: Any, *, apply: bool,
