@@ -44,8 +44,8 @@ token-weighted, with Adam and the same learning-rate schedule:
 Every arm tracks the noise scale, so each plots its own estimate along its
 own trajectory. The learning rate warms up over 5% and decays (cosine) to 10%
 of ``--lr``, counted in **examples** by default (``--schedule-unit
-examples``): :func:`scale_by_schedule_in_examples` is the recipe, since an
-adaptive run does not know its number of steps in advance. With
+examples``): ``gradient_noise.scale_by_schedule_in_examples`` is the
+recipe, since an adaptive run does not know its number of steps in advance. With
 ``--schedule-unit steps`` the inner optimizer counts its own steps instead
 (optax's default), over the steps each fixed arm takes (for the adaptive arm,
 the steps it would take at ``k_small``).
@@ -75,6 +75,7 @@ import numpy as np
 import optax
 
 import optax_accum as oa
+from optax_accum.gradient_noise import scale_by_schedule_in_examples
 from optax_accum.microbatching import microbatched
 
 try:
@@ -433,50 +434,6 @@ def lr_schedule(cfg: Config, horizon: float) -> optax.Schedule:
   return optax.warmup_cosine_decay_schedule(
       0.0, cfg.lr, warmup_steps=max(1, round(0.05 * horizon)),
       decay_steps=max(2, round(horizon)), end_value=0.1 * cfg.lr)
-
-
-def scale_by_schedule_in_examples(
-    schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:
-  """Multiplies the updates by ``-schedule(examples)``: a learning rate counted in examples.
-
-  Optax schedules count the inner optimizer's own steps. With a window
-  length that changes (``adaptive_k``, a ``k`` schedule) the steps no longer
-  track the data seen; count examples instead. Chain this after a direction
-  (``optax.scale_by_adam()``), put the chain inside ``accumulate`` and pass
-  ``examples=`` (seen so far, this micro-batch included) to every update:
-  ``accumulate`` hands extra arguments to its inner optimizer only when a
-  window closes, so the schedule is read once per optimizer step.
-
-  Args:
-    schedule: the learning rate as a function of examples seen.
-
-  Returns:
-    A transform whose ``update`` takes ``examples=`` (a scalar; traced is fine).
-
-  Example:
-    >>> import jax.numpy as jnp, optax, optax_accum as oa
-    >>> from optax_accum.demo import scale_by_schedule_in_examples
-    >>> lr = lambda n: 0.5 / (1.0 + n / 8)   # halves after 8 examples
-    >>> tx = oa.accumulate(2, optax.chain(optax.scale_by_sign(),
-    ...                                   scale_by_schedule_in_examples(lr)))
-    >>> params = {"w": jnp.zeros(2)}
-    >>> state = tx.init(params)
-    >>> for seen in (4.0, 8.0):   # two micro-batches of 4 examples: one step
-    ...   updates, state = tx.update({"w": jnp.ones(2)}, state, params, examples=seen)
-    >>> updates["w"].tolist()   # -lr(8) * sign(1)
-    [-0.25, -0.25]
-  """
-  def init_fn(params: optax.Params) -> optax.EmptyState:
-    del params
-    return optax.EmptyState()
-
-  def update_fn(updates: optax.Updates, state: optax.EmptyState, params: Any = None, *,
-                examples: Any, **extra_args: Any) -> tuple[optax.Updates, optax.EmptyState]:
-    del params, extra_args
-    lr = schedule(examples)
-    return jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates), state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def adaptive_arms(cfg: Config, n_micro: int) -> dict[str, tuple[Any, optax.GradientTransformation]]:

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from optax_accum._validation import first_node
 
@@ -49,6 +50,7 @@ __all__ = [
     "fold",
     "init",
     "noise_scale",
+    "scale_by_schedule_in_examples",
     "sq_norm",
 ]
 
@@ -315,3 +317,47 @@ def adaptive_k(k_min: int, k_max: int, *, fraction: float = 1.0,
   if not (isinstance(fraction, (int, float)) and fraction > 0 and math.isfinite(fraction)):
     raise ValueError(f"`fraction` must be a positive number; got {fraction!r}.")
   return AdaptiveK(k_min, k_max, float(fraction), min_windows)
+
+
+def scale_by_schedule_in_examples(
+    schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:
+  """Multiplies the updates by ``-schedule(examples)``: a learning rate counted in examples.
+
+  Optax schedules count the inner optimizer's own steps. With a window
+  length that changes (``adaptive_k``, a ``k`` schedule) the steps no longer
+  track the data seen; count examples instead. Chain this after a direction
+  (``optax.scale_by_adam()``), put the chain inside ``accumulate`` and pass
+  ``examples=`` (seen so far, this micro-batch included) to every update:
+  ``accumulate`` hands extra arguments to its inner optimizer only when a
+  window closes, so the schedule is read once per optimizer step.
+
+  Args:
+    schedule: the learning rate as a function of examples seen.
+
+  Returns:
+    A transform whose ``update`` takes ``examples=`` (a scalar; traced is fine).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_accum as oa
+    >>> from optax_accum.gradient_noise import scale_by_schedule_in_examples
+    >>> lr = lambda n: 0.5 / (1.0 + n / 8)   # halves after 8 examples
+    >>> tx = oa.accumulate(2, optax.chain(optax.scale_by_sign(),
+    ...                                   scale_by_schedule_in_examples(lr)))
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> for seen in (4.0, 8.0):   # two micro-batches of 4 examples: one step
+    ...   updates, state = tx.update({"w": jnp.ones(2)}, state, params, examples=seen)
+    >>> updates["w"].tolist()   # -lr(8) * sign(1)
+    [-0.25, -0.25]
+  """
+  def init_fn(params: optax.Params) -> optax.EmptyState:
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates: optax.Updates, state: optax.EmptyState, params: Any = None, *,
+                examples: Any, **extra_args: Any) -> tuple[optax.Updates, optax.EmptyState]:
+    del params, extra_args
+    lr = schedule(examples)
+    return jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates), state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
