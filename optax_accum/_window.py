@@ -63,7 +63,7 @@ class Window(NamedTuple):
   mini_step: jax.Array
   gradient_step: jax.Array
   acc_grads: optax.Updates
-  acc_weight: jax.Array
+  acc_weight: jax.Array | tuple[()]  # () unless reduction="weighted"
   noise: noise_lib.NoiseScaleState | tuple[()]
 
 
@@ -96,7 +96,8 @@ def init_window(config: Config, params: optax.Params) -> Window:
       mini_step=jnp.zeros([], jnp.int32),
       gradient_step=jnp.zeros([], jnp.int32),
       acc_grads=jax.tree.map(zeros, params),
-      acc_weight=jnp.zeros([], jnp.float32),
+      # Unused state costs host time on every call: only weighted windows keep it.
+      acc_weight=jnp.zeros([], jnp.float32) if config.reduction == "weighted" else (),
       noise=() if config.noise_decay is None else noise_lib.init(),
   )
 
@@ -344,7 +345,8 @@ def micro_step(
   """
   k_now = window_length(config.k, window)
   acc, count = add_to_buffer(config, window, grads, accept, weight)
-  total_weight = window.acc_weight
+  weighted = config.reduction == "weighted"
+  total_weight = window.acc_weight if weighted else jnp.zeros([], jnp.float32)
   if weight is not None:
     total_weight = total_weight + jnp.where(accept, weight, 0.0)
   noise = window.noise
@@ -365,6 +367,7 @@ def micro_step(
 
   mini_step, gradient_step, acc_weight = advance(
       window, count=count, total_weight=total_weight, closes=closes, stepped=stepped)
+  acc_weight = acc_weight if weighted else window.acc_weight
   new_window = Window(mini_step, gradient_step, acc, acc_weight, noise)
   return StepOut(out, new_window, inner_state, stepped)
 

@@ -38,10 +38,10 @@ class AccumulateState(NamedTuple):
       ``mini_step > 0``. When ``mini_step == 0`` it still holds the last
       window's contents, which the next micro-batch overwrites (a lazy reset
       saves a pass per window).
-    acc_weight: the sum of the weights seen in the current window (float32;
-      ``reduction="weighted"`` only).
-    num_skipped: non-finite micro-batches dropped so far (int32;
-      ``skip_nonfinite=True`` only).
+    acc_weight: the sum of the weights seen in the current window (float32);
+      ``()`` unless ``reduction="weighted"``.
+    num_skipped: non-finite micro-batches dropped so far (int32); ``()``
+      unless ``skip_nonfinite=True``.
     emitted: whether the last call took an optimizer step (bool).
     inner_opt_state: the state of the inner optimizer (``()`` without one).
     noise_stats: the gradient noise-scale estimate
@@ -194,7 +194,7 @@ def accumulate(
         gradient_step=window.gradient_step,
         acc_grads=window.acc_grads,
         acc_weight=window.acc_weight,
-        num_skipped=jnp.zeros([], jnp.int32),
+        num_skipped=jnp.zeros([], jnp.int32) if skip_nonfinite else (),
         emitted=jnp.zeros([], jnp.bool_),
         inner_opt_state=() if config.inner is None else config.inner.init(params),
         noise_stats=window.noise,
@@ -230,7 +230,7 @@ def accumulate(
         emit_now=True if flushing else _validation.check_emit_now(emit_now),
         apply=mode == _APPLY and config.inner is not None, extra_args=extra_args)
     num_skipped = state.num_skipped
-    if accept is not True and not flushing:
+    if skip_nonfinite and not flushing:
       num_skipped = num_skipped + jnp.logical_not(accept).astype(jnp.int32)
     new_state = AccumulateState(
         mini_step=out.window.mini_step,

@@ -239,7 +239,8 @@ def _map_per_device(state: Any, fn: Any) -> Any:
   def visit(node: Any) -> Any:
     if isinstance(node, AccumulateState):
       return node._replace(
-          acc_grads=jax.tree.map(fn, node.acc_grads), acc_weight=fn(node.acc_weight),
+          acc_grads=jax.tree.map(fn, node.acc_grads),
+          acc_weight=jax.tree.map(fn, node.acc_weight),
           noise_stats=_per_device_noise(node.noise_stats, fn))
     return node
 
@@ -396,7 +397,8 @@ def shard_map_specs(
         lambda v, spec: v if _is_masked(v) else per_device(spec), node.acc_grads, param_specs,
         is_leaf=_is_masked)
     return node_specs._replace(
-        acc_grads=acc_grads, acc_weight=per_device(PartitionSpec()),
+        acc_grads=acc_grads,
+        acc_weight=jax.tree.map(lambda _: per_device(PartitionSpec()), node.acc_weight),
         noise_stats=_per_device_noise(node_specs.noise_stats,
                                       lambda _: per_device(PartitionSpec())))
 

@@ -445,7 +445,8 @@ def test_state_shardings_leaf_by_leaf_for_nested_states() -> None:
       assert tree_shardings[name] == params[name].sharding
       assert tree[name].sharding.is_equivalent_to(expected, tree[name].ndim), name
   assert state.acc_grads["w1"].dtype == jnp.bfloat16
-  for leaf in (state.mini_step, state.acc_weight, adam_state.count,
+  assert state.acc_weight == ()  # kept only by reduction="weighted"
+  for leaf in (state.mini_step, state.gradient_step, adam_state.count,
                state.inner_opt_state[1].hyperparams["learning_rate"]):
     assert leaf.sharding.is_equivalent_to(replicated, leaf.ndim)
   # Eager init on sharded params keeps the layout too.
