@@ -188,6 +188,7 @@ def accumulate(
     _check_schedule_at_zero(k)
 
   def init_fn(params: optax.Params) -> AccumulateState:
+    """An empty window and the inner optimizer's initial state."""
     window = _window.init_window(config, params)
     return AccumulateState(
         mini_step=window.mini_step,
@@ -209,6 +210,13 @@ def accumulate(
       emit_now: Any = False,
       **extra_args: Any,
   ) -> tuple[Any, AccumulateState]:
+    """Adds ``updates`` (this micro-batch's gradients) to the window.
+
+    Returns zero updates on mid-steps and the inner optimizer's updates when
+    the window closes (after ``k`` micro-batches, or now with
+    ``emit_now=True``); ``weight=`` is this micro-batch's weight for
+    ``reduction="weighted"``. Other keywords go to the inner optimizer.
+    """
     mode = extra_args.pop(MODE, None)
     _validation.check_keywords(extra_args, strict_kwargs, "the update of `accumulate`",
                                own=("weight", "emit_now"))

@@ -184,6 +184,33 @@ def test_shard_map_matches_large_batch_and_accumulates_locally() -> None:
   assert int(state.gradient_step) == windows
 
 
+def test_update_and_apply_through_per_device_state_under_shard_map() -> None:
+  """The fast path through the wrapper: params untouched mid-window, one
+  all-reduce in the emitting branch, and the large-batch result."""
+  k, windows, per_dev = 2, 2, 2
+  x, y = make_data(windows, k, N_DEV * per_dev, seed=5)
+  params, mesh = make_params(), data_mesh()
+  tx = per_device_state(oa.accumulate(k, inner_opt(), axis_name="data"), "data")
+  specs = shard_map_specs(tx, params, "data")
+
+  def body(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> tuple[Any, Any]:
+    grads = jax.grad(loss)(lax.pcast(p, "data", to="varying"), xb, yb)
+    return oa.update_and_apply(tx, grads, s, p)
+
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                               out_specs=(P(), specs)))
+  state, p = shard_map_init(tx, mesh, params), params
+  for w in range(windows):
+    for i in range(k):
+      p_before = p
+      p, state = step(p, state, x[w, i], y[w, i])
+      if i < k - 1:
+        assert_trees_close(p, p_before, rtol=0, atol=0)
+  assert_trees_close(p, large_batch_reference(params, inner_opt(), x, y))
+  compiled = step.lower(params, state, x[0, 0], y[0, 0]).compile()
+  assert {c.context for c in _all_reduces(compiled)} == {(("conditional", 1),)}
+
+
 def test_shard_map_weighted_with_skipped_nonfinite_micro_batch() -> None:
   """Token-weighted mean across devices; a NaN on one device skips the step on all."""
   k, per_dev = 3, 4

@@ -623,9 +623,13 @@ def test_temporaries_shrink_with_k_under_bound():
   grad_bytes = sum(math.prod(p.shape) * 4 for p in jax.tree.leaves(params))
   full = temp_bytes(jax.value_and_grad(wide_loss), params, batch)
   assert full > 4 * grad_bytes  # activations dominate: the regime that matters
+  # The loop's own overhead: on XLA:CPU one gradient-sized accumulator; the
+  # H200 compiler (deviceless compile, benchmarks/gpu_hlo.py's setup) keeps
+  # the carry and the body's gradients apart: about three gradient buffers.
+  overhead = 1 if jax.default_backend() == "cpu" else 3
   for k in (2, 4, 8, 16):
     mb = temp_bytes(microbatched(jax.value_and_grad(wide_loss), k), params, batch)
-    assert mb <= 1.3 * full / k + grad_bytes, (k, mb, full, grad_bytes)
+    assert mb <= 1.3 * full / k + overhead * grad_bytes, (k, mb, full, grad_bytes)
 
 
 def test_no_peeled_microbatch_program_size(params, batch):

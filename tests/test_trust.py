@@ -296,7 +296,9 @@ def test_rough_edges_name_the_argument():
 
 def test_public_update_functions_have_docstrings():
   ms = oa.MultiSteps(optax.sgd(0.1), 2)
-  for fn in (ms.update, ms.init, ms.has_updated, ms.gradient_transformation, oa.accumulate,
+  tx = oa.accumulate(2, optax.sgd(0.1))
+  for fn in (tx.update, tx.init, ms.update, ms.init, ms.has_updated, ms.gradient_transformation,
+             oa.accumulate,
              oa.flush, oa.update_and_apply, oa.noise_scale):
     assert fn.__doc__ and len(fn.__doc__.split()) > 5, fn
   assert len(oa.__doc__.splitlines()) > 10
