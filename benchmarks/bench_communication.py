@@ -49,7 +49,12 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
 from optax_accum.debug import hlo_collectives
-from optax_accum.sharding import defer_reduction, per_device_state, shard_map_specs
+from optax_accum.sharding import (
+    broadcast_like,
+    defer_reduction,
+    per_device_state,
+    shard_map_specs,
+)
 
 K = 8
 N_DEV = 8
@@ -74,16 +79,6 @@ def init_params() -> dict[str, jax.Array]:
       "b2": jnp.zeros(WIDTH, jnp.float32),
   }
 
-
-def broadcast_like(v: jax.Array, act: jax.Array) -> jax.Array:
-  """``v`` broadcast like the activation ``act`` when ``defer_reduction`` typed it reduced.
-
-  JAX does not add a reduced param to a batch-sharded activation directly;
-  broadcasting, then resharding like the activation, moves no data.
-  """
-  if not jax.typeof(v).sharding.spec.reduced:
-    return v
-  return jax.reshard(jnp.broadcast_to(v, act.shape), jax.typeof(act).sharding.spec)
 
 
 def loss_fn(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:

@@ -39,7 +39,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
-from optax_accum.sharding import defer_reduction
+from optax_accum.sharding import broadcast_like, defer_reduction
 
 D_IN, D_HID, D_OUT = 16, 32, 8
 MOMENTUM = 0.9
@@ -55,18 +55,6 @@ def init_params(seed: int) -> dict[str, np.ndarray]:
       "b2": np.zeros(D_OUT, np.float32),
   }
 
-
-def broadcast_like(v: jax.Array, act: jax.Array) -> jax.Array:
-  """``v`` broadcast to the activation ``act``, as the sharding types require.
-
-  A param from ``defer_reduction`` is typed *reduced* over "data", and JAX
-  will not add it to a batch-sharded activation directly: broadcast it, then
-  reshard it like the activation (no data moves; its gradient stays
-  unreduced). Any other param broadcasts as usual.
-  """
-  if not jax.typeof(v).sharding.spec.reduced:
-    return v
-  return jax.reshard(jnp.broadcast_to(v, act.shape), jax.typeof(act).sharding.spec)
 
 
 def loss_fn(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:

@@ -92,24 +92,10 @@ def make_data(windows: int, k: int, global_batch: int) -> tuple[Any, Any]:
   return x, np.tanh(x @ teacher) + noise
 
 
-def broadcast_like(v: Any, act: Any) -> Any:
-  """``v`` broadcast to the activation ``act``, as the sharding types require.
-
-  A param from ``defer_reduction`` is typed *reduced* over "data", and JAX
-  will not add it to a batch-sharded activation directly: broadcast it, then
-  reshard it like the activation (no data moves; its gradient stays
-  unreduced). Any other param broadcasts as usual.
-  """
-  import jax
-  import jax.numpy as jnp
-
-  if not jax.typeof(v).sharding.spec.reduced:
-    return v
-  return jax.reshard(jnp.broadcast_to(v, act.shape), jax.typeof(act).sharding.spec)
-
-
 def loss_fn(params: Any, x: Any, y: Any) -> Any:
   import jax.numpy as jnp
+
+  from optax_accum.sharding import broadcast_like
 
   z = x @ params["w"]
   return jnp.mean((jnp.tanh(z + broadcast_like(params["b"], z)) - y) ** 2)

@@ -470,7 +470,9 @@ def broadcast_like(x: jax.Array, like: jax.Array) -> jax.Array:
   and JAX will not combine it elementwise with a batch-sharded activation
   (a bias add raises "Inputs cannot be sharded/varying on the same axes that
   another input is reduced on"). Broadcasting it to the activation's type
-  first is free: each device already holds the whole param.
+  first is free: each device already holds the whole param, and its gradient
+  stays unreduced. A value that is not reduced is returned as it is (ordinary
+  broadcasting applies), so a model can call this unconditionally.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -485,6 +487,9 @@ def broadcast_like(x: jax.Array, like: jax.Array) -> jax.Array:
     ...   print(jax.typeof(h + broadcast_like(p["b"], h)))
     float32[16@data,2]
   """
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  if not getattr(spec, "reduced", None):
+    return x
   return jax.reshard(jnp.broadcast_to(x, jnp.shape(like)), jax.typeof(like).sharding.spec)
 
 

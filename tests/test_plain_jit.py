@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
 from optax_accum.debug import Collective, hlo_collectives
-from optax_accum.sharding import defer_reduction, state_shardings
+from optax_accum.sharding import broadcast_like, defer_reduction, state_shardings
 
 N_DEV = 8
 pytestmark = pytest.mark.skipif(
@@ -95,26 +95,14 @@ def per_example_loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
   return jnp.sum((h @ params["w2"] + params["b2"] - y) ** 2, axis=-1)
 
 
-def _like(v: jax.Array, act: jax.Array) -> jax.Array:
-  """``v`` broadcast to the shape and sharding of the activation ``act``.
-
-  A param reduced over ``"data"`` (``defer_reduction``) cannot meet a
-  batch-sharded activation in an elementwise op (JAX asks for the reduced
-  input to be resharded first). Broadcasting then resharding moves no data,
-  and the gradient stays unreduced. Any other param broadcasts as usual.
-  """
-  if not jax.typeof(v).sharding.spec.reduced:
-    return v
-  return jax.reshard(jnp.broadcast_to(v, act.shape), jax.typeof(act).sharding.spec)
-
 
 def sharded_per_example_loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
   """The same model on the explicit mesh (batch over "data")."""
   z = x @ params["w1"]
-  h = jnp.tanh(z + _like(params["b1"], z))
+  h = jnp.tanh(z + broadcast_like(params["b1"], z))
   # On the FSDP mesh this contracts over "model": an all-reduce of activations.
   o = jnp.einsum("bh,ho->bo", h, params["w2"], out_sharding=P("data", None))
-  return jnp.sum((o + _like(params["b2"], o) - y) ** 2, axis=-1)
+  return jnp.sum((o + broadcast_like(params["b2"], o) - y) ** 2, axis=-1)
 
 
 def batch_loss(
