@@ -264,7 +264,7 @@ def check_grads_are_local(grads: Any, axis_name: Any) -> None:
   again would scale it by the axis size. Where the types carry no manual-axis
   information (pmap, ``check_vma=False``) nothing can be checked.
   """
-  axes = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+  axes = set(axis_names(axis_name))
   try:
     probe = [jax.lax.axis_index(a) for a in axes]
   except NameError:
@@ -284,8 +284,29 @@ def check_grads_are_local(grads: Any, axis_name: Any) -> None:
       )
 
 
-def _axes(axis_name: Any) -> tuple[Any, ...]:
+def axis_names(axis_name: Any) -> tuple[Any, ...]:
+  """``axis_name`` (one name, or a tuple or list of them) as a tuple."""
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def axis_kinds(mesh: Any, axes: tuple[Any, ...]) -> set[str] | None:
+  """The kinds (``"Explicit"``, ``"Auto"``, ``"Manual"``) of ``axes`` in ``mesh``.
+
+  None if the mesh does not list every one of them (pmap, no mesh set).
+  """
+  names = tuple(getattr(mesh, "axis_names", ()) or ())
+  if not axes or not all(a in names for a in axes):
+    return None
+  return {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
+
+
+def pcast_varying(x: jax.Array, names: tuple[Any, ...]) -> jax.Array:
+  """``x`` marked device-varying over the manual axes ``names`` (a no-op if none)."""
+  if not names:
+    return x
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, names, to="varying")
+  return jax.lax.pvary(x, names)  # older jax
 
 
 def explicit_axes(axis_name: Any) -> tuple[Any, ...] | None:
@@ -299,17 +320,17 @@ def explicit_axes(axis_name: Any) -> tuple[Any, ...] | None:
   """
   if axis_name is None:
     return None
-  axes = _axes(axis_name)
+  axes = axis_names(axis_name)
   mesh = jax.sharding.get_abstract_mesh()
-  names = tuple(getattr(mesh, "axis_names", ()) or ())
-  if not all(a in names for a in axes):
+  kinds = axis_kinds(mesh, axes)
+  if kinds is None:
+    names = tuple(getattr(mesh, "axis_names", ()) or ())
     if names and not _bound(axes):
       raise ValueError(
           f"`axis_name={axis_name!r}` is not an axis of the current mesh (its axes are"
           f" {names}) nor a bound pmap/shard_map axis. Pass one of the mesh's axes."
       )
     return None  # pmap, or a shard_map axis the abstract mesh does not list
-  kinds = {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
   if kinds == {"Manual"}:
     return None
   if kinds == {"Explicit"}:
@@ -400,12 +421,7 @@ def match_varying(x: jax.Array, target: Any) -> jax.Array:
   (and a ``lax.scan`` carry and its update) must vary over the same axes.
   """
   missing = varying_axes(target) - varying_axes(x)
-  if not missing:
-    return x
-  names = tuple(sorted(missing, key=str))
-  if hasattr(jax.lax, "pcast"):
-    return jax.lax.pcast(x, names, to="varying")
-  return jax.lax.pvary(x, names)  # older jax
+  return pcast_varying(x, tuple(sorted(missing, key=str)))
 
 
 def check_keywords(extra: dict[str, Any], strict: bool, where: str, own: tuple[str, ...]) -> None:

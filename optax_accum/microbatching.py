@@ -622,13 +622,13 @@ def _split_inputs(config: _Config, args: tuple[Any, ...]) -> _Inputs:
 
 def _make_varying(tree: Any, axis_name: Any) -> Any:
   """Marks a replicated input device-varying (a no-op outside shard_map)."""
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  names = _validation.axis_names(axis_name)
 
   def one(leaf: Any) -> Any:
     if not isinstance(leaf, (jax.Array, np.ndarray)):
       return leaf
     have = _validation.varying_axes(leaf)
-    return _pcast_varying(leaf, tuple(n for n in names if n not in have))
+    return _validation.pcast_varying(leaf, tuple(n for n in names if n not in have))
   return jax.tree.map(one, tree)
 
 
@@ -814,7 +814,7 @@ def _loop(
       # Inside shard_map the carry must vary over the same mesh axes as what
       # the body adds to it; match the zeros to one abstract step.
       out_carry = jax.eval_shape(lambda c: body(c, jnp.zeros([], jnp.int32))[0], init)
-      init = jax.tree.map(_match_varying, init, out_carry)
+      init = jax.tree.map(_validation.match_varying, init, out_carry)
     return lax.scan(body, init, jnp.arange(config.k, dtype=jnp.int32), unroll=config.unroll)
 
 
@@ -990,22 +990,9 @@ def _aux_finalize(
 
 
 # ------------------------------------------------------------- shard_map
-def _pcast_varying(x: jax.Array, names: tuple[Any, ...]) -> jax.Array:
-  if not names:
-    return x
-  if hasattr(lax, "pcast"):
-    return lax.pcast(x, names, to="varying")
-  return lax.pvary(x, names)  # older jax
-
-
 def _any_varying(tree: Any) -> bool:
   return any(_validation.varying_axes(x) for x in jax.tree.leaves(tree)
              if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)))
-
-
-def _match_varying(init: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
-  missing = _validation.varying_axes(target) - _validation.varying_axes(init)
-  return _pcast_varying(init, tuple(sorted(missing, key=str)))
 
 
 # ---------------------------------------------- plain jit: the batch on a mesh
@@ -1015,18 +1002,6 @@ class _Placement(NamedTuple):
   axes: tuple[Any, ...]  # the data axes
   mesh: Any  # the mesh to ``shard_map`` over
   explicit: bool  # shardings are in the types: gradients go back to their params' shardings
-
-
-def _axis_tuple(axis_name: Any) -> tuple[Any, ...]:
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
-def _axis_kinds(mesh: Any, axes: tuple[Any, ...]) -> set[str] | None:
-  """``{"Explicit", "Auto", "Manual"}`` kinds of ``axes``; None if the mesh lacks one (pmap)."""
-  names = tuple(getattr(mesh, "axis_names", ()) or ())
-  if not axes or not all(a in names for a in axes):
-    return None
-  return {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
 
 
 def _leading_axes(leaf: Any) -> tuple[tuple[Any, ...], Any]:
@@ -1068,9 +1043,9 @@ def _place(config: _Config, args: tuple[Any, ...]) -> _Placement | None:
       return _Placement(axes, mesh, explicit=True)
     _check_no_hidden_split(args, b_nums)
     return None
-  named = _axis_tuple(config.axis_name)
+  named = _validation.axis_names(config.axis_name)
   current = jax.sharding.get_abstract_mesh()
-  kinds = _axis_kinds(current, named)
+  kinds = _validation.axis_kinds(current, named)
   if kinds is None or kinds == {"Manual"}:  # inside shard_map, or pmap
     if axes:
       raise ValueError(
@@ -1097,7 +1072,7 @@ def _check_no_hidden_split(args: tuple[Any, ...], b_nums: tuple[int, ...]) -> No
   """
   mesh = jax.sharding.get_abstract_mesh()
   names = tuple(getattr(mesh, "axis_names", ()) or ())
-  if not {"Auto", "Explicit"} <= (_axis_kinds(mesh, names) or set()):
+  if not {"Auto", "Explicit"} <= (_validation.axis_kinds(mesh, names) or set()):
     return
   for i, arg in enumerate(args):
     if i in b_nums:
@@ -1165,9 +1140,10 @@ def _gather_data_axes(x: Any, place: _Placement) -> Any:
   if not place.explicit:
     return x
   spec = _spec_of(x)
-  entries = [None if e is None else tuple(n for n in _axis_tuple(e) if n not in place.axes)
+  names = _validation.axis_names
+  entries = [None if e is None else tuple(n for n in names(e) if n not in place.axes)
              for e in spec]
-  if all(e is None or len(e) == len(_axis_tuple(o)) for e, o in zip(entries, spec, strict=True)):
+  if all(e is None or len(e) == len(names(o)) for e, o in zip(entries, spec, strict=True)):
     return x
   return jax.reshard(x, jax.sharding.PartitionSpec(
       *[None if not e else _spec_entry(e) for e in entries]))
@@ -1242,7 +1218,7 @@ def _scatter_dim(spec: jax.sharding.PartitionSpec, axes: tuple[Any, ...]) -> Any
   lower an operand that is also sharded over an Explicit axis inside a
   partial-manual ``shard_map``. Such a gradient is all-reduced, then sliced.
   """
-  entries = [() if e is None else _axis_tuple(e) for e in spec]
+  entries = [() if e is None else _validation.axis_names(e) for e in spec]
   hits = [dim for dim, names in enumerate(entries) if set(names) == set(axes)]
   if len(hits) != 1 or sum(bool(names) for names in entries) != 1:
     return None

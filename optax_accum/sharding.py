@@ -385,7 +385,7 @@ def shard_map_specs(
         f" {jax.tree.structure(params)}.")
   state, specs = _lay_out_like_params(tx, params, param_specs, PartitionSpec())
   _check_has_accumulate_state(state, "shard_map_specs")
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  axes = _validation.axis_names(axis_name)
 
   def per_device(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(axes if len(axes) > 1 else axes[0], *spec)
@@ -447,7 +447,7 @@ def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
     >>> params["w"]  # one SGD step on the mean gradient (1, 1, 1)
     Array([0.9, 0.9, 0.9], dtype=float32)
   """
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  axes = _validation.axis_names(axis_name)
   if _validation.explicit_axes(axis_name) is None:
     raise ValueError(
         f"`defer_reduction` needs `axis_name={axis_name!r}` to name Explicit axes of"
