@@ -300,6 +300,17 @@ def axis_kinds(mesh: Any, axes: tuple[Any, ...]) -> set[str] | None:
   return {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
 
 
+def explicit_spec(like: Any) -> Any:
+  """The ``out_sharding`` a new array needs to have ``like``'s type.
+
+  Under explicit sharding the sharding is part of the type (both branches of
+  a cond, and a scan carry, must keep it): ``like``'s spec. None otherwise.
+  """
+  sharding = getattr(like, "sharding", None)
+  types = getattr(getattr(sharding, "mesh", None), "axis_types", ()) or ()
+  return sharding.spec if any(str(t).endswith("Explicit") for t in types) else None
+
+
 def pcast_varying(x: jax.Array, names: tuple[Any, ...]) -> jax.Array:
   """``x`` marked device-varying over the manual axes ``names`` (a no-op if none)."""
   if not names:

@@ -296,10 +296,7 @@ def _distinct_zeros(shapes: Any, false: jax.Array) -> Any:
   out = []
   for i, s in enumerate(leaves):
     fill = jnp.where(false, jnp.asarray(i + 1, s.dtype), jnp.zeros((), s.dtype))
-    sharding = getattr(s, "sharding", None)
-    explicit = isinstance(sharding, jax.sharding.NamedSharding) and any(
-        str(t).endswith("Explicit") for t in sharding.mesh.axis_types)
-    z = jnp.broadcast_to(fill, s.shape, out_sharding=sharding.spec if explicit else None)
+    z = jnp.broadcast_to(fill, s.shape, out_sharding=_validation.explicit_spec(s))
     out.append(_validation.match_varying(z, s))
   return jax.tree.unflatten(treedef, out)
 

@@ -738,10 +738,7 @@ def _filled(s: jax.ShapeDtypeStruct, dtype: Any, fill: Any = 0) -> jax.Array:
   A ``lax.scan`` carry must keep its type, and under explicit sharding the
   type includes the sharding (a gradient sharded over a ``"model"`` axis).
   """
-  sharding = getattr(s, "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  explicit = any(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ()) or ())
-  return jnp.full(s.shape, fill, dtype, out_sharding=sharding.spec if explicit else None)
+  return jnp.full(s.shape, fill, dtype, out_sharding=_validation.explicit_spec(s))
 
 
 def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _Out) -> _Carry:
