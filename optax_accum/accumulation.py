@@ -217,17 +217,14 @@ def accumulate(
     ``emit_now=True``); ``weight=`` is this micro-batch's weight for
     ``reduction="weighted"``. Other keywords go to the inner optimizer.
     """
-    mode = extra_args.pop(MODE, None)
-    _validation.check_keywords(extra_args, strict_kwargs, "the update of `accumulate`",
-                               own=("weight", "emit_now"))
     if not isinstance(state, AccumulateState):
       raise TypeError(
           "`state` must be the AccumulateState returned by this transform's"
           f" `init`; got {type(state).__name__}."
       )
+    mode = begin_update(updates, state.acc_grads, extra_args, config, strict=strict_kwargs,
+                        where="the update of `accumulate`", own=("weight", "emit_now"))
     flushing = mode == _FLUSH
-    _validation.check_tree_matches(updates, state.acc_grads)
-    _validation.check_grad_dtypes(updates, state.acc_grads, config.acc_dtype is not None)
     weight = None if flushing else _validation.check_weight(weight, config.reduction)
     if not flushing:
       _check_locality(updates, state.acc_grads, config, skip_nonfinite)
@@ -255,6 +252,21 @@ def accumulate(
     return out.out, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def begin_update(updates: Any, buffer: Any, extra_args: dict[str, Any], config: _window.Config,
+                 *, strict: bool, where: str, own: tuple[str, ...]) -> str | None:
+  """The checks every update starts with; pops and returns the call's mode.
+
+  The mode (``"flush"``, ``"apply"`` or None) travels as an extra argument;
+  the other keywords must be ones the inner optimizer may take, the gradients
+  must match the buffer's tree, and no leaf may lose part of its value in it.
+  """
+  mode = extra_args.pop(MODE, None)
+  _validation.check_keywords(extra_args, strict, where, own=own)
+  _validation.check_tree_matches(updates, buffer)
+  _validation.check_grad_dtypes(updates, buffer, config.acc_dtype is not None)
+  return mode
 
 
 def _window_of(state: AccumulateState) -> _window.Window:

@@ -35,7 +35,7 @@ from optax.transforms import ShouldSkipUpdateFunction, skip_large_updates, skip_
 
 from optax_accum import _validation, _window
 from optax_accum import gradient_noise as noise_lib
-from optax_accum.accumulation import _APPLY, _FLUSH, MODE, _Applied
+from optax_accum.accumulation import _APPLY, _FLUSH, _Applied, begin_update
 
 __all__ = [
     "MultiSteps",
@@ -144,10 +144,8 @@ class MultiSteps:
       ``(updates, state)``: zeros on mid-steps, the inner optimizer's updates
       on the emitting step.
     """
-    mode = extra_args.pop(MODE, None)
-    _validation.check_keywords(extra_args, self._strict_kwargs, "MultiSteps.update", own=())
-    _validation.check_tree_matches(updates, state.acc_grads)
-    _validation.check_grad_dtypes(updates, state.acc_grads, self._config.acc_dtype is not None)
+    mode = begin_update(updates, state.acc_grads, extra_args, self._config,
+                        strict=self._strict_kwargs, where="MultiSteps.update", own=())
     skip_state, noise = self._unpack(state.skip_state)
     accept: Any = True
     if mode == _FLUSH:
@@ -155,8 +153,7 @@ class MultiSteps:
     elif self._should_skip is not None:
       should_skip, skip_state = self._should_skip(updates, state.gradient_step, params)
       accept = jnp.logical_not(_check_skip(should_skip))
-    window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads,
-                            jnp.zeros([], jnp.float32), noise)
+    window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads, (), noise)
     out = _window.micro_step(
         self._config, updates, window, state.inner_opt_state, params, accept=accept,
         emit_now=mode == _FLUSH, apply=mode == _APPLY, extra_args=extra_args)
