@@ -70,8 +70,17 @@ def all_finite(tree: Any) -> jax.Array:
     >>> bool(all_finite({"a": jnp.ones(2)})), bool(all_finite({"a": jnp.array([1., jnp.inf])}))
     (True, False)
   """
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  leaves = [_leaf_finite(x) for x in jax.tree.leaves(tree)]
   return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
+
+
+def _leaf_finite(x: jax.Array) -> jax.Array:
+  """One reduction pass: ``x - x`` is 0 where finite and NaN where not, and
+  a sum of zeros never overflows. (``all(isfinite(x))`` left XLA:CPU a
+  boolean array per leaf: a quarter of the params in temporaries.)"""
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.asarray(True)
+  return jnp.isfinite(jnp.sum(x - x))
 
 
 def accumulate(
