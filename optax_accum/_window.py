@@ -1,17 +1,26 @@
 """One accumulation window: the micro-step behind ``accumulate`` and ``MultiSteps``.
 
-Read top to bottom. :func:`micro_step` adds one micro-batch's gradients into
-the buffer (:func:`add_to_buffer`), decides whether the window closes
-(:func:`window_closes`, the only place that decides it) and then, inside one
-``lax.cond``, either reduces the window and runs the inner optimizer
-(:func:`emit`) or returns zeros (:func:`mid`). :func:`advance` moves the
-counters. Whether a micro-batch counts at all (finite? positive weight?) is
-decided by the caller and passed in as ``accept``.
+Read top to bottom. :func:`micro_step` counts the micro-batch, decides whether
+the window closes (:func:`window_closes`, the only place that decides it) and
+then runs two conditionals:
 
-The buffer update sits outside the ``lax.cond`` and the conditional only reads
-it: every other layout made XLA copy parameter-sized buffers on some backend
-(benchmarks/NOTES.md). So the buffer is reset lazily: between windows it holds
-the last window's contents, ignored by the next micro-batch.
+* :func:`add_to_buffer` writes this micro-batch into the buffer, only when
+  the window stays open;
+* :func:`emit` reduces the window (the buffer plus this micro-batch, summed on
+  the fly by :func:`buffer_after`) and runs the inner optimizer, or
+  :func:`mid` returns zeros.
+
+:func:`advance` moves the counters. Whether a micro-batch counts at all
+(finite? positive weight?) is decided by the caller and passed in as
+``accept``.
+
+So the closing micro-batch is not written to the buffer (unless the noise
+estimate needs the sum twice): the emitting step reads the buffer inside the
+inner optimizer's loops. The buffer is reset lazily: between windows it holds
+leftovers that the next window's first micro-batch ignores. Each
+conditional's false branch passes every buffer it could write through
+untouched: XLA:CPU copies the buffers of a conditional otherwise
+(benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -137,19 +146,21 @@ def window_length(k: int | KSchedule | noise_lib.AdaptiveK, window: Window) -> j
   return jnp.maximum(jnp.asarray(value).astype(jnp.int32), 1)
 
 
-def add_to_buffer(
+def buffer_after(
     config: Config, window: Window, grads: optax.Updates, accept: Any, weight: jax.Array | None,
-) -> tuple[optax.Updates, jax.Array]:
-  """The buffer after this micro-batch, and the window's count of micro-batches.
+) -> optax.Updates:
+  """The buffer with this micro-batch added: one fused expression per leaf.
 
-  One fused pass per leaf. The buffer's old contents count only while
-  ``mini_step > 0``; they are discarded with a select, never multiplied, so a
-  NaN left behind never reaches a later window. A micro-batch of weight 0
-  adds nothing (its gradient may be NaN: the mean loss of pure padding).
+  The buffer's old contents count only while ``mini_step > 0``; they are
+  discarded with a select, never multiplied, so a NaN left behind never
+  reaches a later window. A micro-batch of weight 0 adds nothing (its
+  gradient may be NaN: the mean loss of pure padding). A rejected one
+  (``accept`` False) leaves the buffer as it is.
   """
+  if accept is False:
+    return window.acc_grads
   stale = window.mini_step == 0
-  n = window.mini_step
-  inv_next = 1.0 / (n + 1).astype(jnp.float32)
+  inv_next = 1.0 / (window.mini_step + 1).astype(jnp.float32)
 
   def add(acc: jax.Array, g: jax.Array) -> jax.Array:
     g = g.astype(acc.dtype)
@@ -163,9 +174,34 @@ def add_to_buffer(
       new = old + g
     return new if accept is True else jnp.where(accept, new, acc)
 
-  acc = window.acc_grads if accept is False else jax.tree.map(add, window.acc_grads, grads)
-  count = n + jnp.asarray(accept, n.dtype)
-  return acc, count
+  return jax.tree.map(add, window.acc_grads, grads)
+
+
+def add_to_buffer(
+    config: Config, window: Window, grads: optax.Updates, accept: Any, weight: jax.Array | None,
+    closes: jax.Array,
+) -> optax.Updates:
+  """The buffer after this call: written in place, unless the window closes.
+
+  The closing micro-batch goes straight into :func:`emit` (which sums it
+  with the buffer on the fly), so an emitting step never writes the buffer.
+  """
+  if accept is False:
+    return window.acc_grads
+  writes = jnp.logical_not(closes)
+  if accept is not True:
+    writes = jnp.logical_and(writes, accept)
+
+  def write(acc: optax.Updates, grads: optax.Updates) -> optax.Updates:
+    # A conditional whose branch is cheap elementwise work becomes selects on
+    # XLA:GPU (a pass on every step); a barrier is not elementwise.
+    mini_step = lax.optimization_barrier(window.mini_step)
+    return buffer_after(config, window._replace(acc_grads=acc, mini_step=mini_step), grads,
+                        True, weight)
+
+  # The false branch must be the one that passes the buffer through: XLA:CPU
+  # copies every buffer of the conditional when it is the true one.
+  return lax.cond(writes, write, lambda acc, _: acc, window.acc_grads, grads)
 
 
 def window_closes(count: jax.Array, k_now: jax.Array, emit_now: Any) -> jax.Array:
@@ -210,22 +246,38 @@ def emit(
     apply: bool,
     extra_args: dict[str, Any],
     dtypes: Any,
+    accept: Any,
+    weight: jax.Array | None,
 ) -> tuple[Any, ...]:
   """The emitting branch: reduce the window, run the inner optimizer once.
 
+  The window is the buffer plus this micro-batch (``accept``, ``weight``),
+  summed on the fly: XLA fuses that sum into the inner optimizer's reads.
   A window whose total weight is 0 (only padding) is not a step: the inner
   state is kept, the updates are zeros and ``stepped`` is False. This is the
   only place that rule lives.
   """
-  acc, count, total_weight, noise, inner_state, params, _ = operands
+  window, grads, count, total_weight, noise, inner_state, params, _ = operands
   tracking = config.noise_decay is not None
   window_k = noise.window_count if tracking else count
   totals = jnp.stack([total_weight, count.astype(jnp.float32), window_k.astype(jnp.float32),
                       noise.window_sq_norms if tracking else jnp.zeros([], jnp.float32)])
-  acc, totals = _cross_device(config, acc, totals, params)
+  written: Any = ()
+  if _emit_writes_buffer(config):
+    written = buffer_after(config, window, grads, accept, weight)
+    window_sum = lambda: written
+  elif config.axis_name is None:
+    # Summed where it is read (inside the weighted rule's conditional too):
+    # a sum computed out here would be a parameter-sized temporary.
+    window_sum = lambda: buffer_after(config, window, grads, accept, weight)
+  else:
+    reduced_sum, totals = _cross_device(
+        config, buffer_after(config, window, grads, accept, weight), totals, params)
+    window_sum = lambda: reduced_sum
   total_weight, count_f, window_k, window_sq = totals[0], totals[1], totals[2], totals[3]
   # In the buffer's precision (float64 buffers would lose digits to a float32 1/3).
-  wide = jnp.result_type(jnp.float32, *(jnp.finfo(a.dtype).dtype for a in jax.tree.leaves(acc)
+  wide = jnp.result_type(jnp.float32, *(jnp.finfo(a.dtype).dtype
+                                        for a in jax.tree.leaves(window.acc_grads)
                                         if jnp.issubdtype(a.dtype, jnp.inexact)))
   scale = _window_scale(config, count_f.astype(wide), total_weight.astype(wide))
 
@@ -234,7 +286,7 @@ def emit(
     # elementwise work into selects, and then the inner optimizer runs on
     # every micro-step. A barrier is not elementwise: the conditional stays.
     s = lax.optimization_barrier(scale)
-    reduced = jax.tree.map(lambda a, d: (a * s.astype(a.dtype)).astype(d), acc, dtypes)
+    reduced = jax.tree.map(lambda a, d: (a * s.astype(a.dtype)).astype(d), window_sum(), dtypes)
     return run_inner(config, reduced, inner_state, params, apply=apply, extra_args=extra_args)
 
   if config.reduction == "weighted":
@@ -250,8 +302,8 @@ def emit(
     noise = noise_lib.fold_window(
         noise, window_sq_norms=window_sq, window_count=window_k.astype(jnp.int32),
         total_weight=total_weight if config.reduction == "weighted" else window_k,
-        mean_sq_norm=noise_lib.sq_norm(acc) * mean**2, decay=config.noise_decay)
-  return out, new_inner, stepped, noise
+        mean_sq_norm=noise_lib.sq_norm(window_sum()) * mean**2, decay=config.noise_decay)
+  return out, new_inner, stepped, noise, written
 
 
 def _window_scale(config: Config, count: jax.Array, total_weight: jax.Array) -> jax.Array:
@@ -275,11 +327,23 @@ def run_inner(config: Config, reduced: Any, inner_state: Any, params: Any, *, ap
   return (optax.apply_updates(params, updates) if apply else updates), new_inner
 
 
-def mid(operands: tuple[Any, ...], *, apply: bool, zeros: Any) -> tuple[Any, ...]:
+def mid(config: Config, operands: tuple[Any, ...], *, apply: bool, zeros: Any) -> tuple[Any, ...]:
   """The non-emitting branch: zero updates (or the params untouched)."""
-  _, _, _, noise, inner_state, params, closes = operands
+  window, _, _, _, noise, inner_state, params, closes = operands
   out = params if apply else _distinct_zeros(zeros, closes)  # closes is False here
-  return out, inner_state, jnp.asarray(False), noise
+  buffer = window.acc_grads if _emit_writes_buffer(config) else ()
+  return out, inner_state, jnp.asarray(False), noise, buffer
+
+
+def _emit_writes_buffer(config: Config) -> bool:
+  """Whether :func:`emit` writes the window's sum into the buffer.
+
+  Only when the noise estimate reads the sum too: XLA keeps a sum with two
+  readers (the inner optimizer and the norm) as a parameter-sized
+  temporary, so it goes into the buffer instead, whose window is over. (A
+  cross-device sum is materialised by its collective anyway.)
+  """
+  return config.noise_decay is not None and config.axis_name is None
 
 
 def _distinct_zeros(shapes: Any, false: jax.Array) -> Any:
@@ -341,7 +405,9 @@ def micro_step(
     extra_args: passed to the inner optimizer.
   """
   k_now = window_length(config.k, window)
-  acc, count = add_to_buffer(config, window, grads, accept, weight)
+  count = window.mini_step + jnp.asarray(accept, window.mini_step.dtype)
+  closes = window_closes(count, k_now, emit_now)
+  acc = add_to_buffer(config, window, grads, accept, weight, closes)
   weighted = config.reduction == "weighted"
   total_weight = window.acc_weight if weighted else jnp.zeros([], jnp.float32)
   if weight is not None:
@@ -353,14 +419,19 @@ def micro_step(
     if weight is not None:
       sq = jnp.where(weight != 0, sq * weight, 0.0)
     noise = noise_lib.add_micro_batch(noise, sq, counted)
-  closes = window_closes(count, k_now, emit_now)
 
   dtypes = _reduced_dtypes(grads, params)
-  operands = (acc, count, total_weight, noise, inner_state, params, closes)
-  emit_fn = lambda ops: emit(config, ops, apply=apply, extra_args=extra_args or {}, dtypes=dtypes)
+  # ``window`` with the buffer as it stands after add_to_buffer (unchanged on
+  # an emitting step), so emit reads the buffer after that conditional ran.
+  operands = (window._replace(acc_grads=acc), grads, count, total_weight, noise, inner_state,
+              params, closes)
+  emit_fn = lambda ops: emit(config, ops, apply=apply, extra_args=extra_args or {},
+                             dtypes=dtypes, accept=accept, weight=weight)
   zeros = None if apply else jax.eval_shape(emit_fn, operands)[0]
-  mid_fn = lambda ops: mid(ops, apply=apply, zeros=zeros)
-  out, inner_state, stepped, noise = lax.cond(closes, emit_fn, mid_fn, operands)
+  mid_fn = lambda ops: mid(config, ops, apply=apply, zeros=zeros)
+  out, inner_state, stepped, noise, written = lax.cond(closes, emit_fn, mid_fn, operands)
+  if _emit_writes_buffer(config):
+    acc = written
 
   mini_step, gradient_step, acc_weight = advance(
       window, count=count, total_weight=total_weight, closes=closes, stepped=stepped)

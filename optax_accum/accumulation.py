@@ -35,9 +35,10 @@ class AccumulateState(NamedTuple):
     gradient_step: optimizer steps taken (int32; it saturates, never wraps).
     acc_grads: the buffer, a pytree like the params: the sum of the current
       window (for ``reduction="weighted"`` the weighted sum) while
-      ``mini_step > 0``. When ``mini_step == 0`` it still holds the last
-      window's contents, which the next micro-batch overwrites (a lazy reset
-      saves a pass per window).
+      ``mini_step > 0``. When ``mini_step == 0`` it holds leftovers of the
+      last window (its micro-batches but the closing one, which the emitting
+      step adds on the fly), which the next micro-batch overwrites: a lazy
+      reset saves a pass per window.
     acc_weight: the sum of the weights seen in the current window (float32);
       ``()`` unless ``reduction="weighted"``.
     num_skipped: non-finite micro-batches dropped so far (int32); ``()``

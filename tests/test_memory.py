@@ -122,6 +122,40 @@ def test_inner_optimizer_sits_in_a_conditional(case: str) -> None:
     assert _inner_in_branch(compiled)
 
 
+def _straight_line_param_sized_ops(compiled) -> list[str]:
+  """Parameter-sized kernels that run on every call (outside any conditional)."""
+  return [s.instruction.opcode for s in debug._walk(compiled)
+          if s.context == () and not s.fused
+          and s.instruction.opcode not in ("parameter", "get-tuple-element", "tuple", "bitcast")
+          and s.instruction.type_str.startswith(f"f32[{LEAF}]")]
+
+
+@pytest.mark.parametrize("make", [lambda k: oa.accumulate(k, optax.adam(1e-3)),
+                                  lambda k: oa.MultiSteps(optax.adam(1e-3), k)],
+                         ids=["accumulate", "MultiSteps"])
+def test_every_parameter_sized_pass_is_conditional(make: Callable) -> None:
+  """A mid-step writes only the buffer and an emitting step never writes it.
+
+  Both live in conditionals: one adds the micro-batch into the buffer when
+  the window stays open, the other sums buffer and micro-batch on the fly
+  inside the inner optimizer when it closes. So with ``update_and_apply``
+  nothing parameter-sized runs unconditionally, and the standard path adds
+  only ``apply_updates`` (one fusion per leaf). An add outside the
+  conditionals (0.2.0's core) would cost the emitting step a full extra pass
+  over the buffer (read the buffer and g, write the buffer).
+  """
+  tx = make(4)
+  fast = _train_level(lambda p, s, g: oa.update_and_apply(tx, g, s, p), tx.init(PARAMS))
+  assert _straight_line_param_sized_ops(fast) == []
+
+  def standard(p, s, g):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  assert _straight_line_param_sized_ops(_train_level(standard, tx.init(PARAMS))) == (
+      ["fusion"] * LEAVES)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_emitting_branch_holds_a_barrier(case: str) -> None:
   """XLA's GPU compiler turns a conditional whose branches hold only cheap

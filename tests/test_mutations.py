@@ -22,7 +22,7 @@ from tests import test_accumulate, test_memory, test_trust
 
 _real = types.SimpleNamespace(
     window_scale=_window._window_scale,
-    add_to_buffer=_window.add_to_buffer,
+    buffer_after=_window.buffer_after,
     emit=_window.emit,
 )
 
@@ -40,13 +40,12 @@ def _weighted_divides_by_count(config, count, total_weight):
 
 
 def _weights_ignored(config, window, grads, accept, weight):
-  return _real.add_to_buffer(config, window, grads, accept, None)
+  return _real.buffer_after(config, window, grads, accept, None)
 
 
 def _never_reset(config, window, grads, accept, weight):
-  acc, _ = _real.add_to_buffer(
+  return _real.buffer_after(
       config, window._replace(mini_step=jnp.maximum(window.mini_step, 1)), grads, accept, weight)
-  return acc, window.mini_step + jnp.asarray(accept, jnp.int32)
 
 
 def _reset_by_multiplying(config, window, grads, accept, weight):
@@ -55,13 +54,17 @@ def _reset_by_multiplying(config, window, grads, accept, weight):
   window = window._replace(
       acc_grads=jax.tree.map(lambda a: a * keep.astype(a.dtype), window.acc_grads),
       mini_step=jnp.maximum(window.mini_step, 1))
-  acc, _ = _real.add_to_buffer(config, window, grads, accept, weight)
-  return acc, (window.mini_step * keep.astype(jnp.int32)) + jnp.asarray(accept, jnp.int32)
+  return _real.buffer_after(config, window, grads, accept, weight)
+
+
+def _closing_micro_batch_dropped(config, operands, **kwargs):
+  """The emitting step reads the buffer but forgets to add its own micro-batch."""
+  return _real.emit(config, operands, **{**kwargs, "accept": False})
 
 
 def _zero_weight_window_steps(config, operands, **kwargs):
-  out, inner, _, noise = _real.emit(config, operands, **kwargs)
-  return out, inner, jnp.asarray(True), noise
+  out, inner, _, noise, written = _real.emit(config, operands, **kwargs)
+  return out, inner, jnp.asarray(True), noise, written
 
 
 def _cond_as_selects(pred, true_fn, false_fn, *operands):
@@ -83,16 +86,20 @@ MUTANTS: dict[str, tuple[dict[str, Any], list[Callable[[], None]]]] = {
          test_accumulate.test_flush_weighted_window_and_bad_transform],
     ),
     "weights ignored": (
-        {"add_to_buffer": _weights_ignored},
+        {"buffer_after": _weights_ignored},
         [test_accumulate.test_weighted_reduction_with_uneven_weights],
     ),
     "buffer never reset between windows": (
-        {"add_to_buffer": _never_reset},
+        {"buffer_after": _never_reset},
         [lambda: test_accumulate.test_equals_large_batch_for_every_optimizer("sgd")],
     ),
     "reset by multiplying (NaN poisons later windows)": (
-        {"add_to_buffer": _reset_by_multiplying},
+        {"buffer_after": _reset_by_multiplying},
         [test_accumulate.test_nan_never_poisons_a_later_window],
+    ),
+    "the closing micro-batch never reaches the window": (
+        {"emit": _closing_micro_batch_dropped},
+        [lambda: test_accumulate.test_equals_large_batch_for_every_optimizer("sgd")],
     ),
     "a window of total weight 0 counts as a step": (
         {"emit": _zero_weight_window_steps},
