@@ -183,8 +183,9 @@ def add_to_buffer(
 ) -> optax.Updates:
   """The buffer after this call: written in place, unless the window closes.
 
-  The closing micro-batch goes straight into :func:`emit` (which sums it
-  with the buffer on the fly), so an emitting step never writes the buffer.
+  The closing micro-batch goes straight into :func:`emit`, which sums it
+  with the buffer on the fly (and writes that sum back only when the noise
+  estimate reads it too: :func:`_emit_writes_buffer`).
   """
   if accept is False:
     return window.acc_grads
