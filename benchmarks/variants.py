@@ -13,8 +13,9 @@ relative to the ``lax.cond`` differs:
   a select outside writes ``where(emit, 0, acc + g)`` into the buffer.
 * **E** -- everything inside the branches: mid returns ``acc + g``, emit
   returns zeros for the buffer.
-* **K** -- (shipped) lazy reset: ``where(mini_step == 0, 0, acc) + g`` outside,
-  the cond only reads it; ``mini_step`` wraps to 0 on emit.
+* **K** -- (shipped in 0.1.0 and 0.2.0; the core now adds inside a
+  conditional, see NOTES.md) lazy reset: ``where(mini_step == 0, 0, acc) + g``
+  outside, the cond only reads it; ``mini_step`` wraps to 0 on emit.
 
 Run ``python benchmarks/variants.py`` to print, for 4M f32 params in 8 leaves
 with adam and k=4, each design's compiled temporaries (state-first donation
@@ -136,7 +137,7 @@ def make_e(k: int, inner: optax.GradientTransformation) -> tuple[Callable, Updat
 
 
 def make_k(k: int, inner: optax.GradientTransformation) -> tuple[Callable, Update]:
-  """K (shipped): lazy reset outside, the cond only reads the buffer."""
+  """K (0.1.0 and 0.2.0): lazy reset outside, the cond only reads the buffer."""
   def update(grads, state, params):
     step, acc, inner_state = state
     new = jax.tree.map(
