@@ -14,7 +14,7 @@ What is measured (one process; every number comes from this run):
    ``compiled.as_text()`` (XLA's GPU pipeline can turn a ``lax.cond`` into
    selects, and then the inner optimizer runs on every step), compiled
    temporaries, argument leaves, enqueue time (host overhead: at 1M a step is
-   dispatch-bound). Floors: bytes a step must move (3P mid, 7P optax-protocol
+   dispatch-bound). Floors: bytes a step must move (3P mid, 6P optax-protocol
    mid, 7P adam step; P = parameter bytes) over the copy bandwidth of a 1 GiB
    jitted copy into a donated buffer, measured in the same rounds.
 2. **In-step microbatching**: ``oa.microbatched`` vs the full batch vs
@@ -254,7 +254,7 @@ def markdown(result: dict[str, Any]) -> str:
       "",
       f"Copy bandwidth ({bw['copy_bytes'] // 2 // 2**20} MiB jitted copy into a donated"
       f" buffer, read + write): **{bw['copy_GBps']:.0f} GB/s**. Floors: bytes / that"
-      " bandwidth in the same round; 3P train-step mid, 7P optax-protocol mid, 7P adam step."
+      " bandwidth in the same round; 3P train-step mid, 6P optax-protocol mid, 7P adam step."
       f" Train step, params and state donated, window k = {meta['k']}, adam;"
       f" medians over {meta['rounds']} interleaved rounds.",
       "",

@@ -14,18 +14,21 @@ then runs two conditionals:
 (finite? positive weight?) is decided by the caller and passed in as
 ``accept``.
 
-So the closing micro-batch is not written to the buffer (unless the noise
-estimate needs the sum twice): the emitting step reads the buffer inside the
-inner optimizer's loops. The buffer is reset lazily: between windows it holds
-leftovers that the next window's first micro-batch ignores. Each
-conditional's false branch passes every buffer it could write through
-untouched: XLA:CPU copies the buffers of a conditional otherwise
-(benchmarks/NOTES.md).
+So the closing micro-batch is not written to the buffer: the emitting step
+reads the buffer inside the inner optimizer's loops. Once read, the buffer is
+dead, so the emitting step writes the updates there (:func:`parking`) and
+``update`` returns them masked by "a step was taken": no parameter-sized
+value leaves a conditional. The buffer is reset lazily: between windows it
+holds leftovers (updates, or a partial sum) that the next window's first
+micro-batch ignores. Branch order matters to the compilers' copy insertion:
+every pass-through branch sits where XLA:CPU, or XLA:GPU, needs it to copy
+nothing (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -179,13 +182,14 @@ def buffer_after(
 
 def add_to_buffer(
     config: Config, window: Window, grads: optax.Updates, accept: Any, weight: jax.Array | None,
-    closes: jax.Array,
+    closes: jax.Array, *, emit_writes: bool,
 ) -> optax.Updates:
   """The buffer after this call: written in place, unless the window closes.
 
   The closing micro-batch goes straight into :func:`emit`, which sums it
-  with the buffer on the fly (and writes that sum back only when the noise
-  estimate reads it too: :func:`_emit_writes_buffer`).
+  with the buffer on the fly. ``emit_writes``: the emitting conditional
+  writes the buffer too (parked updates, or the sum the noise estimate
+  reads), which decides the branch order the compiler needs.
   """
   if accept is False:
     return window.acc_grads
@@ -200,9 +204,17 @@ def add_to_buffer(
     return buffer_after(config, window._replace(acc_grads=acc, mini_step=mini_step), grads,
                         True, weight)
 
-  # The false branch must be the one that passes the buffer through: XLA:CPU
-  # copies every buffer of the conditional when it is the true one.
-  return lax.cond(writes, write, lambda acc, _: acc, window.acc_grads, grads)
+  keep = lambda acc, _: acc
+  pass_through_false = lambda acc, g: lax.cond(writes, write, keep, acc, g)
+  if not emit_writes:
+    return pass_through_false(window.acc_grads, grads)
+  # Which branch passes the buffer through decides whether the compiler
+  # copies every buffer of the two conditionals: XLA:CPU needs it in the
+  # false slot always; XLA:GPU in the true one when the emitting conditional
+  # writes the buffer too (benchmarks/NOTES.md has the HLO of both).
+  pass_through_true = lambda acc, g: lax.cond(jnp.logical_not(writes), keep, write, acc, g)
+  return lax.platform_dependent(window.acc_grads, grads, cpu=pass_through_false,
+                                default=pass_through_true)
 
 
 def window_closes(count: jax.Array, k_now: jax.Array, emit_now: Any) -> jax.Array:
@@ -249,6 +261,7 @@ def emit(
     dtypes: Any,
     accept: Any,
     weight: jax.Array | None,
+    parks: list[bool] | None = None,
 ) -> tuple[Any, ...]:
   """The emitting branch: reduce the window, run the inner optimizer once.
 
@@ -256,7 +269,8 @@ def emit(
   summed on the fly: XLA fuses that sum into the inner optimizer's reads.
   A window whose total weight is 0 (only padding) is not a step: the inner
   state is kept, the updates are zeros and ``stepped`` is False. This is the
-  only place that rule lives.
+  only place that rule lives. With ``parks`` (see :func:`parking`) the
+  updates of those leaves are written into the buffer, which is returned.
   """
   window, grads, count, total_weight, noise, inner_state, params, _ = operands
   tracking = config.noise_decay is not None
@@ -282,22 +296,30 @@ def emit(
                                         if jnp.issubdtype(a.dtype, jnp.inexact)))
   scale = _window_scale(config, count_f.astype(wide), total_weight.astype(wide))
 
-  def step(inner_state: Any, params: Any) -> tuple[Any, Any]:
+  def step(inner_state: Any, params: Any, buffer: Any) -> tuple[Any, Any, Any]:
     # XLA's GPU compiler turns a conditional whose branches hold only cheap
     # elementwise work into selects, and then the inner optimizer runs on
     # every micro-step. A barrier is not elementwise: the conditional stays.
     s = lax.optimization_barrier(scale)
     reduced = jax.tree.map(lambda a, d: (a * s.astype(a.dtype)).astype(d), window_sum(), dtypes)
-    return run_inner(config, reduced, inner_state, params, apply=apply, extra_args=extra_args)
+    out, new_inner = run_inner(config, reduced, inner_state, params, apply=apply,
+                               extra_args=extra_args)
+    if parks is not None:
+      out, buffer = park(out, buffer, parks)
+    return out, new_inner, buffer
 
+  buffer = window.acc_grads if parks is not None else ()
   if config.reduction == "weighted":
     stepped = total_weight != 0
-    out_shapes = jax.eval_shape(step, inner_state, params)[0]
-    skip = lambda s, p: (p if apply else _distinct_zeros(out_shapes, stepped), s)
-    out, new_inner = lax.cond(stepped, step, skip, inner_state, params)
+    out_shapes = jax.eval_shape(step, inner_state, params, buffer)[0]
+    # Passes the buffer through (parked updates are masked by ``stepped``).
+    skip = lambda s, p, b: (p if apply else _distinct_zeros(out_shapes, stepped), s, b)
+    out, new_inner, buffer = lax.cond(stepped, step, skip, inner_state, params, buffer)
   else:
     stepped = jnp.asarray(True)
-    out, new_inner = step(inner_state, params)
+    out, new_inner, buffer = step(inner_state, params, buffer)
+  if parks is not None:
+    written = buffer
   if tracking:
     mean = scale if config.reduction != "sum" else 1.0 / count_f
     noise = noise_lib.fold_window(
@@ -328,12 +350,78 @@ def run_inner(config: Config, reduced: Any, inner_state: Any, params: Any, *, ap
   return (optax.apply_updates(params, updates) if apply else updates), new_inner
 
 
-def mid(config: Config, operands: tuple[Any, ...], *, apply: bool, zeros: Any) -> tuple[Any, ...]:
-  """The non-emitting branch: zero updates (or the params untouched)."""
+def mid(operands: tuple[Any, ...], *, apply: bool, zeros: Any, emit_writes: bool,
+        ) -> tuple[Any, ...]:
+  """The non-emitting branch: zero updates (or the params untouched).
+
+  Updates parked in the buffer (see :func:`parking`) get no zeros here: they
+  are read back, masked, after the conditional.
+  """
   window, _, _, _, noise, inner_state, params, closes = operands
   out = params if apply else _distinct_zeros(zeros, closes)  # closes is False here
-  buffer = window.acc_grads if _emit_writes_buffer(config) else ()
+  buffer = window.acc_grads if emit_writes else ()
   return out, inner_state, jnp.asarray(False), noise, buffer
+
+
+def parking(config: Config, updates: Any, buffer: optax.Updates) -> list[bool] | None:
+  """Which leaves of the updates the emitting branch writes into the buffer.
+
+  Once the window closes the buffer is dead (the next window resets it
+  lazily), so the updates can live there: ``update`` then returns
+  ``where(closes, buffer, 0)``, which XLA fuses into ``apply_updates``. The
+  conditional then outputs no parameter-sized updates: no temporaries, and
+  the mid-step writes no zeros (6 passes over the params instead of 7). A
+  leaf parks when the buffer leaf holds its value exactly (same shape, same
+  sharding and device variance, a dtype at least as wide); the others are
+  returned as usual. Not under ``axis_name`` (the reduction materialises the
+  sum elsewhere) nor when the noise estimate keeps the sum in the buffer.
+  None when no leaf parks.
+  """
+  if config.axis_name is not None or _emit_writes_buffer(config):
+    return None
+  outs, bufs = jax.tree.leaves(updates), jax.tree.leaves(buffer)
+  if len(outs) != len(bufs):
+    return None
+  parks = [_holds_exactly(a, u) for u, a in zip(outs, bufs, strict=True)]
+  return parks if any(parks) else None
+
+
+_EXACT_WIDENINGS = {
+    (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)),
+    (jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)),
+    (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float64)),
+    (jnp.dtype(jnp.float16), jnp.dtype(jnp.float64)),
+    (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)),
+}
+
+
+def _holds_exactly(buffer: Any, updates: Any) -> bool:
+  """Whether ``updates`` stored in ``buffer`` reads back bit for bit, in place."""
+  same_dtype = jnp.dtype(updates.dtype) == jnp.dtype(buffer.dtype)
+  if not same_dtype and (jnp.dtype(updates.dtype), jnp.dtype(buffer.dtype)) not in _EXACT_WIDENINGS:
+    return False
+  return (tuple(updates.shape) == tuple(buffer.shape)
+          and _validation.varying_axes(updates) == _validation.varying_axes(buffer)
+          and _validation.explicit_spec(updates) == _validation.explicit_spec(buffer)
+          and not _validation.unreduced_axes(buffer))
+
+
+def park(updates: Any, buffer: optax.Updates, parks: list[bool]) -> tuple[list[Any], Any]:
+  """``(the updates with parked leaves None, the buffer holding them)``."""
+  leaves = jax.tree.leaves(updates)
+  bufs, treedef = jax.tree.flatten(buffer)
+  kept = [None if p else u for u, p in zip(leaves, parks, strict=True)]
+  stored = [u.astype(b.dtype) if p else b for u, b, p in zip(leaves, bufs, parks, strict=True)]
+  return kept, jax.tree.unflatten(treedef, stored)
+
+
+def unpark(kept: list[Any], buffer: optax.Updates, parks: list[bool], stepped: jax.Array,
+           shapes: Any) -> Any:
+  """The updates: parked leaves read back from the buffer, zeros unless ``stepped``."""
+  like, treedef = jax.tree.flatten(shapes)
+  out = [jnp.where(stepped, b.astype(s.dtype), jnp.zeros((), s.dtype)) if p else u
+         for u, b, p, s in zip(kept, jax.tree.leaves(buffer), parks, like, strict=True)]
+  return jax.tree.unflatten(treedef, out)
 
 
 def _emit_writes_buffer(config: Config) -> bool:
@@ -408,7 +496,6 @@ def micro_step(
   k_now = window_length(config.k, window)
   count = window.mini_step + jnp.asarray(accept, window.mini_step.dtype)
   closes = window_closes(count, k_now, emit_now)
-  acc = add_to_buffer(config, window, grads, accept, weight, closes)
   weighted = config.reduction == "weighted"
   total_weight = window.acc_weight if weighted else jnp.zeros([], jnp.float32)
   if weight is not None:
@@ -422,17 +509,28 @@ def micro_step(
     noise = noise_lib.add_micro_batch(noise, sq, counted)
 
   dtypes = _reduced_dtypes(grads, params)
-  # ``window`` with the buffer as it stands after add_to_buffer (unchanged on
-  # an emitting step), so emit reads the buffer after that conditional ran.
-  operands = (window._replace(acc_grads=acc), grads, count, total_weight, noise, inner_state,
-              params, closes)
-  emit_fn = lambda ops: emit(config, ops, apply=apply, extra_args=extra_args or {},
-                             dtypes=dtypes, accept=accept, weight=weight)
-  zeros = None if apply else jax.eval_shape(emit_fn, operands)[0]
-  mid_fn = lambda ops: mid(config, ops, apply=apply, zeros=zeros)
+  operands = (window, grads, count, total_weight, noise, inner_state, params, closes)
+  emit_fn = lambda ops, parks=None: emit(
+      config, ops, apply=apply, extra_args=extra_args or {}, dtypes=dtypes, accept=accept,
+      weight=weight, parks=parks)
+  shapes = None if apply else jax.eval_shape(emit_fn, operands)[0]
+  parks = None if apply else parking(config, shapes, window.acc_grads)
+  zeros = shapes
+  if parks is not None:
+    zeros = [None if p else z for z, p in zip(jax.tree.leaves(shapes), parks, strict=True)]
+    emit_fn = functools.partial(emit_fn, parks=parks)
+  emit_writes = parks is not None or _emit_writes_buffer(config)
+
+  acc = add_to_buffer(config, window, grads, accept, weight, closes, emit_writes=emit_writes)
+  # The emitting branch reads the buffer as add_to_buffer leaves it
+  # (unchanged when the window closes).
+  operands = (window._replace(acc_grads=acc), *operands[1:])
+  mid_fn = lambda ops: mid(ops, apply=apply, zeros=zeros, emit_writes=emit_writes)
   out, inner_state, stepped, noise, written = lax.cond(closes, emit_fn, mid_fn, operands)
-  if _emit_writes_buffer(config):
+  if emit_writes:
     acc = written
+  if parks is not None:
+    out = unpark(out, acc, parks, stepped, shapes)
 
   mini_step, gradient_step, acc_weight = advance(
       window, count=count, total_weight=total_weight, closes=closes, stepped=stepped)

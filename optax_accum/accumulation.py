@@ -36,9 +36,9 @@ class AccumulateState(NamedTuple):
     acc_grads: the buffer, a pytree like the params: the sum of the current
       window (for ``reduction="weighted"`` the weighted sum) while
       ``mini_step > 0``. When ``mini_step == 0`` it holds leftovers of the
-      last window (its micro-batches but the closing one, which the emitting
-      step adds on the fly), which the next micro-batch overwrites: a lazy
-      reset saves a pass per window.
+      last window, which the next micro-batch overwrites (a lazy reset saves
+      a pass per window): usually the updates just returned (the emitting
+      step parks them in the dead buffer), otherwise (part of) its sum.
     acc_weight: the sum of the weights seen in the current window (float32);
       ``()`` unless ``reduction="weighted"``.
     num_skipped: non-finite micro-batches dropped so far (int32); ``()``

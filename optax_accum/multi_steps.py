@@ -7,9 +7,10 @@ otherwise), so checkpoints move between the two mid-window and code that
 dispatches on ``optax.MultiStepsState`` accepts it. What differs:
 
 * between windows (``mini_step == 0``) ``acc_grads`` holds leftovers of
-  the last window, ignored by the next mini-step (optax writes zeros: a pass
-  per window). optax ignores it too with ``use_grad_mean=True``; to move a
-  boundary checkpoint into ``optax.MultiSteps(use_grad_mean=False)``, zero it:
+  the last window (usually the updates just returned), ignored by the next
+  mini-step (optax writes zeros: a pass per window). optax ignores it too
+  with ``use_grad_mean=True``; to move a boundary checkpoint into
+  ``optax.MultiSteps(use_grad_mean=False)``, zero it:
   ``state._replace(acc_grads=optax.tree.zeros_like(state.acc_grads))``;
 
 * the inner optimizer runs only on emitting steps (``optax.MultiSteps`` runs

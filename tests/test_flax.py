@@ -290,9 +290,11 @@ def test_linen_mid_step_has_no_parameter_sized_temporaries(opt_name: str):
   """``apply_gradients`` jitted with the state donated, on a ~1 MiB model.
 
   The gradients are an input, so the measurement is the update alone (the
-  backward pass needs its own temporaries either way). The base class builds
-  a tree of zero updates and adds it to the params on every mid-step (1.0x
-  the param bytes); ours passes the params through the window's cond.
+  backward pass needs its own temporaries either way). Ours passes the
+  params through the window's cond. (The base class with ``oa.accumulate``
+  has none either, since the updates ride in the buffer, but it rewrites the
+  params on every mid-step; with ``optax.MultiSteps`` it holds several times
+  the param bytes on XLA:CPU, which keeps this measurement live.)
   """
   model = _MemMLP()
   params = model.init(jax.random.key(0), jnp.zeros((1, 256)))["params"]
@@ -301,14 +303,16 @@ def test_linen_mid_step_has_no_parameter_sized_temporaries(opt_name: str):
   grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
   step = jax.jit(lambda state, g: state.apply_gradients(grads=g), donate_argnums=0)
 
-  def state_of(cls: type) -> Any:
+  def state_of(cls: type, tx: Any = None) -> Any:
     return cls.create(apply_fn=model.apply, params=params,
-                      tx=oa.accumulate(4, OPTIMIZERS[opt_name]()))
+                      tx=tx or oa.accumulate(4, OPTIMIZERS[opt_name]()))
 
   ours = step.lower(state_of(TrainState), grads).compile().memory_analysis()
-  base = step.lower(state_of(flax_train_state.TrainState), grads).compile().memory_analysis()
   assert ours.temp_size_in_bytes <= 0.05 * param_bytes
-  assert base.temp_size_in_bytes >= 0.9 * param_bytes  # the measurement is live
+  if jax.default_backend() == "cpu":  # the measurement is live
+    optax_ms = state_of(flax_train_state.TrainState, optax.MultiSteps(OPTIMIZERS[opt_name](), 4))
+    base = step.lower(optax_ms, grads).compile().memory_analysis()
+    assert base.temp_size_in_bytes >= 0.9 * param_bytes
   # Params, buffer and the inner optimizer's state are all updated in place.
   inner_trees = 1 if opt_name == "sgd_momentum" else 2
   assert ours.alias_size_in_bytes >= (2 + inner_trees) * param_bytes
@@ -332,10 +336,16 @@ class _MemNnx(nnx.Module):
 
 
 def test_nnx_update_has_no_parameter_sized_temporaries():
-  """``update`` in a jitted functional step (split/merge) with the state donated."""
-  def temps(cls: type) -> float:
+  """``update`` in a jitted functional step (split/merge) with the state donated.
+
+  The base class with ``oa.accumulate`` has no temporaries either (the
+  updates ride in the buffer) but rewrites the params on every mid-step;
+  with ``optax.MultiSteps`` it holds about the param bytes on XLA:CPU, which
+  keeps the measurement live.
+  """
+  def temps(cls: type, tx: Any = None) -> float:
     model = _MemNnx(nnx.Rngs(0))
-    optimizer = cls(model, oa.accumulate(4, _momentum()), wrt=nnx.Param)
+    optimizer = cls(model, tx or oa.accumulate(4, _momentum()), wrt=nnx.Param)
     params = nnx.state(model, nnx.Param)
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
     graphdef, state = nnx.split((model, optimizer))
@@ -350,7 +360,8 @@ def test_nnx_update_has_no_parameter_sized_temporaries():
     return compiled.memory_analysis().temp_size_in_bytes / param_bytes
 
   assert temps(Optimizer) <= 0.05
-  assert temps(nnx.Optimizer) >= 0.9
+  if jax.default_backend() == "cpu":
+    assert temps(nnx.Optimizer, optax.MultiSteps(_momentum(), 4)) >= 0.9
 
 
 def test_linen_apply_gradients_replaces_kwargs_and_overwrite_with_gradient():

@@ -84,6 +84,29 @@ def test_accumulate_update_has_no_temporaries(case: str, k: int) -> None:
   assert variants.count_copies(compiled.as_text(), LEAF)["data"] == 0
 
 
+@pytest.mark.parametrize("k", [4, 1], ids=["mid_program", "emit_program"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_standard_path_has_no_temporaries(case: str, k: int) -> None:
+  """``update`` + ``apply_updates`` (what Flax's TrainState does).
+
+  The emitting branch writes the updates into the buffer, dead once the
+  window closes, and ``update`` returns ``where(stepped, buffer, 0)``, which
+  XLA fuses into ``apply_updates``: the conditional outputs nothing
+  parameter-sized. Returning the updates from the conditional cost 1.0x
+  params of temporaries (0.2.0 and the first two-conditional core).
+  """
+  make, kw = CASES[case]
+  tx = make(k)
+
+  def standard(p, s, g):
+    updates, s = tx.update(g, s, p, **kw)
+    return optax.apply_updates(p, updates), s
+
+  compiled = _train_level(standard, tx.init(PARAMS))
+  assert _temps(compiled) <= TIGHT
+  assert variants.count_copies(compiled.as_text(), LEAF)["data"] == 0
+
+
 @pytest.mark.parametrize("inner", ["sgd", "adam", "adam_skip_nonfinite"])
 def test_update_and_apply_has_no_temporaries(inner: str) -> None:
   # skip_nonfinite: all(isfinite(g)) left XLA:CPU a bool array per leaf (0.25x).

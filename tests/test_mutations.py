@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import pytest
 
 from optax_accum import _window
-from tests import test_accumulate, test_memory, test_trust
+from tests import test_accumulate, test_memory, test_parking, test_trust
 
 _real = types.SimpleNamespace(
     window_scale=_window._window_scale,
     buffer_after=_window.buffer_after,
     emit=_window.emit,
+    unpark=_window.unpark,
 )
 
 
@@ -67,6 +68,16 @@ def _zero_weight_window_steps(config, operands, **kwargs):
   return out, inner, jnp.asarray(True), noise, written
 
 
+def _parked_updates_unmasked(kept, buffer, parks, stepped, shapes):
+  """Updates read back from the buffer on every call, not only when a step was taken."""
+  return _real.unpark(kept, buffer, parks, jnp.asarray(True), shapes)
+
+
+def _parks_regardless_of_dtype(buffer, updates):
+  """f32 updates parked in a bf16 buffer: rounded on the way back."""
+  return tuple(updates.shape) == tuple(buffer.shape)
+
+
 def _cond_as_selects(pred, true_fn, false_fn, *operands):
   """What XLA's GPU compiler does to a cheap conditional: run both, select."""
   t, f = true_fn(*operands), false_fn(*operands)
@@ -104,6 +115,14 @@ MUTANTS: dict[str, tuple[dict[str, Any], list[Callable[[], None]]]] = {
     "a window of total weight 0 counts as a step": (
         {"emit": _zero_weight_window_steps},
         [lambda: test_trust.test_zero_weight_window_is_not_a_step(False)],
+    ),
+    "parked updates read back on mid-steps": (
+        {"unpark": _parked_updates_unmasked},
+        [lambda: test_accumulate.test_equals_large_batch_for_every_optimizer("sgd")],
+    ),
+    "updates parked in a narrower buffer": (
+        {"_holds_exactly": _parks_regardless_of_dtype},
+        [test_parking.test_updates_keep_their_precision_with_a_narrow_buffer],
     ),
     "the inner optimizer runs on every micro-step (selects)": (
         {"lax": types.SimpleNamespace(**{**vars(jax.lax), "cond": _cond_as_selects})},

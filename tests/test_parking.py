@@ -1,0 +1,136 @@
+"""The updates parked in the buffer, and the core's per-backend branch order.
+
+Once a window closes its buffer is dead, so the emitting step writes the
+updates there and ``update`` returns ``where(stepped, buffer, 0)``
+(``_window.parking``). These tests check that the parked updates read back
+bit for bit, that a leaf parks only where it fits exactly, and that the
+layout XLA:GPU and TPU compile (``lax.platform_dependent``'s default branch)
+trains exactly like the one XLA:CPU compiles.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_accum as oa
+from optax_accum import _window
+from tests import test_accumulate, test_noise_scale
+
+
+def _config(**kw: Any) -> _window.Config:
+  return _window.Config(k=4, inner=optax.sgd(0.1), **kw)
+
+
+def _sds(dtype: Any, shape: tuple[int, ...] = (3,)) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+@pytest.mark.parametrize(
+    ("updates", "buffer", "parks"),
+    [
+        ("float32", "float32", True),
+        ("bfloat16", "float32", True),  # bf16 params, f32 buffer: exact
+        ("float16", "float32", True),
+        ("float32", "bfloat16", False),  # accumulator_dtype narrower: would round
+        ("float32", "float16", False),
+        ("complex64", "complex64", True),
+        ("float32", "complex64", False),
+    ],
+)
+def test_a_leaf_parks_only_where_it_reads_back_exactly(updates: str, buffer: str,
+                                                       parks: bool) -> None:
+  got = _window.parking(_config(), {"w": _sds(updates)}, {"w": jnp.zeros(3, buffer)})
+  assert got == ([True] if parks else None)
+
+
+def test_parking_is_per_leaf_and_off_where_the_buffer_is_busy() -> None:
+  updates = {"a": _sds("float32"), "b": _sds("bfloat16")}
+  buffer = {"a": jnp.zeros(3, jnp.bfloat16), "b": jnp.zeros(3, jnp.bfloat16)}
+  assert _window.parking(_config(), updates, buffer) == [False, True]
+  f32 = {"a": jnp.zeros(3), "b": jnp.zeros(3)}
+  # The noise estimate keeps the window's sum in the buffer; a cross-device
+  # reduction materialises the sum elsewhere: neither parks.
+  assert _window.parking(_config(noise_decay=0.9), updates, f32) is None
+  assert _window.parking(_config(axis_name="data"), updates, f32) is None
+  # Another shape (a per-device buffer) never parks.
+  assert _window.parking(_config(), {"w": _sds("float32", (2, 3))}, {"w": jnp.zeros(3)}) is None
+
+
+def _run(tx: optax.GradientTransformation, params: Any, grads: list[Any]) -> list[Any]:
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  out = []
+  for g in grads:
+    u, state = update(g, state, params)
+    out.append(u)
+    params = optax.apply_updates(params, u)
+  return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_parked_updates_are_the_unparked_ones_bit_for_bit(
+    dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+  params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=dtype).reshape(2, 3), "b": jnp.ones(3, dtype)}
+  grads = [jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)).astype(p.dtype), params)
+           for i in range(9)]
+  tx = lambda: oa.accumulate(3, optax.adam(1e-2))
+  parked = _run(tx(), params, grads)
+  monkeypatch.setattr(_window, "parking", lambda *a: None)
+  unparked = _run(tx(), params, grads)
+  chex.assert_trees_all_equal(parked, unparked)
+  chex.assert_trees_all_equal_dtypes(parked, unparked)
+  for i, u in enumerate(parked):  # mid-steps: exact zeros; emits: not
+    assert all(bool(jnp.all(x == 0)) == (i % 3 != 2) for x in jax.tree.leaves(u)), i
+
+
+def test_updates_keep_their_precision_with_a_narrow_buffer() -> None:
+  """A bf16 buffer holds the gradients, never the f32 updates.
+
+  The gradients are small integers (exact in bf16, and so is their mean);
+  SGD's update -0.1 * mean is not a bf16 number, so parking it in the buffer
+  would round it.
+  """
+  params = {"w": jnp.zeros(4)}
+  tx = oa.accumulate(2, optax.sgd(0.1), accumulator_dtype=jnp.bfloat16)
+  grads = [{"w": jnp.array([1.0, 2.0, 3.0, 5.0])}, {"w": jnp.array([2.0, 5.0, 7.0, 8.0])}]
+  updates = _run(tx, params, grads)[-1]
+  mean = (np.array([1.0, 2.0, 3.0, 5.0], np.float32) + np.array([2, 5, 7, 8], np.float32)) / 2
+  np.testing.assert_array_equal(np.asarray(updates["w"]), np.float32(-0.1) * mean)
+
+
+def _gpu_layout(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+  """The core as XLA:GPU and TPU get it: ``platform_dependent``'s default branch."""
+  taken: list[bool] = []
+
+  def default_branch(*args: Any, default: Any, **_: Any) -> Any:
+    taken.append(True)
+    return default(*args)
+
+  monkeypatch.setattr(_window, "lax", types.SimpleNamespace(
+      **{**vars(jax.lax), "platform_dependent": default_branch}))
+  return taken
+
+
+_acc = test_accumulate
+GPU_LAYOUT_CHECKS = {
+    "sgd equals large batch": lambda: _acc.test_equals_large_batch_for_every_optimizer("sgd"),
+    "adam equals large batch": lambda: _acc.test_equals_large_batch_for_every_optimizer("adam"),
+    "zero-weight window": _acc.test_weighted_zero_weight_micro_batch_and_zero_weight_window,
+    "NaN never poisons a later window": _acc.test_nan_never_poisons_a_later_window,
+    "noise estimate": test_noise_scale.test_weighted_windows_give_average_micro_batches,
+}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_LAYOUT_CHECKS))
+def test_the_gpu_layout_trains_like_the_cpu_one(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+  taken = _gpu_layout(monkeypatch)
+  GPU_LAYOUT_CHECKS[name]()
+  assert taken, "the core did not reach its per-backend branch order"
