@@ -42,6 +42,11 @@ from optax_accum import gradient_noise as noise_lib
 
 KSchedule = Callable[[jax.Array], Any]
 
+# Named scopes of the branches: they reach the compiled program's op_name
+# metadata, so a profile (or benchmarks/gpu_hlo.py) can tell which kernels
+# run on mid-steps (add, mid) and which on emitting steps.
+SCOPES = {"add": "optax_accum_add", "mid": "optax_accum_mid", "emit": "optax_accum_emit"}
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -197,6 +202,7 @@ def add_to_buffer(
   if accept is not True:
     writes = jnp.logical_and(writes, accept)
 
+  @jax.named_scope(SCOPES["add"])
   def write(acc: optax.Updates, grads: optax.Updates) -> optax.Updates:
     # A conditional whose branch is cheap elementwise work becomes selects on
     # XLA:GPU (a pass on every step); a barrier is not elementwise.
@@ -526,7 +532,9 @@ def micro_step(
   # (unchanged when the window closes).
   operands = (window._replace(acc_grads=acc), *operands[1:])
   mid_fn = lambda ops: mid(ops, apply=apply, zeros=zeros, emit_writes=emit_writes)
-  out, inner_state, stepped, noise, written = lax.cond(closes, emit_fn, mid_fn, operands)
+  out, inner_state, stepped, noise, written = lax.cond(
+      closes, jax.named_scope(SCOPES["emit"])(emit_fn), jax.named_scope(SCOPES["mid"])(mid_fn),
+      operands)
   if emit_writes:
     acc = written
   if parks is not None:
