@@ -6,8 +6,8 @@ whose update calls :func:`optax_accum.update_and_apply` instead of
 ``tx.update`` followed by ``optax.apply_updates``. With an accumulating ``tx``
 (``accumulate``, ``MultiSteps``, a chain ending in ``accumulate``,
 ``per_device_state``) a mid-step then leaves the params untouched instead of
-adding a tree of zeros to them; with any other ``tx`` the result is the base
-class's. Both forward ``weight=`` and ``emit_now=`` to the transform.
+rewriting them (``params + 0``, 3 parameter-sized passes); with any other
+``tx`` the result is the base class's. Both forward ``weight=`` and ``emit_now=`` to the transform.
 
 Needs Flax: ``pip install 'optax_accum[flax]'``. ``import optax_accum`` alone
 never imports Flax.
@@ -129,7 +129,7 @@ class Optimizer(nnx.Optimizer):
   and call ``update(model, grads)`` once per micro-batch. The model and
   ``opt_state`` end up as with the base class for every ``tx``; with an
   accumulating ``tx`` a mid-step leaves the parameters untouched instead of
-  adding a tree of zeros to them.
+  rewriting them (``params + 0``).
 
   ``step`` counts ``update`` calls, i.e. micro-batches, as in the base class.
   The optimizer steps are ``opt_state.gradient_step`` (for ``accumulate`` and

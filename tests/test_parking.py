@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
 from optax_accum import _window
@@ -62,6 +64,42 @@ def test_parking_is_per_leaf_and_off_where_the_buffer_is_busy() -> None:
   assert _window.parking(_config(axis_name="data"), updates, f32) is None
   # Another shape (a per-device buffer) never parks.
   assert _window.parking(_config(), {"w": _sds("float32", (2, 3))}, {"w": jnp.zeros(3)}) is None
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py)")
+def test_sharded_params_park_and_equal_large_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+  """FSDP-style params on an Explicit mesh, no ``axis_name``: every leaf parks
+  (the buffer and the updates share the params' sharding), and training
+  equals the large-batch step computed without a mesh."""
+  decisions: list[Any] = []
+  real = _window.parking
+  monkeypatch.setattr(_window, "parking", lambda *a: decisions.append(real(*a)) or decisions[-1])
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  rng = np.random.default_rng(0)
+  host = {"w": rng.normal(size=(8, 4)).astype(np.float32), "b": np.zeros(4, np.float32)}
+  grads = [jax.tree.map(lambda x, i=i: np.sin(x + i).astype(np.float32), host) for i in range(4)]
+  specs = {"w": P("data", "model"), "b": P("model")}
+  with jax.set_mesh(mesh):
+    put = lambda t: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, specs)
+    tx = oa.accumulate(2, optax.adam(0.1))
+    params = put(host)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p: Any, s: Any, g: Any) -> tuple[Any, Any]:
+      updates, s = tx.update(g, s, p)
+      return optax.apply_updates(p, updates), s
+
+    for g in grads:
+      params, state = step(params, state, put(g))
+    assert jax.typeof(params["w"]).sharding.spec == P("data", "model")
+  assert decisions[-1] == [True, True]
+  ref, ref_state = host, optax.adam(0.1).init(host)
+  for window in (grads[:2], grads[2:]):
+    mean = jax.tree.map(lambda a, b: (a + b) / 2, *window)
+    updates, ref_state = optax.adam(0.1).update(mean, ref_state, ref)
+    ref = optax.apply_updates(ref, updates)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, params), ref, rtol=1e-6, atol=1e-7)
 
 
 def _run(tx: optax.GradientTransformation, params: Any, grads: list[Any]) -> list[Any]:
