@@ -374,20 +374,20 @@ def parking(config: Config, updates: Any, buffer: optax.Updates) -> list[bool] |
 
   Once the window closes the buffer is dead (the next window resets it
   lazily), so the updates can live there: ``update`` then returns
-  ``where(closes, buffer, 0)``, which XLA fuses into ``apply_updates``. The
+  ``where(stepped, buffer, 0)``, which XLA fuses into ``apply_updates``. The
   conditional then outputs no parameter-sized updates: no temporaries, and
   the mid-step writes no zeros (6 passes over the params instead of 7). A
   leaf parks when the buffer leaf holds its value exactly (same shape, same
-  sharding and device variance, a dtype at least as wide); the others are
-  returned as usual. Not under ``axis_name`` (the reduction materialises the
-  sum elsewhere) nor when the noise estimate keeps the sum in the buffer.
-  None when no leaf parks.
+  sharding and device variance, the same dtype or an exact widening); the
+  others are returned as usual. Not under ``axis_name`` (the reduction
+  materialises the sum elsewhere) nor when the noise estimate keeps the sum
+  in the buffer. None when no leaf parks.
   """
   if config.axis_name is not None or _emit_writes_buffer(config):
     return None
-  outs, bufs = jax.tree.leaves(updates), jax.tree.leaves(buffer)
-  if len(outs) != len(bufs):
+  if jax.tree.structure(updates) != jax.tree.structure(buffer):
     return None
+  outs, bufs = jax.tree.leaves(updates), jax.tree.leaves(buffer)
   parks = [_holds_exactly(a, u) for u, a in zip(outs, bufs, strict=True)]
   return parks if any(parks) else None
 
