@@ -44,6 +44,15 @@ Run::
 
 It fails (exit 2, printing the setup) if the CUDA plugin cannot compile for
 the H200 target.
+
+TPU: ``--tpu v5e:2x2`` (or ``v4:2x2x1``, ``v5p:2x2x1``) compiles the same
+programs for one chip of a deviceless TPU topology with libtpu's compiler
+instead, and writes ``results/tpu_hlo.{json,md}``. Its venv::
+
+  python -m venv /tmp/tpuvenv
+  /tmp/tpuvenv/bin/pip install "jax[tpu]==0.10.2" optax==0.2.8
+  /tmp/tpuvenv/bin/pip install --no-deps -e .      # this repository
+  /tmp/tpuvenv/bin/python benchmarks/gpu_hlo.py --tpu v5e:2x2
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -159,6 +169,25 @@ def h200_sharding() -> tuple[NamedSharding, dict[str, Any]]:
   if any(d.platform == "gpu" for d in jax.devices()):
     raise SystemExit(f"A GPU runtime is visible ({jax.devices()}); this check is deviceless.")
   mesh = topologies.make_mesh(topo, (1,), ("d",))
+  return NamedSharding(mesh, P()), facts
+
+
+def tpu_sharding(topology: str) -> tuple[NamedSharding, dict[str, Any]]:
+  """A replicated sharding on one chip of a deviceless TPU topology, and its facts."""
+  from jax.experimental import topologies
+
+  try:
+    topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+  except Exception as e:  # no libtpu, or an unknown topology
+    print(f"Cannot build the deviceless TPU topology {topology!r}: {type(e).__name__}: {e}\n"
+          "Set up the venv this needs (see this file's docstring).", file=sys.stderr)
+    raise SystemExit(2) from e
+  device = topo.devices[0]
+  facts = {"platform": device.platform, "device_kind": device.device_kind,
+           "topology": topology, "runtime_devices": [str(d) for d in jax.devices()]}
+  if device.platform != "tpu":
+    raise SystemExit(f"Expected a deviceless TPU topology; got {facts}.")
+  mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("d",))
   return NamedSharding(mesh, P()), facts
 
 
@@ -394,7 +423,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 def markdown(result: dict[str, Any]) -> str:
   meta = result["meta"]
   lines = [
-      "# Deviceless GPU compile check",
+      f"# Deviceless {result['target']['kind']} compile check",
       "",
       f"`{meta['command']}` (interpreter `{meta['python']}`), {meta['date']}."
       " Train steps `step(params, state, grads) -> (params, state)` (params and state"
@@ -405,10 +434,9 @@ def markdown(result: dict[str, Any]) -> str:
       + (" **with uncommitted changes to optax_accum/**"
          if meta["source"].get("optax_accum_uncommitted_changes") else "") + ".",
       "",
-      f"## H200 (deviceless: jax-cuda12-pjrt {meta['versions']['jax-cuda12-pjrt']},"
-      f" target `{result['gpu_backend']['device_kind']}`)",
+      f"## {result['target']['title']}",
       "",
-      *table(result["gpu"]),
+      *table(result["accelerator"]),
       "",
       f"## CPU (same process: jaxlib {meta['versions']['jaxlib']} CPU backend)",
       "",
@@ -416,7 +444,7 @@ def markdown(result: dict[str, Any]) -> str:
       "",
       "## Expectations (the script exits with status 1 when one differs)",
       "",
-      "| program | expected on the GPU | got | |",
+      f"| program | expected on the {result['target']['kind']} | got | |",
       "|---|---:|---:|---|",
   ]
   for e in result["expectations"]:
@@ -433,11 +461,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   ap.add_argument("--size", default="4M", help="f32 params, e.g. 4M (8 equal leaves)")
   ap.add_argument("--k", type=int, default=ba.K_WINDOW, help="accumulation window")
   ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+  ap.add_argument("--tpu", metavar="TOPOLOGY", default=None,
+                  help="compile for one chip of this deviceless TPU topology (e.g. v5e:2x2)")
   args = ap.parse_args(argv)
   if args.setup:
     print_setup()
     return {}
-  sharding, gpu_facts = h200_sharding()
+  if args.tpu:
+    sharding, gpu_facts = tpu_sharding(args.tpu)
+    target = {"kind": "TPU", "stem": "tpu_hlo",
+              "title": f"{gpu_facts['device_kind']} (deviceless: libtpu {_version('libtpu')},"
+                       f" topology `{args.tpu}`, one chip)"}
+  else:
+    sharding, gpu_facts = h200_sharding()
+    target = {"kind": "GPU", "stem": "gpu_hlo",
+              "title": f"H200 (deviceless: jax-cuda12-pjrt {_version('jax-cuda12-pjrt')},"
+                       f" target `{gpu_facts['device_kind']}`)"}
   n = ba.parse_size(args.size)
   gpu_rows = compile_all(n, args.k, sharding)
   cpu_rows = compile_all(n, args.k, None)
@@ -463,21 +502,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           "counter": ("optax_accum.debug.conditionals / copies" if oa_debug is not None
                       else "gpu_hlo.py's own text counters"),
           "versions": {d: _version(d) for d in ("jax", "jaxlib", "jax-cuda12-plugin",
-                                                "jax-cuda12-pjrt", "optax")},
+                                                "jax-cuda12-pjrt", "libtpu", "optax")},
           "source": _source_revision(),
           "cpu_backend": "same process (jaxlib CPU backend)",
       },
-      "gpu_backend": gpu_facts,
-      "gpu": gpu_rows,
+      "target": target,
+      "accelerator_backend": gpu_facts,
+      "accelerator": gpu_rows,
       "cpu": cpu_rows,
       "expectations": expectations,
   }
   args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "gpu_hlo.json").write_text(json.dumps(result, indent=1) + "\n")
+  stem = target["stem"]
+  (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
   md = markdown(result)
-  (args.out / "gpu_hlo.md").write_text(md)
+  (args.out / f"{stem}.md").write_text(md)
   print(md)
-  print(f"wrote {args.out}/gpu_hlo.{{json,md}}")
+  print(f"wrote {args.out}/{stem}.{{json,md}}")
   return result
 
 
