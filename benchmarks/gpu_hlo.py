@@ -282,69 +282,16 @@ def analyse(compiled: Any, param_bytes: int, leaf_bytes: int) -> dict[str, Any]:
   }
 
 
-_LAUNCHING = ("fusion", "copy", "custom-call", "all-reduce", "reduce-scatter", "all-gather")
-
-
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-# optax_accum's named scopes on its branches (``_window.SCOPES``): which step
-# runs a branch. The add conditional writes on mid-steps; the other one emits.
-_SCOPE_ROLES = {"optax_accum_add": "mid", "optax_accum_mid": "mid", "optax_accum_emit": "emit"}
-
-
-def _scope_role(attributes: str) -> str | None:
-  m = _OP_NAME.search(attributes)
-  path = f"/{m.group(1)}/" if m else ""
-  for scope, role in _SCOPE_ROLES.items():
-    if f"/{scope}/" in path:
-      return role
-  return None
-
-
-def branch_roles(sites: list[Any]) -> dict[str, str]:
-  """``{branch computation: "mid" or "emit"}`` for optax_accum's conditionals.
-
-  A branch takes the role of the scope its instructions carry; a branch with
-  none (a pass-through) takes the opposite role of its scoped sibling.
-  """
-  roles: dict[str, str] = {}
-  for site in sites:
-    role = _scope_role(site.instruction.attributes)
-    if role is not None and site.context:
-      roles.setdefault(site.computation, role)
-  for site in sites:
-    if site.instruction.opcode != "conditional":
-      continue
-    branches = [c for c, _ in oa_debug._callees(site.instruction)]
-    known = {roles[b] for b in branches if b in roles}
-    if len(known) == 1 and len(branches) == 2:
-      other = "mid" if known == {"emit"} else "emit"
-      for b in branches:
-        roles.setdefault(b, other)
-  return roles
-
-
 def kernel_launches(compiled: Any) -> dict[str, int]:
-  """Kernels a mid-step and an emitting step launch (top-level launching ops).
+  """Kernels a mid-step and an emitting step launch (``debug.step_kernels``).
 
   On a dispatch-bound small model every launch (and each conditional's
-  predicate, read on the host) is host time. A kernel outside every
-  conditional runs on both steps; one inside runs on the step its branch
-  serves (:func:`branch_roles`); a branch of unknown role counts for both.
-  Without ``optax_accum.debug`` it is not counted (-1).
+  predicate, read on the host) is host time. Not counted (-1) without an
+  ``optax_accum.debug`` that has ``step_kernels``.
   """
-  if oa_debug is None:
+  if oa_debug is None or not hasattr(oa_debug, "step_kernels"):
     return {"kernels_mid": -1, "kernels_emit": -1}
-  sites = list(oa_debug._walk(compiled))
-  roles = branch_roles(sites)
-  count = {"mid": 0, "emit": 0}
-  for site in sites:
-    if site.fused or site.instruction.opcode not in _LAUNCHING:
-      continue
-    conditional = any(kind == "conditional" for kind, _ in site.context)
-    role = roles.get(site.computation) if conditional else None
-    for step in ("mid", "emit"):
-      if role is None or role == step:
-        count[step] += 1
+  count = oa_debug.step_kernels(compiled)
   return {"kernels_mid": count["mid"], "kernels_emit": count["emit"]}
 
 

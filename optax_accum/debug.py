@@ -13,8 +13,10 @@ question about it:
 * :func:`copies`: the ``copy`` instructions of at least a given size, and
   where they run (does a step copy a parameter-sized buffer it could update
   in place?).
+* :func:`step_kernels`: how many kernels an ``accumulate`` mid-step and an
+  emitting step launch (what a dispatch-bound small model pays per call).
 
-All three share one parser: the module is split into computations, and the
+All of them share one parser: the module is split into computations, and the
 computations reachable from the entry are walked through ``conditional``
 branches, ``while`` bodies and conditions, and calls.
 """
@@ -26,7 +28,7 @@ import re
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-__all__ = ["Collective", "Copy", "conditionals", "copies", "hlo_collectives"]
+__all__ = ["Collective", "Copy", "conditionals", "copies", "hlo_collectives", "step_kernels"]
 
 Context = tuple[tuple[str, Any], ...]
 
@@ -340,6 +342,87 @@ def copies(compiled: Any, min_bytes: int = 0) -> list[Copy]:
     found.append(Copy(size, shape, site.computation, site.context,
                       source.opcode if source else "?", _is_fill(source, site.defs)))
   return found
+
+
+# The named scopes optax_accum's branches carry (``_window.SCOPES``), and the
+# step each runs on: the add conditional writes on mid-steps.
+_SCOPE_STEPS = {"optax_accum_add": "mid", "optax_accum_mid": "mid", "optax_accum_emit": "emit"}
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_LAUNCHING = ("fusion", "copy", "custom-call", "all-reduce", "all-reduce-start",
+              "reduce-scatter", "all-gather", "all-gather-start", "all-to-all",
+              "collective-permute", "collective-permute-start")
+
+
+def _scope_step(instruction: _Instruction) -> str | None:
+  match = _OP_NAME.search(instruction.attributes)
+  path = f"/{match.group(1)}/" if match else ""
+  return next((step for scope, step in _SCOPE_STEPS.items() if f"/{scope}/" in path), None)
+
+
+def _branch_steps(sites: list[_Site]) -> dict[str, str]:
+  """``{branch computation: "mid" or "emit"}`` for optax_accum's conditionals.
+
+  A branch takes the step of the scope its instructions carry; a branch with
+  none (one that passes its operands through) the other step of its sibling.
+  """
+  steps: dict[str, str] = {}
+  for site in sites:
+    step = _scope_step(site.instruction)
+    if step is not None and site.context:
+      steps.setdefault(site.computation, step)
+  for site in sites:
+    if site.instruction.opcode != "conditional":
+      continue
+    branches = [name for name, _ in _callees(site.instruction)]
+    known = {steps[b] for b in branches if b in steps}
+    if len(branches) == 2 and len(known) == 1:
+      other = "mid" if known == {"emit"} else "emit"
+      for b in branches:
+        steps.setdefault(b, other)
+  return steps
+
+
+def step_kernels(compiled: Any) -> dict[str, int]:
+  """Kernels a mid-step and an emitting step of ``accumulate`` launch.
+
+  Counts the launching instructions (fusions, copies, custom calls,
+  collectives) outside fusions on each path: those outside every
+  conditional run on both steps; those inside one of optax_accum's
+  conditionals run on the step their branch serves, told by the branch's
+  named scope (``optax_accum_add`` and ``optax_accum_mid``: mid-steps;
+  ``optax_accum_emit``: emitting steps). A conditional of unknown role (not
+  ours) counts on both. On a GPU each launch is host time, which dominates
+  the step of a small model; on a TPU the step is one program and the count
+  is its number of fusions.
+
+  Args:
+    compiled: ``jax.jit(f).lower(...).compile()`` (or its ``as_text()``).
+
+  Returns:
+    ``{"mid": n, "emit": n}``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum as oa
+    >>> from optax_accum.debug import step_kernels
+    >>> tx = oa.accumulate(4, optax.adam(1e-3))
+    >>> params = {"w": jnp.ones((256, 256))}
+    >>> step = jax.jit(lambda p, s, g: oa.update_and_apply(tx, g, s, p))
+    >>> k = step_kernels(step.lower(params, tx.init(params), params).compile())
+    >>> k["mid"] < k["emit"]  # a mid-step adds into the buffer; an emit runs Adam
+    True
+  """
+  sites = list(_walk(compiled))
+  steps = _branch_steps(sites)
+  count = {"mid": 0, "emit": 0}
+  for site in sites:
+    if site.fused or site.instruction.opcode not in _LAUNCHING:
+      continue
+    conditional = any(kind == "conditional" for kind, _ in site.context)
+    step = steps.get(site.computation) if conditional else None
+    for key in count:
+      if step is None or step == key:
+        count[key] += 1
+  return count
 
 
 def _is_fill(source: _Instruction | None, defs: dict[str, _Instruction]) -> bool:

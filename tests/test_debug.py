@@ -17,12 +17,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from optax_accum.debug import Collective, Copy, conditionals, copies, hlo_collectives
+import optax_accum as oa
+from optax_accum import _window
+from optax_accum.debug import (
+  Collective,
+  Copy,
+  conditionals,
+  copies,
+  hlo_collectives,
+  step_kernels,
+)
 
 N_DEV = 8
 needs_devices = pytest.mark.skipif(
@@ -234,6 +244,36 @@ false_computation=%false_branch
 """.replace("\\\n", "")
 
 BYTES = 16 * 8 * 2  # bf16[16,8]
+
+
+def _uaa_program(leaves: int = 8) -> Any:
+  tx = oa.accumulate(4, optax.adam(1e-3))
+  params = {f"w{i}": jnp.full((4096,), 0.1 * i) for i in range(leaves)}
+  step = jax.jit(lambda p, s, g: oa.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
+  return step.lower(params, tx.init(params), params).compile()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's fusion decisions")
+def test_step_kernels_puts_the_buffer_add_on_the_mid_step() -> None:
+  """XLA:CPU runs Adam as three loops per leaf and the buffer add as one: an
+  ``update_and_apply`` mid-step launches at least one kernel per leaf (the
+  add, in the add conditional's *true* branch) and no Adam loop; the emitting
+  step at least three per leaf and no add. Counting branch 1 as the emit
+  (the rule for one conditional) would give the mid-step almost nothing."""
+  k = step_kernels(_uaa_program(8))
+  assert 8 <= k["mid"] < 8 + 8, k
+  assert k["emit"] >= 3 * 8, k
+
+
+def test_step_kernels_without_our_scopes_counts_both_steps(
+    monkeypatch: pytest.MonkeyPatch) -> None:
+  """Branches it cannot place (not optax_accum's) count on both steps."""
+  monkeypatch.setattr(_window, "SCOPES", {k: f"other_{k}" for k in _window.SCOPES})
+  k = step_kernels(_uaa_program(8))
+  assert k["mid"] == k["emit"], k
+  plain_cond = jax.jit(lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x))
+  k = step_kernels(plain_cond.lower(True, jnp.ones(4)).compile())
+  assert k["mid"] == k["emit"] >= 2, k  # sin and cos both counted
 
 
 def test_parser_collectives_on_hand_written_hlo() -> None:
