@@ -4,8 +4,8 @@ Once a window closes its buffer is dead, so the emitting step writes the
 updates there and ``update`` returns ``where(stepped, buffer, 0)``
 (``_window.parking``). These tests check that the parked updates read back
 bit for bit, that a leaf parks only where it fits exactly, and that the
-layout XLA:GPU and TPU compile (``lax.platform_dependent``'s default branch)
-trains exactly like the one XLA:CPU compiles.
+layouts XLA:GPU and TPU compile (their ``lax.platform_dependent`` branches)
+train exactly like the one XLA:CPU compiles.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def test_sharded_params_park_and_equal_large_batch(monkeypatch: pytest.MonkeyPat
   equals the large-batch step computed without a mesh."""
   decisions: list[Any] = []
   real = _window.parking
-  monkeypatch.setattr(_window, "parking", lambda *a: decisions.append(real(*a)) or decisions[-1])
+  monkeypatch.setattr(_window, "parking",
+                      lambda *a, **kw: decisions.append(real(*a, **kw)) or decisions[-1])
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
   rng = np.random.default_rng(0)
   host = {"w": rng.normal(size=(8, 4)).astype(np.float32), "b": np.zeros(4, np.float32)}
@@ -121,7 +122,7 @@ def test_parked_updates_are_the_unparked_ones_bit_for_bit(
            for i in range(9)]
   tx = lambda: oa.accumulate(3, optax.adam(1e-2))
   parked = _run(tx(), params, grads)
-  monkeypatch.setattr(_window, "parking", lambda *a: None)
+  monkeypatch.setattr(_window, "parking", lambda *a, **kw: None)
   unparked = _run(tx(), params, grads)
   chex.assert_trees_all_equal(parked, unparked)
   chex.assert_trees_all_equal_dtypes(parked, unparked)
@@ -144,21 +145,25 @@ def test_updates_keep_their_precision_with_a_narrow_buffer() -> None:
   np.testing.assert_array_equal(np.asarray(updates["w"]), np.float32(-0.1) * mean)
 
 
-def _gpu_layout(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-  """The core as XLA:GPU and TPU get it: ``platform_dependent``'s default branch."""
+def _lowered_for(platform: str, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+  """The core as ``platform``'s compiler gets it, traced and run on this CPU.
+
+  ``lax.platform_dependent`` picks a branch when the program is lowered for
+  a platform: this makes it pick ``platform``'s (or the default).
+  """
   taken: list[bool] = []
 
-  def default_branch(*args: Any, default: Any, **_: Any) -> Any:
+  def pick(*args: Any, default: Any, **per_platform: Any) -> Any:
     taken.append(True)
-    return default(*args)
+    return per_platform.get(platform, default)(*args)
 
   monkeypatch.setattr(_window, "lax", types.SimpleNamespace(
-      **{**vars(jax.lax), "platform_dependent": default_branch}))
+      **{**vars(jax.lax), "platform_dependent": pick}))
   return taken
 
 
 _acc = test_accumulate
-GPU_LAYOUT_CHECKS = {
+LAYOUT_CHECKS = {
     "sgd equals large batch": lambda: _acc.test_equals_large_batch_for_every_optimizer("sgd"),
     "adam equals large batch": lambda: _acc.test_equals_large_batch_for_every_optimizer("adam"),
     "zero-weight window": _acc.test_weighted_zero_weight_micro_batch_and_zero_weight_window,
@@ -167,8 +172,61 @@ GPU_LAYOUT_CHECKS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(GPU_LAYOUT_CHECKS))
-def test_the_gpu_layout_trains_like_the_cpu_one(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-  taken = _gpu_layout(monkeypatch)
-  GPU_LAYOUT_CHECKS[name]()
-  assert taken, "the core did not reach its per-backend branch order"
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("name", sorted(LAYOUT_CHECKS))
+def test_the_gpu_and_tpu_layouts_train_like_the_cpu_one(
+    name: str, platform: str, monkeypatch: pytest.MonkeyPatch) -> None:
+  """The branch order (and, with noise tracking, the parking) chosen for
+  XLA:GPU and TPU, run here: the same answers as the large batch."""
+  taken = _lowered_for(platform, monkeypatch)
+  LAYOUT_CHECKS[name]()
+  assert taken, "the core did not reach its per-backend choice"
+
+
+def test_noise_tracking_parks_on_the_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+  """With the noise estimate, the updates park only where the sum fuses."""
+  decisions: list[Any] = []
+  real = _window.parking
+  monkeypatch.setattr(_window, "parking", lambda *a, **kw: decisions.append(
+      (kw.get("noise_parks", False), real(*a, **kw))) or decisions[-1][1])
+  tx = oa.accumulate(2, optax.adam(0.1), track_noise_scale=True)
+  params = {"w": jnp.ones(3)}
+  for platform in ("cuda", "tpu"):
+    decisions.clear()
+    with monkeypatch.context() as m:
+      m.setattr(_window, "lax", types.SimpleNamespace(**{**vars(jax.lax), "platform_dependent": (
+          lambda *a, default, platform=platform, **per: per.get(platform, default)(*a))}))
+      jax.jit(tx.update).lower({"w": jnp.ones(3)}, tx.init(params), params)
+    used = [parks for noise_parks, parks in decisions if noise_parks]
+    assert used == ([[True]] if platform == "cuda" else []), (platform, decisions)
+
+
+@pytest.mark.parametrize("use_multi_steps", [False, True], ids=["accumulate", "MultiSteps"])
+def test_noise_tracking_gives_the_same_updates_and_estimate_on_every_layout(
+    use_multi_steps: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+  """The GPU layout parks the updates and sums the window on the fly for the
+  norm; the CPU layout keeps the sum in the buffer. Same numbers."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.zeros(4)}
+  grads = [jax.tree.map(lambda p, i=i: jnp.cos(p * (i + 2)) + 0.1 * i, params)
+           for i in range(12)]
+
+  def run() -> tuple[list[Any], Any]:
+    if use_multi_steps:
+      tx = oa.MultiSteps(optax.sgd(0.1, momentum=0.9), 3, track_noise_scale=0.9)
+    else:
+      tx = oa.accumulate(3, optax.sgd(0.1, momentum=0.9), track_noise_scale=0.9)
+    state, p, out = tx.init(params), params, []
+    update = jax.jit(tx.update)
+    for g in grads:
+      u, state = update(g, state, p)
+      p = optax.apply_updates(p, u)
+      out.append(u)
+    noise = state.skip_state[1] if use_multi_steps else state.noise_stats
+    return out, noise
+
+  cpu_updates, cpu_noise = run()
+  taken = _lowered_for("cuda", monkeypatch)
+  gpu_updates, gpu_noise = run()
+  assert taken
+  chex.assert_trees_all_close(gpu_updates, cpu_updates, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(gpu_noise, cpu_noise, rtol=1e-6, atol=1e-9)
