@@ -306,7 +306,10 @@ def explicit_spec(like: Any) -> Any:
   Under explicit sharding the sharding is part of the type (both branches of
   a cond, and a scan carry, must keep it): ``like``'s spec. None otherwise.
   """
-  sharding = getattr(like, "sharding", None)
+  if isinstance(like, jax.ShapeDtypeStruct):
+    sharding = like.sharding
+  else:  # an array or a tracer: the sharding in its type (a tracer has no .sharding)
+    sharding = getattr(jax.typeof(like), "sharding", None)
   types = getattr(getattr(sharding, "mesh", None), "axis_types", ()) or ()
   return sharding.spec if any(str(t).endswith("Explicit") for t in types) else None
 

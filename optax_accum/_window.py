@@ -410,19 +410,8 @@ def _holds_exactly(buffer: Any, updates: Any) -> bool:
     return False
   return (tuple(updates.shape) == tuple(buffer.shape)
           and _validation.varying_axes(updates) == _validation.varying_axes(buffer)
-          and _typed_spec(updates) == _typed_spec(buffer)
+          and _validation.explicit_spec(updates) == _validation.explicit_spec(buffer)
           and not _validation.unreduced_axes(buffer))
-
-
-def _typed_spec(x: Any) -> tuple[Any, ...] | None:
-  """``x``'s partitions, one per dim, where sharding is in its type (explicit axes)."""
-  sharding = (x.sharding if isinstance(x, jax.ShapeDtypeStruct)
-              else getattr(jax.typeof(x), "sharding", None))
-  types = getattr(getattr(sharding, "mesh", None), "axis_types", ()) or ()
-  if not any(str(t).endswith("Explicit") for t in types):
-    return None
-  partitions = tuple(sharding.spec)
-  return partitions + (None,) * (len(x.shape) - len(partitions))
 
 
 def park(updates: Any, buffer: optax.Updates, parks: list[bool]) -> tuple[list[Any], Any]:

@@ -193,10 +193,8 @@ def test_noise_tracking_parks_on_the_gpu_only(monkeypatch: pytest.MonkeyPatch) -
   params = {"w": jnp.ones(3)}
   for platform in ("cuda", "tpu"):
     decisions.clear()
-    with monkeypatch.context() as m:
-      m.setattr(_window, "lax", types.SimpleNamespace(**{**vars(jax.lax), "platform_dependent": (
-          lambda *a, default, platform=platform, **per: per.get(platform, default)(*a))}))
-      jax.jit(tx.update).lower({"w": jnp.ones(3)}, tx.init(params), params)
+    _lowered_for(platform, monkeypatch)
+    jax.jit(tx.update).lower({"w": jnp.ones(3)}, tx.init(params), params)
     used = [parks for noise_parks, parks in decisions if noise_parks]
     assert used == ([[True]] if platform == "cuda" else []), (platform, decisions)
 
