@@ -524,15 +524,18 @@ def micro_step(
       config, ops, apply=apply, extra_args=extra_args or {}, dtypes=dtypes, accept=accept,
       weight=weight, parks=parks)
   shapes = None if apply else jax.eval_shape(emit_fn, operands)[0]
-  emit_writes = _emit_writes_buffer(config) or (
-      not apply and parking(config, shapes, window.acc_grads) is not None)
+  # Which leaves park, without and with the noise estimate's parking.
+  parks_for = {noise_parks: None if apply else parking(config, shapes, window.acc_grads,
+                                                        noise_parks=noise_parks)
+               for noise_parks in (False, True)}
+  emit_writes = _emit_writes_buffer(config) or parks_for[False] is not None
   acc = add_to_buffer(config, window, grads, accept, weight, closes, emit_writes=emit_writes)
   # The emitting branch reads the buffer as add_to_buffer leaves it
   # (unchanged when the window closes).
   operands = (window._replace(acc_grads=acc), *operands[1:])
 
   def conditional(noise_parks: bool) -> tuple[Any, ...]:
-    parks = None if apply else parking(config, shapes, acc, noise_parks=noise_parks)
+    parks = parks_for[noise_parks]
     zeros, run_emit = shapes, emit_fn
     if parks is not None:
       zeros = [None if p else z for z, p in zip(jax.tree.leaves(shapes), parks, strict=True)]

@@ -28,6 +28,8 @@ import re
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from optax_accum import _window
+
 __all__ = ["Collective", "Copy", "conditionals", "copies", "hlo_collectives", "step_kernels"]
 
 Context = tuple[tuple[str, Any], ...]
@@ -344,13 +346,12 @@ def copies(compiled: Any, min_bytes: int = 0) -> list[Copy]:
   return found
 
 
-# The named scopes optax_accum's branches carry (``_window.SCOPES``), and the
-# step each runs on: the add conditional writes on mid-steps.
-_SCOPE_STEPS = {"optax_accum_add": "mid", "optax_accum_mid": "mid", "optax_accum_emit": "emit"}
+# The named scopes optax_accum's branches carry, and the step each runs on:
+# the add conditional writes on mid-steps.
+_SCOPE_STEPS = {_window.SCOPES["add"]: "mid", _window.SCOPES["mid"]: "mid",
+                _window.SCOPES["emit"]: "emit"}
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_LAUNCHING = ("fusion", "copy", "custom-call", "all-reduce", "all-reduce-start",
-              "reduce-scatter", "all-gather", "all-gather-start", "all-to-all",
-              "collective-permute", "collective-permute-start")
+_LAUNCHING = ("fusion", "copy", "custom-call", *_COLLECTIVES)
 
 
 def _scope_step(instruction: _Instruction) -> str | None:
