@@ -12,7 +12,12 @@ plain Adam step's in the same round.
 * ``updates_in_buffer``: Adam in a conditional writing the updates into the
   donated buffer, ``p + where(c, buffer, 0)`` outside (the protocol path's
   round trip through memory, without the window sum): 12P;
-* ``updates_in_buffer_no_select``: the same with ``p + buffer``.
+* ``updates_in_buffer_no_select``: the same with ``p + buffer``;
+* ``window_sum``: Adam on ``(buffer + g) / 4``, applied, no conditional (the
+  work of an ``update_and_apply`` emit: 12P on XLA:CPU, both moment loops
+  read the buffer and the micro-batch);
+* ``window_sum_materialised``: the same with the sum computed once into a
+  temporary (``optimization_barrier``) that both moment loops read (13P).
 
 Run: ``python benchmarks/emit_toys.py`` (about 20 s); ``taskset -c 0`` in
 front for one core.
@@ -65,11 +70,23 @@ def _updates_in_buffer(select: bool) -> Callable[..., tuple[Any, Any, Any]]:
   return fn
 
 
+def _window_sum(materialise: bool) -> Callable[..., tuple[Any, Any, Any]]:
+  def fn(p: Any, s: Any, b: Any, g: Any, c: jax.Array) -> tuple[Any, Any, Any]:
+    window = jax.tree.map(lambda a, x: (a + x) * 0.25, b, g)
+    if materialise:
+      window = lax.optimization_barrier(window)
+    u, s = OPT.update(window, s, p)
+    return optax.apply_updates(p, u), s, b
+  return fn
+
+
 TOYS: dict[str, Callable[..., tuple[Any, Any, Any]]] = {
     "plain": plain,
     "in_cond": in_cond,
     "updates_in_buffer": _updates_in_buffer(True),
     "updates_in_buffer_no_select": _updates_in_buffer(False),
+    "window_sum": _window_sum(False),
+    "window_sum_materialised": _window_sum(True),
 }
 
 

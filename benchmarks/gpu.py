@@ -16,7 +16,10 @@ What is measured (one process; every number comes from this run):
    temporaries, argument leaves, enqueue time (host overhead: at 1M a step is
    dispatch-bound). Floors: bytes a step must move (3P mid, 6P optax-protocol
    mid, 7P adam step; P = parameter bytes) over the copy bandwidth of a 1 GiB
-   jitted copy into a donated buffer, measured in the same rounds.
+   jitted copy into a donated buffer, measured in the same rounds. Two
+   reference programs time the work an emitting step cannot avoid (adam on the
+   window's sum; the same in a ``lax.cond`` with the updates going through the
+   buffer to ``apply_updates``): emitting rows report their ratio to them.
 2. **In-step microbatching**: ``oa.microbatched`` vs the full batch vs
    ``optax.microbatching.microbatch`` (MEAN) on the value-and-grad of a
    transformer (d_model 1024, 4 layers, 16 heads, seq 512, batch 64, vocab
@@ -307,12 +310,15 @@ def summary_table(result: dict[str, Any]) -> list[str]:
            f"| copy bandwidth | {result['bandwidth']['copy_GBps']:.0f} GB/s |"]
   for row in ("floor_mid", "plain", "accumulate_mid", "accumulate_emit", "chain_mid",
               "update_and_apply_mid", "update_and_apply_emit", "oa_multisteps_mid",
-              "optax_multisteps_mid", "optax_multisteps_emit"):
+              "optax_multisteps_mid", "optax_multisteps_emit", "ref_window_sum",
+              "ref_protocol"):
     r = by.get((big, row))
     if r is None:
       continue
     conds = "" if r["conditionals"] is None else f"; conditionals: {r['conditionals']}"
     temps = "" if r["temps_ratio"] is None else f"; temps {r['temps_ratio']:.2f}x params"
+    if r.get("ratio_reference") is not None:
+      temps += f"; {r['ratio_reference']:.2f}x its reference"
     lines.append(
         f"| {ba.size_label(big)} {r['label']} | {r['time_s'] * 1e3:.3f} ms ="
         f" {ba._x(r['ratio_floor_mid'])} 3P floor, {ba._x(r['ratio_plain'])} plain,"

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -238,3 +239,35 @@ def test_bench_quick_smoke(tmp_path: Path) -> None:
   assert result["bandwidth"]["copy_GBps"] > 0
   assert (tmp_path / "accumulate.md").read_text().count("| oa.accumulate mid |") == 2
   assert (tmp_path / "accumulate.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("key", ["ref_window_sum", "ref_protocol"])
+def test_bench_references_do_an_emitting_steps_work(key: str) -> None:
+  """Each reference is an optimizer step on ``(acc + g) / k``, every call.
+
+  Against an independent computation (plain sgd on the window's mean, then
+  momentum's second step), so a reference that skips the update, the apply or
+  the buffer read would fail here and would flatter every ``x reference``.
+  """
+  import bench_accumulate as bench
+
+  k = 4
+  progs = {p.key: p for p in bench.make_programs("sgd", k, references=True)}
+  assert set(bench.REFERENCES) <= set(progs)
+  assert not set(bench.REFERENCES) & {p.key for p in bench.make_programs("sgd", k)}
+  prog = progs[key]
+  params = {"a": jnp.arange(4.0), "b": jnp.ones((2, 3))}
+  grads = jax.tree.map(lambda x: x + 1.0, params)
+  state = prog.init(params)
+  acc = jax.tree.map(lambda x: jnp.full_like(x, 2.0), params)
+  state = (state[0], acc, *state[2:])
+  step = jax.jit(prog.step)
+  new, state = step(params, state, grads)
+  lr = 1e-3  # bench_accumulate.OPTIMIZERS["sgd"]
+  want = jax.tree.map(lambda p, a, g: p - lr * (a + g) / k, params, acc, grads)
+  chex.assert_trees_all_close(new, want, rtol=1e-6)
+  if key == "ref_window_sum":
+    chex.assert_trees_all_equal(state[1], acc)  # read, never written
+  compiled = jax.jit(prog.step).lower(params, prog.init(params), grads).compile()
+  conditionals = compiled.as_text().count(" conditional(")
+  assert conditionals == (1 if key == "ref_protocol" else 0)
