@@ -17,7 +17,13 @@ process, for this machine's CPU backend, and reports per compiled program:
 * parameter-sized copies (``copy`` instructions of a whole leaf, outside
   fusions), split into data copies (a parameter, the buffer, optimizer state:
   the ones to avoid) and fills (a zero broadcast written into a buffer);
-* bytes aliased (donated inputs reused as outputs) / parameter bytes.
+* bytes aliased (donated inputs reused as outputs) / parameter bytes;
+* kernels and parameter-sized passes of a mid-step and of an emitting step
+  (``debug.step_kernels``, ``debug.step_bytes``): the passes are the bytes
+  the step's kernels read and write over the parameter bytes, so an emitting
+  step's passes over the plain adam step's, compiled for the same backend, is
+  the bandwidth-bound ratio that backend allows. The two reference programs
+  of ``bench_accumulate.py`` are compiled too.
 
 Counting uses ``optax_accum.debug`` (``conditionals``, ``copies``) when it is
 importable, and this file's own counters otherwise; the JSON says which. Only
@@ -280,6 +286,7 @@ def analyse(compiled: Any, param_bytes: int, leaf_bytes: int) -> dict[str, Any]:
       "copies_where": ", ".join(f"{n} {k}" for k, n in sorted(where.items())) or "none",
       "selects": len(re.findall(r"\bselect\(", text)),
       **kernel_launches(compiled),
+      **bytes_moved(compiled, param_bytes),
   }
 
 
@@ -294,6 +301,19 @@ def kernel_launches(compiled: Any) -> dict[str, int]:
     return {"kernels_mid": -1, "kernels_emit": -1}
   count = oa_debug.step_kernels(compiled)
   return {"kernels_mid": count["mid"], "kernels_emit": count["emit"]}
+
+
+def bytes_moved(compiled: Any, param_bytes: int) -> dict[str, float]:
+  """Parameter-sized passes of a mid-step and an emitting step (``debug.step_bytes``).
+
+  The bytes the step's kernels read and write, over the parameter bytes: the
+  compiled program's own pass count (no cache reuse between kernels). NaN
+  without an ``optax_accum.debug`` that has ``step_bytes``.
+  """
+  if oa_debug is None or not hasattr(oa_debug, "step_bytes"):
+    return {"passes_mid": float("nan"), "passes_emit": float("nan")}
+  moved = oa_debug.step_bytes(compiled)
+  return {"passes_mid": moved["mid"] / param_bytes, "passes_emit": moved["emit"] / param_bytes}
 
 
 # ------------------------------------------------------------------ programs
@@ -339,7 +359,8 @@ def compile_all(n_params: int, k: int, sharding: NamedSharding | None) -> list[d
   p_abs = abstract(jax.eval_shape(lambda: params))
   rows = []
   programs: list[tuple[ba.Program, Callable[[Any], tuple], tuple[int, ...]]] = [
-      (prog, lambda s: (p_abs, s, p_abs), (0, 1)) for prog in ba.make_programs("adam", k)]
+      (prog, lambda s: (p_abs, s, p_abs), (0, 1))
+      for prog in ba.make_programs("adam", k, references=True)]
   programs.append((update_level_program(k), lambda s: (s, p_abs, p_abs), (0,)))
   for prog in (option_program("accumulate_weighted", k, reduction="weighted"),
                option_program("accumulate_noise", k, track_noise_scale=True)):
@@ -355,16 +376,18 @@ def compile_all(n_params: int, k: int, sharding: NamedSharding | None) -> list[d
 
 # ------------------------------------------------------------------- reports
 def table(rows: list[dict[str, Any]]) -> list[str]:
+  plain = next((r["passes_emit"] for r in rows if r["program"] == "plain"), float("nan"))
   lines = ["| program | donated | conditionals | temps / params | param-sized copies:"
            " data / fill (where) | aliased / params | select ops (incl. fused) |"
-           " kernels: mid / emit |",
-           "|---|---|---:|---:|---|---:|---:|---:|"]
+           " kernels: mid / emit | passes (P): mid / emit | emit / plain step's passes |",
+           "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
   for r in rows:
     lines.append(
         f"| {r['label']} | {r['donated']} | {r['conditionals']} | {r['temps_ratio']:.2f}x |"
         f" {r['param_sized_copies_data']} / {r['param_sized_copies_fill']}"
         f" ({r['copies_where']}) | {r['alias_ratio']:.2f}x | {r['selects']} |"
-        f" {r['kernels_mid']} / {r['kernels_emit']} |")
+        f" {r['kernels_mid']} / {r['kernels_emit']} |"
+        f" {r['passes_mid']:.1f} / {r['passes_emit']:.1f} | {r['passes_emit'] / plain:.2f}x |")
   return lines
 
 
@@ -399,7 +422,11 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append(f"| {e['program']} | {e['expected']} | {e['got']} |"
                  f" {'as expected' if e['met'] else '**differs**'} |")
   lines += ["", "0 conditionals means XLA turned the `lax.cond` into selects: the inner"
-            " optimizer's arithmetic runs on every mid-step.", ""]
+            " optimizer's arithmetic runs on every mid-step. Passes: the bytes each step's"
+            " kernels read and write over the parameter bytes"
+            " (`optax_accum.debug.step_bytes`: every operand and result once per kernel,"
+            " no cache reuse); the last column divides an emitting step's by the plain"
+            " adam step's, compiled for the same backend.", ""]
   return "\n".join(lines)
 
 

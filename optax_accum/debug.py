@@ -15,6 +15,9 @@ question about it:
   in place?).
 * :func:`step_kernels`: how many kernels an ``accumulate`` mid-step and an
   emitting step launch (what a dispatch-bound small model pays per call).
+* :func:`step_bytes`: how many bytes they read and write (what a
+  bandwidth-bound large model pays per call, on the backend it was compiled
+  for).
 
 All of them share one parser: the module is split into computations, and the
 computations reachable from the entry are walked through ``conditional``
@@ -30,7 +33,8 @@ from typing import Any, NamedTuple
 
 from optax_accum import _window
 
-__all__ = ["Collective", "Copy", "conditionals", "copies", "hlo_collectives", "step_kernels"]
+__all__ = ["Collective", "Copy", "conditionals", "copies", "hlo_collectives", "step_bytes",
+           "step_kernels"]
 
 Context = tuple[tuple[str, Any], ...]
 
@@ -383,6 +387,27 @@ def _branch_steps(sites: list[_Site]) -> dict[str, str]:
   return steps
 
 
+def _per_step(sites: list[_Site], weight: Any) -> dict[str, int]:
+  """Sums ``weight(site)`` over the sites a mid-step and an emitting step run.
+
+  Sites outside every conditional run on both steps; inside one of
+  optax_accum's conditionals, on the step their branch serves; inside a
+  conditional of unknown role, on both.
+  """
+  steps = _branch_steps(sites)
+  total = {"mid": 0, "emit": 0}
+  for site in sites:
+    amount = weight(site)
+    if not amount:
+      continue
+    conditional = any(kind == "conditional" for kind, _ in site.context)
+    step = steps.get(site.computation) if conditional else None
+    for key in total:
+      if step is None or step == key:
+        total[key] += amount
+  return total
+
+
 def step_kernels(compiled: Any) -> dict[str, int]:
   """Kernels a mid-step and an emitting step of ``accumulate`` launch.
 
@@ -412,18 +437,130 @@ def step_kernels(compiled: Any) -> dict[str, int]:
     >>> k["mid"] < k["emit"]  # a mid-step adds into the buffer; an emit runs Adam
     True
   """
-  sites = list(_walk(compiled))
-  steps = _branch_steps(sites)
-  count = {"mid": 0, "emit": 0}
-  for site in sites:
-    if site.fused or site.instruction.opcode not in _LAUNCHING:
-      continue
-    conditional = any(kind == "conditional" for kind, _ in site.context)
-    step = steps.get(site.computation) if conditional else None
-    for key in count:
-      if step is None or step == key:
-        count[key] += 1
-  return count
+  return _per_step(list(_walk(compiled)),
+                   lambda site: int(not site.fused and site.instruction.opcode in _LAUNCHING))
+
+
+# Instructions outside fusions that move no data themselves (control flow
+# runs its bodies, which are walked; an async op's data is counted at its
+# ``-done``).
+_NO_DATA = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "conditional", "while",
+    "call", "after-all", "opt-barrier", "partition-id", "replica-id", "add-dependency",
+    "domain", "async-update",
+})
+_SLICING = ("slice", "dynamic-slice", "gather")
+_LAID_OUT_ARRAY = re.compile(
+    r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\](\{[^}]*\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
+
+
+def _main_memory_bytes(type_str: str) -> int:
+  """Bytes of the arrays of a type that live in device main memory.
+
+  A layout's ``S(n)``, n > 0, puts an array in another memory space (a TPU's
+  on-chip VMEM or SMEM): its reads and writes do not touch main memory.
+  """
+  total = 0
+  for dtype, dims, layout in _LAID_OUT_ARRAY.findall(type_str):
+    space = _MEMORY_SPACE.search(layout or "")
+    if dtype in _DTYPE_BYTES and (space is None or space.group(1) == "0"):
+      total += math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
+  return total
+
+
+def _operand_bytes(name: str, defs: dict[str, _Instruction]) -> int:
+  source = defs.get(name)
+  return 0 if source is None else _main_memory_bytes(source.type_str)
+
+
+def _fusion_bytes(site: _Site, bodies: dict[str, list[_Instruction]]) -> int:
+  """Bytes a fusion reads and writes, each operand and result counted once.
+
+  An operand the fused body only slices counts as its slices; the buffer an
+  in-place ``dynamic-update-slice`` root updates counts as the update only.
+  """
+  callee = next((c for c, _ in _callees(site.instruction)), None)
+  body = bodies.get(callee or "", [])
+  params = {int(i.operands[0]): i.name for i in body
+            if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()}
+  users: dict[str, list[_Instruction]] = {}
+  for i in body:
+    for o in i.operands:
+      users.setdefault(o, []).append(i)
+  root = body[-1] if body else None
+  in_place = root is not None and root.opcode == "dynamic-update-slice"
+  total = 0
+  for index, name in enumerate(site.instruction.operands):
+    uses = users.get(params.get(index, ""), [])
+    whole = _operand_bytes(name, site.defs)
+    if whole and uses and all(
+        u.opcode in _SLICING and u.operands[0] == params[index] for u in uses):
+      total += sum(_type_bytes(u.type_str) for u in uses)
+    elif in_place and uses == [root] and root.operands[0] == params.get(index):
+      continue  # updated in place: only the update is written
+    else:
+      total += whole
+  if in_place and root is not None:
+    return total + _operand_bytes(root.operands[1], {i.name: i for i in body})
+  return total + _main_memory_bytes(site.instruction.type_str)
+
+
+def _site_bytes(site: _Site, bodies: dict[str, list[_Instruction]]) -> int:
+  i = site.instruction
+  if site.fused or i.opcode in _NO_DATA or i.opcode.endswith("-start"):
+    return 0
+  if i.opcode == "fusion":
+    return _fusion_bytes(site, bodies)
+  if i.opcode.endswith("-done"):  # the data of the async op: its result, from its source
+    start = site.defs.get(i.operands[0]) if i.operands else None
+    source = site.defs.get(start.operands[0]) if start and start.operands else None
+    moved = _type_bytes(i.type_str)
+    from_main = source is not None and _main_memory_bytes(source.type_str) > 0
+    return (moved if from_main else 0) + _main_memory_bytes(i.type_str)
+  if i.opcode == "dynamic-update-slice":  # in place: read and write the update
+    return 2 * _operand_bytes(i.operands[1], site.defs)
+  return sum(_operand_bytes(o, site.defs) for o in i.operands) + _main_memory_bytes(i.type_str)
+
+
+def step_bytes(compiled: Any) -> dict[str, int]:
+  """Bytes a mid-step and an emitting step of ``accumulate`` read and write.
+
+  Sums, over the instructions each step runs (placed as in
+  :func:`step_kernels`), the bytes of every operand and result of each
+  kernel outside fusions that live in device main memory (DRAM, HBM): what
+  the step moves when nothing stays in a cache between kernels. Each kernel
+  counts each operand once in full, except an operand its fused body only
+  slices (counted as the slices) and the buffer an in-place
+  ``dynamic-update-slice`` updates (counted as the update). An asynchronous
+  copy counts once, at its ``-done``, from its source to its result; arrays
+  in another memory space (a TPU's VMEM: layout ``S(1)``) are not main
+  memory, so a prefetch into VMEM counts as one read. A ``while`` body
+  counts once. Compare a step with the plain optimizer step
+  compiled for the same backend: this is the backend's own pass count (on
+  XLA:CPU Adam is three loops per leaf, 10 parameter-sized passes; where it
+  is one fused kernel, 7).
+
+  Args:
+    compiled: ``jax.jit(f).lower(...).compile()`` (or its ``as_text()``).
+
+  Returns:
+    ``{"mid": bytes, "emit": bytes}``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum as oa
+    >>> from optax_accum.debug import step_bytes
+    >>> tx = oa.accumulate(4, optax.sgd(0.1))
+    >>> params = {"w": jnp.ones((256, 256))}  # 256 KiB
+    >>> step = jax.jit(lambda p, s, g: oa.update_and_apply(tx, g, s, p),
+    ...                donate_argnums=(0, 1))
+    >>> moved = step_bytes(step.lower(params, tx.init(params), params).compile())
+    >>> round(moved["mid"] / 2**18)  # read g and the buffer, write the buffer
+    3
+  """
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  _, bodies = _parse_module(text)
+  return _per_step(list(_walk(text)), lambda site: _site_bytes(site, bodies))
 
 
 def _is_fill(source: _Instruction | None, defs: dict[str, _Instruction]) -> bool:

@@ -31,6 +31,7 @@ from optax_accum.debug import (
   conditionals,
   copies,
   hlo_collectives,
+  step_bytes,
   step_kernels,
 )
 
@@ -327,3 +328,107 @@ def test_accepts_compiled_or_text(fn: Callable[[Any], Any]) -> None:
   f = jax.jit(lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x))
   compiled = f.lower(True, X).compile()
   assert fn(compiled) == fn(compiled.as_text())
+
+
+# ------------------------------------------------------------------ step_bytes
+# Hand-written: a fusion reading a 64 KiB parameter only through a slice, an
+# in-place dynamic-update-slice fusion, an async copy, a conditional of
+# unknown role (both of its branches count on both steps), and a TPU-style
+# prefetch into another memory space read by a fusion.
+BYTES_HLO = """\
+HloModule bytes
+
+%sliced (param_0: f32[16384]) -> f32[1024] {
+  %param_0 = f32[16384]{0} parameter(0)
+  ROOT %s = f32[1024]{0} slice(%param_0), slice={[0:1024]}
+}
+
+%dus (param_0.1: f32[16384], param_1.1: f32[1024], param_2.1: s32[]) -> f32[16384] {
+  %param_0.1 = f32[16384]{0} parameter(0)
+  %param_1.1 = f32[1024]{0} parameter(1)
+  %param_2.1 = s32[] parameter(2)
+  ROOT %d = f32[16384]{0} dynamic-update-slice(%param_0.1, %param_1.1, %param_2.1)
+}
+
+%double (param_0.2: f32[16384]) -> f32[16384] {
+  %param_0.2 = f32[16384]{0} parameter(0)
+  ROOT %m = f32[16384]{0} add(%param_0.2, %param_0.2)
+}
+
+%yes (a: f32[16384]) -> f32[16384] {
+  %a = f32[16384]{0} parameter(0)
+  ROOT %f = f32[16384]{0} fusion(%a), kind=kLoop, calls=%double
+}
+
+%no (b: f32[16384]) -> f32[16384] {
+  ROOT %b = f32[16384]{0} parameter(0)
+}
+
+ENTRY %main (x: f32[16384], i: s32[], p: pred[]) -> \\
+(f32[1024], f32[16384], f32[16384], f32[16384]) {
+  %x = f32[16384]{0} parameter(0)
+  %i = s32[] parameter(1)
+  %p = pred[] parameter(2)
+  %head = f32[1024]{0} fusion(%x), kind=kLoop, calls=%sliced
+  %upd = f32[16384]{0} fusion(%x, %head, %i), kind=kLoop, calls=%dus
+  %cs = (f32[16384]{0}, f32[16384]{0}, u32[]) copy-start(%upd)
+  %cd = f32[16384]{0} copy-done(%cs)
+  %c = f32[16384]{0} conditional(%p, %cd, %cd), true_computation=%yes, false_computation=%no
+  %vs = (f32[16384]{0:S(1)}, f32[16384]{0}, u32[]{:S(2)}) copy-start(%x)
+  %vd = f32[16384]{0:S(1)} copy-done(%vs)
+  %v = f32[16384]{0} fusion(%vd), kind=kLoop, calls=%double
+  ROOT %t = (f32[1024]{0}, f32[16384]{0}, f32[16384]{0}, f32[16384]{0}) tuple(%head, %cd, %c, %v)
+}
+""".replace("\\\n", "")
+
+
+def test_step_bytes_on_hand_written_hlo() -> None:
+  kib = 1024 * 4  # f32[1024]
+  want = (
+      2 * kib  # the slice: reads 1024 of 16384 elements, writes 1024
+      + 2 * kib + 4  # the in-place update: reads and writes the update; reads the index
+      + 2 * 16 * kib  # the async copy: 64 KiB each way, counted at its copy-done
+      + 2 * 16 * kib  # the true branch's fusion (a conditional of unknown role)
+      + 16 * kib  # the prefetch into on-chip memory (S(1)): one read of main memory
+      + 16 * kib  # the fusion reading the prefetched copy: only its result is written
+  )
+  assert step_bytes(BYTES_HLO) == {"mid": want, "emit": want}
+
+
+@cpu_only
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_step_bytes_counts_each_steps_passes(inner: str) -> None:
+  """Parameter-sized passes per step, from the design (XLA:CPU's fusion).
+
+  ``update_and_apply`` mid-step: read g and the buffer, write the buffer
+  (3P); its emitting step does the plain step's work plus at least one read
+  of the buffer; the protocol's mid-step adds ``apply_updates`` (read params
+  and the masked updates, write params: 6P); ``optax.MultiSteps`` runs the
+  optimizer on every step, so its mid-step costs at least the plain step.
+  """
+  opt = {"sgd": optax.sgd(0.1), "adam": optax.adam(1e-3)}[inner]
+  params = {f"w{i}": jnp.full((8192,), 0.1 * i) for i in range(4)}
+  pbytes = 4 * 8192 * 4
+  tx = oa.accumulate(4, opt)
+  ms = optax.MultiSteps(opt, 4).gradient_transformation()
+
+  def passes(step: Callable[..., Any], state: Any) -> dict[str, float]:
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
+    return {k: v / pbytes for k, v in step_bytes(compiled).items()}
+
+  def protocol(t: Any) -> Callable[..., Any]:
+    def step(p: Any, s: Any, g: Any) -> Any:
+      u, s = t.update(g, s, p)
+      return optax.apply_updates(p, u), s
+    return step
+
+  plain = passes(protocol(opt), opt.init(params))
+  uaa = passes(lambda p, s, g: oa.update_and_apply(tx, g, s, p), tx.init(params))
+  std = passes(protocol(tx), tx.init(params))
+  optax_ms = passes(protocol(ms), ms.init(params))
+  assert plain["mid"] == plain["emit"] >= (3 if inner == "sgd" else 7)
+  assert uaa["mid"] == pytest.approx(3, abs=0.01)
+  assert std["mid"] == pytest.approx(6, abs=0.01)
+  assert uaa["emit"] >= plain["emit"] + 1 - 0.01
+  assert std["emit"] > uaa["emit"]  # the updates go through memory to apply_updates
+  assert optax_ms["mid"] >= plain["mid"]
