@@ -41,7 +41,10 @@ What is measured (all in one process; nothing here is a hard-coded result):
   the per-round ratio (the reference ran seconds apart in the same round).
 * Per program: compiled temporaries over parameter bytes
   (``compile().memory_analysis()``), bytes aliased, HLO ``conditional`` count,
-  number of argument leaves.
+  number of argument leaves, and per row the compiled passes: the bytes its
+  step's kernels read and write over the parameter bytes
+  (``optax_accum.debug.step_bytes``; what this backend's program moves, next
+  to the floor, which is what any program must move).
 * Per-call host overhead: the same programs on a tiny model (8 leaves of 128
   f32), where dispatch dominates, and the enqueue time (until the call
   returns, before blocking) at the smallest size.
@@ -84,6 +87,7 @@ import jax.numpy as jnp
 import optax
 
 import optax_accum as oa
+from optax_accum.debug import step_bytes
 
 Tree = Any
 LEAVES = 8
@@ -331,6 +335,7 @@ def compile_program(prog: Program, params: Tree, grads: Tree) -> Timer:
       "alias_bytes": int(mem.alias_size_in_bytes),
       "conditionals": count_conditionals(compiled.as_text()),
       "arg_leaves": len(jax.tree.leaves((params, state, grads))),
+      "step_bytes": step_bytes(compiled),
   }
   carry = [jax.tree.map(jnp.copy, params), state]
   return Timer(prog, compiled, carry, grads, info)
@@ -460,12 +465,14 @@ def summarize(timers: Sequence[Timer], copy_samples: Sequence[float], copy_bytes
       t = by_prog[spec.program]
       rec.update(t.info)
       rec["temps_ratio"] = t.info["temps_bytes"] / pbytes
+      moved = t.info["step_bytes"]["emit" if spec.phase == "emit" else "mid"]
+      rec["compiled_passes"] = moved / pbytes
       rec["alias_ratio"] = t.info["alias_bytes"] / pbytes
       rec["enqueue_s"] = _median(t.enqueue[spec.phase])
     else:
       rec.update({"temps_bytes": None, "temps_ratio": None, "alias_bytes": None,
                   "alias_ratio": None, "conditionals": None, "arg_leaves": None,
-                  "enqueue_s": None})
+                  "enqueue_s": None, "step_bytes": None, "compiled_passes": None})
     out.append(rec)
   return out
 
@@ -546,14 +553,16 @@ def size_label(n: int) -> str:
 def rows_table(records: Sequence[dict[str, Any]]) -> list[str]:
   """Markdown table of the records of one size and optimizer."""
   lines = [
-      "| variant | floor | ms | x its floor | x 3P floor | x plain | x optax.MultiSteps |"
-      " x reference | temps / params | conditionals |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+      "| variant | floor | compiled passes | ms | x its floor | x 3P floor | x plain |"
+      " x optax.MultiSteps | x reference | temps / params | conditionals |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in records:
     conds = "-" if r["conditionals"] is None else str(r["conditionals"])
+    passes = r.get("compiled_passes")
     lines.append(
-        f"| {r['label']} | {r['floor_passes']}P | {r['time_s'] * 1e3:.3f} |"
+        f"| {r['label']} | {r['floor_passes']}P | {'-' if passes is None else f'{passes:.1f}P'} |"
+        f" {r['time_s'] * 1e3:.3f} |"
         f" {_x(r['ratio_floor'])} | {_x(r['ratio_floor_mid'])} | {_x(r['ratio_plain'])} |"
         f" {_x(r['ratio_optax_multisteps'])} | {_x(r.get('ratio_reference'))} |"
         f" {_x(r['temps_ratio'])} | {conds} |")
@@ -614,6 +623,9 @@ def markdown(result: dict[str, Any]) -> str:
       " (read g, acc; write acc); optax-protocol mid 6P (+ apply_updates reads params and"
       " the updates, writes params); plain step: adam 7P (read g, mu, nu, params;"
       " write mu, nu, params), sgd 3P. Emitting rows use the plain step's floor.",
+      "* Compiled passes: the bytes the row's compiled step reads and writes over P"
+      " (`optax_accum.debug.step_bytes`, no cache reuse between kernels): what this"
+      " backend's program moves, where the floor is what any program must move.",
       "* `chain(oa.accumulate(k), opt)` steps the optimizer on the zero updates of every"
       " mid-step: it is not large-batch training for a stateful optimizer.",
       "* References (programs, not floors; every call is a step): `opt` on the window's"

@@ -317,6 +317,8 @@ def summary_table(result: dict[str, Any]) -> list[str]:
       continue
     conds = "" if r["conditionals"] is None else f"; conditionals: {r['conditionals']}"
     temps = "" if r["temps_ratio"] is None else f"; temps {r['temps_ratio']:.2f}x params"
+    if r.get("compiled_passes") is not None:
+      temps += f"; {r['compiled_passes']:.1f}P compiled"
     if r.get("ratio_reference") is not None:
       temps += f"; {r['ratio_reference']:.2f}x its reference"
     lines.append(
