@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from optax_accum import _window
@@ -48,7 +48,9 @@ _COLLECTIVES = (
     "all-to-all", "collective-permute", "collective-permute-start",
 )
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
+# dtype, dims and (optional) layout of each array in an HLO type.
+_ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\](\{[^}]*\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _CALLEES = re.compile(
     r"\b(branch_computations|true_computation|false_computation|body|condition|to_apply|calls)"
@@ -109,10 +111,17 @@ class _Instruction(NamedTuple):
   attributes: str  # what follows the operands: callees, metadata
 
 
-def _type_bytes(type_str: str) -> int:
+def _type_bytes(type_str: str, main_memory_only: bool = False) -> int:
+  """Bytes of the arrays of an HLO type.
+
+  ``main_memory_only``: only the arrays in device main memory. A layout's
+  ``S(n)``, n > 0, puts an array in another memory space (a TPU's on-chip
+  VMEM or SMEM), whose reads and writes do not touch main memory.
+  """
   total = 0
-  for dtype, dims in _ARRAY_TYPE.findall(type_str):
-    if dtype in _DTYPE_BYTES:
+  for dtype, dims, layout in _ARRAY_TYPE.findall(type_str):
+    space = _MEMORY_SPACE.search(layout)
+    if dtype in _DTYPE_BYTES and not (main_memory_only and space and space.group(1) != "0"):
       total += math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
   return total
 
@@ -216,10 +225,17 @@ def _wrapped_opcode(body: list[_Instruction]) -> str | None:
   return ops[0] if len(ops) == 1 else None
 
 
+def _module(compiled: Any) -> tuple[str, dict[str, list[_Instruction]]]:
+  """:func:`_parse_module` of a compiled step or of its text."""
+  return _parse_module(compiled if isinstance(compiled, str) else compiled.as_text())
+
+
 def _walk(compiled: Any) -> Iterator[_Site]:
-  """Every instruction reachable from the entry, once per path, in program order."""
-  text = compiled if isinstance(compiled, str) else compiled.as_text()
-  entry, bodies = _parse_module(text)
+  """Every instruction reachable from the entry, once per path, in program order.
+
+  ``compiled``: a compiled step, its text, or :func:`_module` of either.
+  """
+  entry, bodies = compiled if isinstance(compiled, tuple) else _module(compiled)
 
   def visit(name: str, context: Context, fused: bool, depth: int) -> Iterator[_Site]:
     if depth > 64:
@@ -387,7 +403,7 @@ def _branch_steps(sites: list[_Site]) -> dict[str, str]:
   return steps
 
 
-def _per_step(sites: list[_Site], weight: Any) -> dict[str, int]:
+def _per_step(sites: list[_Site], weight: Callable[[_Site], int]) -> dict[str, int]:
   """Sums ``weight(site)`` over the sites a mid-step and an emitting step run.
 
   Sites outside every conditional run on both steps; inside one of
@@ -450,28 +466,11 @@ _NO_DATA = frozenset({
     "domain", "async-update",
 })
 _SLICING = ("slice", "dynamic-slice", "gather")
-_LAID_OUT_ARRAY = re.compile(
-    r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\](\{[^}]*\})?")
-_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
-
-
-def _main_memory_bytes(type_str: str) -> int:
-  """Bytes of the arrays of a type that live in device main memory.
-
-  A layout's ``S(n)``, n > 0, puts an array in another memory space (a TPU's
-  on-chip VMEM or SMEM): its reads and writes do not touch main memory.
-  """
-  total = 0
-  for dtype, dims, layout in _LAID_OUT_ARRAY.findall(type_str):
-    space = _MEMORY_SPACE.search(layout or "")
-    if dtype in _DTYPE_BYTES and (space is None or space.group(1) == "0"):
-      total += math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
-  return total
 
 
 def _operand_bytes(name: str, defs: dict[str, _Instruction]) -> int:
   source = defs.get(name)
-  return 0 if source is None else _main_memory_bytes(source.type_str)
+  return 0 if source is None else _type_bytes(source.type_str, main_memory_only=True)
 
 
 def _fusion_bytes(site: _Site, bodies: dict[str, list[_Instruction]]) -> int:
@@ -503,7 +502,7 @@ def _fusion_bytes(site: _Site, bodies: dict[str, list[_Instruction]]) -> int:
       total += whole
   if in_place and root is not None:
     return total + _operand_bytes(root.operands[1], {i.name: i for i in body})
-  return total + _main_memory_bytes(site.instruction.type_str)
+  return total + _type_bytes(site.instruction.type_str, main_memory_only=True)
 
 
 def _site_bytes(site: _Site, bodies: dict[str, list[_Instruction]]) -> int:
@@ -516,11 +515,12 @@ def _site_bytes(site: _Site, bodies: dict[str, list[_Instruction]]) -> int:
     start = site.defs.get(i.operands[0]) if i.operands else None
     source = site.defs.get(start.operands[0]) if start and start.operands else None
     moved = _type_bytes(i.type_str)
-    from_main = source is not None and _main_memory_bytes(source.type_str) > 0
-    return (moved if from_main else 0) + _main_memory_bytes(i.type_str)
+    from_main = source is not None and _type_bytes(source.type_str, main_memory_only=True) > 0
+    return (moved if from_main else 0) + _type_bytes(i.type_str, main_memory_only=True)
   if i.opcode == "dynamic-update-slice":  # in place: read and write the update
     return 2 * _operand_bytes(i.operands[1], site.defs)
-  return sum(_operand_bytes(o, site.defs) for o in i.operands) + _main_memory_bytes(i.type_str)
+  read = sum(_operand_bytes(o, site.defs) for o in i.operands)
+  return read + _type_bytes(i.type_str, main_memory_only=True)
 
 
 def step_bytes(compiled: Any) -> dict[str, int]:
@@ -558,9 +558,8 @@ def step_bytes(compiled: Any) -> dict[str, int]:
     >>> round(moved["mid"] / 2**18)  # read g and the buffer, write the buffer
     3
   """
-  text = compiled if isinstance(compiled, str) else compiled.as_text()
-  _, bodies = _parse_module(text)
-  return _per_step(list(_walk(text)), lambda site: _site_bytes(site, bodies))
+  module = _module(compiled)
+  return _per_step(list(_walk(module)), lambda site: _site_bytes(site, module[1]))
 
 
 def _is_fill(source: _Instruction | None, defs: dict[str, _Instruction]) -> bool:
