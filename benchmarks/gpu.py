@@ -27,7 +27,10 @@ What is measured (one process; every number comes from this run):
    compiled temporaries over the full batch's, step-time ratio to the full
    batch (interleaved rounds, rotating order, median of per-round ratios),
    loss and gradient differences to the full batch.
-3. **Matmul precision**: whether ``jax_default_matmul_precision`` is the
+3. **What a conditional costs** a dispatch-bound step: a tiny ``p + g``
+   split over 0, 1 or 2 ``lax.cond``s, per-call time (does a
+   one-conditional GPU layout pay off? ``benchmarks/NOTES.md``).
+4. **Matmul precision**: whether ``jax_default_matmul_precision`` is the
    default (TF32 for f32 matmuls on NVIDIA GPUs since Ampere), and the
    microbatched-vs-full-batch loss and gradient difference under the default
    and under ``"highest"`` (true f32): what "equal to the large batch" means on
@@ -53,6 +56,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -105,6 +109,70 @@ def precision_setting() -> dict[str, Any]:
   return {"jax_default_matmul_precision": value, "is_default": is_default,
           "env_JAX_DEFAULT_MATMUL_PRECISION": os.environ.get("JAX_DEFAULT_MATMUL_PRECISION"),
           "meaning": meaning}
+
+
+# ------------------------------------------------------- conditional cost
+def conditional_chain(n: int) -> Callable[[Tree, Tree, jax.Array], Tree]:
+  """A step adding ``g`` into ``p`` (a list of leaves) inside ``n`` ``lax.cond``s.
+
+  Conditional ``i`` adds leaves ``i, i + n, ...`` and every predicate is true,
+  so each program does the same arithmetic, once; ``n = 0`` adds outside any
+  conditional. A scalar ``optimization_barrier`` in each taken branch keeps
+  XLA's GPU compiler from turning it into selects (as optax_accum's branches
+  do). The predicates are a runtime argument.
+  """
+  def add(p: Tree, g: Tree) -> Tree:
+    one = jax.lax.optimization_barrier(jnp.float32(1.0))
+    return jax.tree.map(lambda x, y: x + y * one.astype(x.dtype), p, g)
+
+  def step(p: list[jax.Array], g: list[jax.Array], flags: jax.Array) -> list[jax.Array]:
+    if n == 0:
+      return add(p, g)
+    out = list(p)
+    for i in range(n):
+      part = jax.lax.cond(flags[i], add, lambda p, g: p, p[i::n], g[i::n])
+      out[i::n] = part
+    return out
+  return step
+
+
+def conditional_cost(rounds: int, calls: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
+  """Per-call time of a tiny step split over 0, 1 and 2 conditionals.
+
+  What one more conditional costs a dispatch-bound step on this backend
+  (on XLA:GPU a conditional's predicate may be read on the host): the open
+  question of a one-conditional GPU layout (benchmarks/NOTES.md).
+  Interleaved rounds, a fresh random order per round, params donated.
+  """
+  params = list(ba.make_tree(ba.TINY_PARAMS).values())
+  grads = list(ba.make_tree(ba.TINY_PARAMS, fill=1e-3).values())
+  progs = {}
+  for n in (0, 1, 2):
+    flags = jnp.ones(max(n, 1), bool)
+    compiled = jax.jit(conditional_chain(n), donate_argnums=(0,)).lower(
+        params, grads, flags).compile()
+    progs[n] = {"compiled": compiled, "flags": flags, "carry": jax.tree.map(jnp.copy, params),
+                "conditionals": oa.debug.conditionals(compiled), "samples": []}
+  rng = random.Random(2)
+  for r in range(rounds + 1):  # round 0 warms up
+    order = list(progs)
+    rng.shuffle(order)
+    for n in order:
+      prog = progs[n]
+      t0 = time.perf_counter()
+      for _ in range(calls):
+        prog["carry"] = jax.block_until_ready(
+            prog["compiled"](prog["carry"], grads, prog["flags"]))
+      if r:
+        prog["samples"].append((time.perf_counter() - t0) / calls)
+  base = progs[0]["samples"]
+  rows = [{"conditionals_requested": n, "conditionals": p["conditionals"],
+           "call_s": statistics.median(p["samples"]),
+           "extra_s": statistics.median([a - b for a, b in zip(p["samples"], base, strict=True)])}
+          for n, p in progs.items()]
+  log("conditional cost: " + ", ".join(
+      f"{r['conditionals']} conds {r['call_s'] * 1e6:.1f} us" for r in rows))
+  return rows
 
 
 # ------------------------------------------------------------ accumulation
@@ -271,6 +339,15 @@ def markdown(result: dict[str, Any]) -> str:
             " and a tiny model's blocked call time:", "",
             *ba.host_table(result["host_overhead"], result["enqueue"],
                            result["enqueue_size"]), ""]
+  lines += ["## What a conditional costs a dispatch-bound step", "",
+            f"`p + g` on {ba.TINY_PARAMS} f32 params in {ba.LEAVES} leaves, outside any"
+            " conditional or split over 1 or 2 `lax.cond`s (all taken; a barrier keeps"
+            " each); blocked calls, medians over interleaved rounds; extra: median of the"
+            " per-round difference to 0.", "",
+            "| conditionals (compiled) | us per call | extra us |", "|---:|---:|---:|"]
+  lines += [f"| {r['conditionals']} | {r['call_s'] * 1e6:.1f} | {r['extra_s'] * 1e6:+.1f} |"
+            for r in result["conditional_cost"]]
+  lines += [""]
   lines += [f"## Bars of bench_accumulate at {ba.size_label(result['bar_size'])} (for"
             " information; they are set for the CPU at 4M)", "",
             *ba.bars_table(result["bars"]), ""]
@@ -330,6 +407,9 @@ def summary_table(result: dict[str, Any]) -> list[str]:
     if r is not None:
       lines.append(f"| {ba.size_label(small)} {r['label']} | {r['time_s'] * 1e6:.0f} us per"
                    f" call, enqueue {r['enqueue_s'] * 1e6:.0f} us, {r['arg_leaves']} leaves |")
+  for r in result["conditional_cost"][1:]:
+    lines.append(f"| tiny step with {r['conditionals']} conditionals |"
+                 f" {r['call_s'] * 1e6:.1f} us per call, {r['extra_s'] * 1e6:+.1f} us |")
   for r in result["microbatching"]:
     if r["config"] != "full batch":
       lines.append(f"| {r['model']}: {r['config']} | temps {r['temp_ratio_vs_full']:.3f}x full,"
@@ -375,6 +455,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       if r["size"] == enqueue_size and r["program"] is not None
                       and r["phase"] in ("mid", "step")}}
   phases["accumulation_s"] = time.perf_counter() - t
+
+  # 1b. What one conditional costs a dispatch-bound step.
+  cond_rows = conditional_cost(rounds=5 if smoke else 20, calls=20 if smoke else 200, log=log)
 
   # 2. In-step microbatching.
   t = time.perf_counter()
@@ -434,6 +517,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "bars": ba.evaluate_bars(records, bar_size),
       "setup": {"transformer": {**tf, "params": int(tf_n), "ks": [4, 16]},
                 "mlp": {**mlp, "params": int(mlp_n), "ks": [16]}},
+      "conditional_cost": cond_rows,
       "microbatching": mb_rows,
       "precision_check": prec_rows,
       "phase_seconds": phases,
