@@ -271,3 +271,17 @@ def test_bench_references_do_an_emitting_steps_work(key: str) -> None:
   compiled = jax.jit(prog.step).lower(params, prog.init(params), grads).compile()
   conditionals = compiled.as_text().count(" conditional(")
   assert conditionals == (1 if key == "ref_protocol" else 0)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2])
+def test_gpu_conditional_probe_does_the_same_work(n: int) -> None:
+  """gpu.py's conditional-cost probe: ``p + g`` whatever the number of
+  conditionals, and exactly that many conditionals kept (XLA:CPU)."""
+  import gpu
+
+  p = [jnp.full((16,), float(i)) for i in range(5)]
+  g = [jnp.full((16,), 0.5 * i + 1.0) for i in range(5)]
+  flags = jnp.ones(max(n, 1), bool)
+  step = jax.jit(gpu.conditional_chain(n))
+  chex.assert_trees_all_equal(step(p, g, flags), [a + b for a, b in zip(p, g, strict=True)])
+  assert debug.conditionals(step.lower(p, g, flags).compile()) == n
