@@ -190,6 +190,12 @@ def _standard_step(tx: Any) -> Callable[[Tree, Any, Tree], tuple[Tree, Any]]:
   return step
 
 
+def _window_updates(opt: optax.GradientTransformation, k: int, acc: Tree, grads: Tree,
+                    opt_state: Any, params: Tree) -> tuple[Tree, Any]:
+  """``opt.update`` on the window's mean ``(acc + g) / k``."""
+  return opt.update(jax.tree.map(lambda a, g: (a + g) / k, acc, grads), opt_state, params)
+
+
 def _window_sum_reference(opt: optax.GradientTransformation, k: int) -> Program:
   """``opt`` on ``(acc + g) / k``, applied: an emitting step's work, no accumulation.
 
@@ -200,8 +206,7 @@ def _window_sum_reference(opt: optax.GradientTransformation, k: int) -> Program:
   """
   def step(params: Tree, state: Any, grads: Tree) -> tuple[Tree, Any]:
     opt_state, acc = state
-    window = jax.tree.map(lambda a, g: (a + g) / k, acc, grads)
-    updates, opt_state = opt.update(window, opt_state, params)
+    updates, opt_state = _window_updates(opt, k, acc, grads, opt_state, params)
     return optax.apply_updates(params, updates), (opt_state, acc)
   return Program("ref_window_sum", None, step,
                  lambda p: (opt.init(p), jax.tree.map(jnp.zeros_like, p)))
@@ -221,8 +226,7 @@ def _protocol_reference(opt: optax.GradientTransformation, k: int) -> Program:
 
     def emit(operands: tuple[Any, Tree]) -> tuple[Any, Tree]:
       opt_state, acc = operands
-      window = jax.tree.map(lambda a, g: (a + g) / k, acc, grads)
-      updates, opt_state = opt.update(window, opt_state, params)
+      updates, opt_state = _window_updates(opt, k, acc, grads, opt_state, params)
       return opt_state, updates
 
     opt_state, acc = jax.lax.cond(on, emit, lambda operands: operands, (opt_state, acc))

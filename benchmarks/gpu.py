@@ -112,7 +112,7 @@ def precision_setting() -> dict[str, Any]:
 
 
 # ------------------------------------------------------- conditional cost
-def conditional_chain(n: int) -> Callable[[Tree, Tree, jax.Array], Tree]:
+def conditional_split(n: int) -> Callable[[Tree, Tree, jax.Array], Tree]:
   """A step adding ``g`` into ``p`` (a list of leaves) inside ``n`` ``lax.cond``s.
 
   Conditional ``i`` adds leaves ``i, i + n, ...`` and every predicate is true,
@@ -149,7 +149,7 @@ def conditional_cost(rounds: int, calls: int, log: Callable[[str], None]) -> lis
   progs = {}
   for n in (0, 1, 2):
     flags = jnp.ones(max(n, 1), bool)
-    compiled = jax.jit(conditional_chain(n), donate_argnums=(0,)).lower(
+    compiled = jax.jit(conditional_split(n), donate_argnums=(0,)).lower(
         params, grads, flags).compile()
     progs[n] = {"compiled": compiled, "flags": flags, "carry": jax.tree.map(jnp.copy, params),
                 "conditionals": oa.debug.conditionals(compiled), "samples": []}

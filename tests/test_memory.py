@@ -282,6 +282,6 @@ def test_gpu_conditional_probe_does_the_same_work(n: int) -> None:
   p = [jnp.full((16,), float(i)) for i in range(5)]
   g = [jnp.full((16,), 0.5 * i + 1.0) for i in range(5)]
   flags = jnp.ones(max(n, 1), bool)
-  step = jax.jit(gpu.conditional_chain(n))
+  step = jax.jit(gpu.conditional_split(n))
   chex.assert_trees_all_equal(step(p, g, flags), [a + b for a, b in zip(p, g, strict=True)])
   assert debug.conditionals(step.lower(p, g, flags).compile()) == n
