@@ -5,8 +5,9 @@ Every error names the argument at fault and says how to fix it.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -125,6 +126,7 @@ def check_grad_dtypes(grads: Any, buffer: Any, explicit: bool) -> None:
   wider than the buffer built by ``init`` (float64 into float32) loses
   precision, which is allowed only when the buffer dtype was asked for.
   """
+  check_no_float0(grads)
   for (path, g), b in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
                           jax.tree.leaves(buffer), strict=True):
     g_dtype, b_dtype = jnp.result_type(g), jnp.result_type(b)
@@ -142,6 +144,23 @@ def check_grad_dtypes(grads: Any, buffer: Any, explicit: bool) -> None:
           f" {b_dtype} accumulator that `init` built from the params: it would"
           " lose precision. Pass `accumulator_dtype` explicitly (a narrower"
           " one is then accepted), or init with params of the gradients' dtype."
+      )
+
+
+def check_no_float0(grads: Any, where: str = "gradient") -> None:
+  """Raises on a ``float0`` leaf: the cotangent of an integer leaf (``allow_int=True``).
+
+  Nothing can be summed or stepped on it (optax's optimizers reject it too):
+  the integer leaves must stay out of what is differentiated.
+  """
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    if getattr(g, "dtype", None) == jax.dtypes.float0:
+      raise TypeError(
+          f"The {where} at {_path_str(path)} has dtype float0: it is the cotangent of an"
+          " integer leaf (jax.grad(..., allow_int=True)), which cannot be accumulated"
+          " or stepped on. Leave integer leaves out of what you differentiate and"
+          " optimise: split them off first, e.g. `params, static ="
+          " eqx.partition(model, eqx.is_inexact_array)`, and differentiate `params`."
       )
 
 
@@ -323,14 +342,16 @@ def pcast_varying(x: jax.Array, names: tuple[Any, ...]) -> jax.Array:
   return jax.lax.pvary(x, names)  # older jax
 
 
-def explicit_axes(axis_name: Any) -> tuple[Any, ...] | None:
+def explicit_axes(axis_name: Any, *, check: bool = True) -> tuple[Any, ...] | None:
   """The axes, if ``axis_name`` names Explicit axes of the current mesh (plain jit).
 
   None when they are manual axes (``shard_map``, ``pmap``): there the
   cross-device reduction is a ``psum``. Under ``jax.jit`` in explicit-sharding
   mode the gradients arrive *unreduced* over these axes and the reduction is a
   ``jax.reshard``. Auto axes carry no such types: that is an error, as is a
-  mix of kinds.
+  mix of kinds. With ``check=False`` (``init``, which ``jax.pmap`` maps
+  without naming the axis) an axis that is neither on the mesh nor bound is
+  not an error: it is checked where it is used.
   """
   if axis_name is None:
     return None
@@ -339,7 +360,7 @@ def explicit_axes(axis_name: Any) -> tuple[Any, ...] | None:
   kinds = axis_kinds(mesh, axes)
   if kinds is None:
     names = tuple(getattr(mesh, "axis_names", ()) or ())
-    if names and not _bound(axes):
+    if check and names and not _bound(axes):
       raise ValueError(
           f"`axis_name={axis_name!r}` is not an axis of the current mesh (its axes are"
           f" {names}) nor a bound pmap/shard_map axis. Pass one of the mesh's axes."
@@ -355,6 +376,45 @@ def explicit_axes(axis_name: Any) -> tuple[Any, ...] | None:
       " and jax.set_mesh) for jit with unreduced gradients, or Manual ones"
       " (inside shard_map) for psum: not Auto axes, and not a mix."
   )
+
+
+def inputs_mesh(tree: Any) -> Any:
+  """The mesh of the first leaf of ``tree`` placed on one with Explicit axes, or None.
+
+  A concrete array gives its ``Mesh``; a tracer (under ``jax.jit``) the
+  ``AbstractMesh`` in its type.
+  """
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.core.Tracer):
+      sharding = getattr(jax.typeof(x), "sharding", None)
+    else:
+      sharding = getattr(x, "sharding", None)  # an array's, or a ShapeDtypeStruct's
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and not mesh.empty and any(
+        str(t).endswith("Explicit") for t in mesh.axis_types):
+      return mesh
+  return None
+
+
+@contextlib.contextmanager
+def inputs_mesh_context(tree: Any) -> Iterator[None]:
+  """Enters the mesh ``tree``'s arrays are placed on, when no mesh is set.
+
+  The pjit idiom places arrays with ``NamedSharding(mesh, spec)`` and never
+  calls ``jax.set_mesh``; a new array typed with a ``PartitionSpec`` (the
+  unreduced buffer, a cond's zeros, a reshard) needs a mesh in context. Under
+  ``jax.jit`` the inputs' abstract mesh is entered, eagerly the concrete one.
+  A set mesh, or inputs on no Explicit mesh, leave everything as it is.
+  """
+  mesh = None if not jax.sharding.get_abstract_mesh().empty else inputs_mesh(tree)
+  if mesh is None:
+    yield
+  elif isinstance(mesh, jax.sharding.Mesh):
+    with jax.set_mesh(mesh):
+      yield
+  else:
+    with jax.sharding.use_abstract_mesh(mesh):
+      yield
 
 
 def _bound(axes: tuple[Any, ...]) -> bool:
@@ -386,14 +446,14 @@ def check_grads_unreduced(grads: Any, axes: tuple[Any, ...]) -> None:
           f"The gradient at {_path_str(path)} is already reduced over {sorted(want)}"
           f" (its type {jax.typeof(g)} has no {{U:...}}): jax.grad with respect to"
           " replicated params reduces it on every micro-step, which is what"
-          " `accumulate(..., axis_name=...)` under jit avoids. Differentiate with"
-          " respect to `optax_accum.sharding.defer_reduction(params,"
+          " `accumulate(..., axis_name=...)` under jit avoids. Take the gradients with"
+          " `optax_accum.sharding.local_value_and_grad(loss,"
           f" {axis_name_repr(axes)})`."
       )
     raise ValueError(
         f"The gradient at {_path_str(path)} is unreduced over {sorted(have)} but the"
         f" accumulator reduces over {sorted(want)}. Pass the same axes to"
-        " `defer_reduction` and to `accumulate(..., axis_name=...)`."
+        " `local_value_and_grad` and to `accumulate(..., axis_name=...)`."
     )
 
 

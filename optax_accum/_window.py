@@ -99,7 +99,7 @@ def init_window(config: Config, params: optax.Params) -> Window:
   Under ``jax.jit`` with explicit sharding and ``axis_name`` naming data axes,
   the buffer is typed *unreduced* over them: each device keeps its partial sum.
   """
-  unreduced = _validation.explicit_axes(config.axis_name)
+  unreduced = _validation.explicit_axes(config.axis_name, check=False)
 
   def zeros(p: jax.Array) -> jax.Array:
     dtype = _validation.accumulator_dtype(jnp.result_type(p), config.acc_dtype)

@@ -199,7 +199,9 @@ def accumulate(
 
   def init_fn(params: optax.Params) -> AccumulateState:
     """An empty window and the inner optimizer's initial state."""
-    window = _window.init_window(config, params)
+    with _validation.inputs_mesh_context(params):
+      window = _window.init_window(config, params)
+      inner_state = () if config.inner is None else config.inner.init(params)
     return AccumulateState(
         mini_step=window.mini_step,
         gradient_step=window.gradient_step,
@@ -207,7 +209,7 @@ def accumulate(
         acc_weight=window.acc_weight,
         num_skipped=jnp.zeros([], jnp.int32) if skip_nonfinite else (),
         emitted=jnp.zeros([], jnp.bool_),
-        inner_opt_state=() if config.inner is None else config.inner.init(params),
+        inner_opt_state=inner_state,
         noise_stats=window.noise,
     )
 
@@ -232,6 +234,11 @@ def accumulate(
           "`state` must be the AccumulateState returned by this transform's"
           f" `init`; got {type(state).__name__}."
       )
+    with _validation.inputs_mesh_context((updates, params)):
+      return update_in_mesh(updates, state, params, weight, emit_now, extra_args)
+
+  def update_in_mesh(updates: optax.Updates, state: AccumulateState, params: Any, weight: Any,
+                     emit_now: Any, extra_args: dict[str, Any]) -> tuple[Any, AccumulateState]:
     mode = begin_update(updates, state.acc_grads, extra_args, config, strict=strict_kwargs,
                         where="the update of `accumulate`", own=("weight", "emit_now"))
     flushing = mode == _FLUSH

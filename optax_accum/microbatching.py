@@ -583,11 +583,16 @@ def microbatched(
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
     call = functools.partial(fn, **kwargs)
-    place = _place(config, args)
-    if place is not None:
-      return _run_on_mesh(call, config, place, args)
-    return _run(call, config, _split_inputs(config, args))
+    with _validation.inputs_mesh_context(args):
+      place = _place(config, args)
+      if place is not None:
+        return _run_on_mesh(call, config, place, args)
+      return _run(call, config, _split_inputs(config, args))
 
+  # Equinox warns of a "JAX-transformed callable" when a function's
+  # `__wrapped__` chain reaches a module with array-like fields (its
+  # `filter_value_and_grad` wrapper has a bool): keep the name, not the link.
+  del wrapped.__wrapped__
   return wrapped
 
 
@@ -716,7 +721,8 @@ def _run(
   reduce-scattered over ``axis_name`` instead of all-reduced: ``(dim, axes)``.
   """
   step = functools.partial(_call_microbatch, call, config)
-  shapes = _unpack(config, jax.eval_shape(step, inputs, jnp.zeros([], jnp.int32)))
+  shapes = _unpack(config, _eval_shape(step, inputs, jnp.zeros([], jnp.int32)))
+  _validation.check_no_float0(shapes.grads, where="gradient `fn` returns")
   plan = _resolve_aux_rules(config, shapes.aux) if config.has_aux else None
 
   def body(carry: _Carry, idx: jax.Array) -> tuple[_Carry, list[Any]]:
@@ -730,6 +736,29 @@ def _run(
   aux = None if plan is None else _aux_outputs(config, plan, carry.aux, stacked)
   out = ((num, aux) if config.has_aux else num), grads
   return (out, stats) if config.return_noise_stats else out
+
+
+def _eval_shape(f: Callable[..., Any], *args: Any) -> Any:
+  """``jax.eval_shape(f, *args)`` where only the array leaves of ``args`` are abstract.
+
+  Every other leaf (an Equinox module's activation function, a Python
+  number) is static: passed to ``f`` as it is, the way ``eqx.filter_jit``
+  and the loop itself pass it.
+  """
+  leaves, treedef = jax.tree.flatten(args)
+  where = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+  def on_arrays(*arrays: Any) -> Any:
+    full = list(leaves)
+    for i, x in zip(where, arrays, strict=True):
+      full[i] = x
+    return f(*jax.tree.unflatten(treedef, full))
+
+  return jax.eval_shape(on_arrays, *[leaves[i] for i in where])
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def _filled(s: jax.ShapeDtypeStruct, dtype: Any, fill: Any = 0) -> jax.Array:

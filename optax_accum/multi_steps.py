@@ -155,9 +155,10 @@ class MultiSteps:
       should_skip, skip_state = self._should_skip(updates, state.gradient_step, params)
       accept = jnp.logical_not(_check_skip(should_skip))
     window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads, (), noise)
-    out = _window.micro_step(
-        self._config, updates, window, state.inner_opt_state, params, accept=accept,
-        emit_now=mode == _FLUSH, apply=mode == _APPLY, extra_args=extra_args)
+    with _validation.inputs_mesh_context((updates, params)):
+      out = _window.micro_step(
+          self._config, updates, window, state.inner_opt_state, params, accept=accept,
+          emit_now=mode == _FLUSH, apply=mode == _APPLY, extra_args=extra_args)
     new_state = optax.MultiStepsState(
         mini_step=out.window.mini_step,
         gradient_step=out.window.gradient_step,

@@ -2,13 +2,16 @@
 
 Three ways to run :func:`~optax_accum.accumulate` data-parallel:
 
-* **plain jit, explicit sharding** (``AxisType.Explicit`` mesh axes,
-  ``jax.set_mesh``): differentiate with respect to
-  :func:`defer_reduction` ``(params, "data")`` so the gradients come back
-  *unreduced* (each device holds its partial sum), and build
-  ``accumulate(k, opt, axis_name="data")``: its buffer stays unreduced,
-  mid-steps move no gradient bytes between devices, and the emitting step
-  reduces once (an all-reduce, or a reduce-scatter for FSDP-sharded params).
+* **plain jit, explicit sharding** (the batch sharded over ``AxisType.Explicit``
+  mesh axes, ``jax.make_mesh``'s default; ``jax.set_mesh`` optional): take the
+  gradients with :func:`local_value_and_grad` ``(loss, "data")``: the model
+  runs unmodified on each device's rows and the gradients come back
+  *unreduced* (each device holds its share); ``accumulate(k, opt,
+  axis_name="data")`` keeps its buffer unreduced, mid-steps move no gradient
+  bytes between devices, and the emitting step reduces once (an all-reduce,
+  or a reduce-scatter for FSDP-sharded params).
+  A model written for explicit sharding over more axes (tensor parallel)
+  differentiates :func:`defer_reduction` ``(params, "data")`` instead.
 * **shard_map with** ``axis_name``: each device keeps its own buffer.
   :func:`per_device_state` wraps the transform so those per-device leaves
   carry a leading device axis, and :func:`shard_map_specs` gives the matching
@@ -22,15 +25,19 @@ params, for ``jax.jit(tx.init, out_shardings=...)``.
 
 from __future__ import annotations
 
+import math
 import warnings
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from optax_accum import _validation, debug
+from optax_accum._validation import axis_name_repr
 from optax_accum._window import strip_axes
 from optax_accum.accumulation import AccumulateState
 from optax_accum.gradient_noise import NoiseScaleState
@@ -38,6 +45,7 @@ from optax_accum.gradient_noise import NoiseScaleState
 __all__ = [
     "broadcast_like",
     "defer_reduction",
+    "local_value_and_grad",
     "per_device_state",
     "shard_map_specs",
     "state_shardings",
@@ -406,6 +414,187 @@ def shard_map_specs(
                       is_leaf=lambda n: isinstance(n, AccumulateState))
 
 
+def local_value_and_grad(
+    fn: Callable[..., Any],
+    axis_name: Any,
+    *,
+    batch_argnums: int | Sequence[int] = 1,
+    has_aux: bool = False,
+    combine: str = "mean",
+) -> Callable[..., Any]:
+  """Like ``jax.value_and_grad(fn)``, with gradients left unreduced over ``axis_name``.
+
+  For data parallelism under plain ``jax.jit`` on a mesh whose ``axis_name``
+  axes are Explicit (``jax.make_mesh``'s default), with the batch sharded
+  over them, with or without ``jax.set_mesh``. Each device runs ``fn``, an
+  unmodified model's loss, on its own rows of the batch (a ``shard_map``
+  over ``axis_name``) and keeps its share of the global mean gradient:
+  the gradients come back typed *unreduced* (``float32[...]{U:data}``),
+  nothing is communicated, and :func:`~optax_accum.accumulate` with the same
+  ``axis_name`` reduces the window once, when it closes (an all-reduce, or a
+  reduce-scatter onto FSDP-sharded params). Params sharded over
+  ``axis_name`` are all-gathered for the forward pass, as FSDP does.
+
+  Args:
+    fn: ``fn(params, *args) -> loss`` (``(loss, aux)`` with ``has_aux``), the
+      mean loss over the rows it is given. The gradient is taken with respect
+      to ``params``, the first argument.
+    axis_name: the data axis (or tuple of axes) the batch is sharded over.
+    batch_argnums: the positions of the batch arguments (an int or a tuple),
+      split over ``axis_name`` along their leading axis; the other arguments
+      are given whole to every device.
+    has_aux: ``fn`` returns ``(loss, aux)``; the aux comes back as the mean of
+      the devices' values.
+    combine: how the devices' losses make the global one. ``"mean"``
+      (default): ``fn`` returns the mean over its rows, and the global loss is
+      the mean over the devices (the mean over all rows, as every device holds
+      as many). ``"sum"``: ``fn`` returns its share and the shares add up,
+      e.g. a token-weighted loss, the sum of its token losses over the
+      *global* token count passed in as an argument (then
+      ``accumulate(..., reduction="weighted")`` takes that count as ``weight``).
+
+  Returns:
+    ``f(params, *args) -> (loss, grads)`` (``((loss, aux), grads)`` with
+    ``has_aux``): the global loss, and its gradients unreduced over
+    ``axis_name``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, optax_accum as oa
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from optax_accum.sharding import local_value_and_grad
+    >>> mesh = jax.make_mesh((8,), ("data",))  # Explicit axes; no jax.set_mesh
+    >>> params = jax.device_put({"w": jnp.ones((3, 2)), "b": jnp.zeros(2)},
+    ...                         NamedSharding(mesh, P()))
+    >>> def loss(p, x):  # an unmodified model: a bias add needs no rewrite
+    ...   return jnp.mean((x @ p["w"] + p["b"]) ** 2)
+    >>> grad_fn = local_value_and_grad(loss, "data")
+    >>> tx = oa.accumulate(2, optax.sgd(0.1), axis_name="data")
+    >>> state = tx.init(params)
+    >>> @jax.jit
+    ... def step(params, state, x):
+    ...   value, grads = grad_fn(params, x)
+    ...   return (*oa.update_and_apply(tx, grads, state, params), value)
+    >>> x = jax.device_put(np.ones((16, 3), np.float32), NamedSharding(mesh, P("data")))
+    >>> print(jax.typeof(grad_fn(params, x)[1]["w"]))
+    float32[3,2]{U:data}
+    >>> for _ in range(2):
+    ...   params, state, value = step(params, state, x)
+    >>> float(value), params["b"].tolist()  # one SGD step on the mean gradient (3, 3)
+    (9.0, [-0.30000001192092896, -0.30000001192092896])
+  """
+  if not callable(fn):
+    raise TypeError(f"`fn` must be callable (the loss of the model); got {fn!r}.")
+  axes = _validation.axis_names(axis_name)
+  b_nums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+  if not b_nums or 0 in b_nums or not all(isinstance(i, int) and i > 0 for i in b_nums):
+    raise ValueError(
+        f"`batch_argnums` must name the batch arguments of `fn` by position (> 0:"
+        f" argument 0 is the params being differentiated); got {batch_argnums!r}."
+    )
+  if not isinstance(has_aux, bool):
+    raise TypeError(f"`has_aux` must be a bool; got {has_aux!r}.")
+  if combine not in ("mean", "sum"):
+    raise ValueError(
+        f"`combine` must be 'mean' (fn returns the mean over its rows) or 'sum' (fn returns"
+        f" its share of the global loss); got {combine!r}.")
+
+  def value_and_grad(params: Any, *args: Any) -> Any:
+    with _validation.inputs_mesh_context((params, args)):
+      mesh = jax.sharding.get_abstract_mesh()
+      if _validation.axis_kinds(mesh, axes) != {"Explicit"}:
+        raise ValueError(
+            f"`local_value_and_grad` needs `axis_name={axis_name!r}` to name Explicit axes"
+            " of the mesh the params and batch are placed on (jax.make_mesh gives"
+            f" Explicit axes by default); the mesh here has axes {mesh.axis_names or '()'}"
+            f" of kinds {[str(t).rsplit('.', 1)[-1] for t in mesh.axis_types]}. Inside"
+            " shard_map or pmap use jax.value_and_grad on"
+            " `jax.lax.pcast(params, axis_name, to='varying')` instead."
+        )
+      share = 1 / math.prod(mesh.shape[a] for a in axes) if combine == "mean" else 1
+      return _local_value_and_grad(fn, axes, b_nums, has_aux, share, mesh, params, args)
+
+  return value_and_grad
+
+
+def _local_value_and_grad(fn: Callable[..., Any], axes: tuple[Any, ...], b_nums: tuple[int, ...],
+                          has_aux: bool, share: float, mesh: Any, params: Any,
+                          args: tuple[Any, ...]) -> Any:
+  """The body of :func:`local_value_and_grad`, under its mesh."""
+  if max(b_nums) > len(args):
+    raise ValueError(
+        f"`batch_argnums={b_nums}` names argument {max(b_nums)} but `fn` got"
+        f" {len(args) + 1} arguments.")
+  entry = axes[0] if len(axes) == 1 else axes
+  inputs = _ArrayLeaves.of((params, *args))
+  is_batch = [path[0].idx in b_nums for path in inputs.paths]  # path[0]: fn's argnum
+  for path, x, batch in zip(inputs.paths, inputs.arrays, is_batch, strict=True):
+    other = {a for e in _partitions(x)[1 if batch else 0:] if e is not None
+             for a in _validation.axis_names(e)} - set(axes)
+    if other:
+      raise ValueError(
+          f"`local_value_and_grad`: argument {path[0].idx}{jax.tree_util.keystr(path[1:])} of"
+          " `fn` is sharded over"
+          f" the mesh axes {sorted(other)}, which are not `axis_name={axis_name_repr(axes)}`."
+          " It runs `fn` on whole params per device (JAX returns unreduced gradients"
+          " only from a shard_map manual over every mesh axis), so it cannot keep a"
+          " tensor-parallel layout. For such a model written for explicit sharding use"
+          " `defer_reduction`; or shard only over the data axes (FSDP over them is fine).")
+  # FSDP: params sharded over the data axes are all-gathered for the forward pass.
+  whole = lambda x: jax.reshard(x, PartitionSpec(*strip_axes(_partitions(x), axes)))
+  arrays = [x if batch else whole(x) for x, batch in zip(inputs.arrays, is_batch, strict=True)]
+  in_specs = tuple(PartitionSpec(entry) if batch else PartitionSpec() for batch in is_batch)
+
+  def per_device(*arrays: Any) -> Any:
+    params, *args = inputs.rebuild(arrays)
+
+    def scaled(p: Any) -> tuple[jax.Array, Any]:
+      out = fn(p, *args)
+      loss, aux = out if has_aux else (out, None)
+      return loss * share, aux  # this device's share of the global loss
+
+    local = jax.tree.map(lambda x: _validation.pcast_varying(x, axes), params)
+    (loss, aux), grads = jax.value_and_grad(scaled, has_aux=True)(local)
+    loss = jax.lax.psum(loss, axes)
+    aux = jax.tree.map(lambda a: jax.lax.pmean(a, axes), aux)
+    return (loss, aux), grads
+
+  unreduced = PartitionSpec(unreduced=set(axes))
+  (loss, aux), grads = jax.shard_map(
+      per_device, mesh=mesh, in_specs=in_specs, out_specs=((PartitionSpec(), PartitionSpec()),
+                                                          unreduced),
+      axis_names=set(mesh.axis_names))(*arrays)
+  return ((loss, aux), grads) if has_aux else (loss, grads)
+
+
+def _partitions(x: Any) -> tuple[Any, ...]:
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  return tuple(spec.partitions) if spec is not None else ()
+
+
+class _ArrayLeaves(NamedTuple):
+  """A pytree's array leaves (what crosses a ``shard_map``); the others stay static."""
+
+  arrays: list[Any]
+  paths: list[Any]  # the key path of each array leaf
+  leaves: list[Any]  # every leaf
+  where: list[int]  # the positions of the array leaves among them
+  treedef: Any
+
+  @classmethod
+  def of(cls, tree: Any) -> _ArrayLeaves:
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [x for _, x in with_paths]
+    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+    return cls([leaves[i] for i in where], [with_paths[i][0] for i in where], leaves, where,
+               treedef)
+
+  def rebuild(self, arrays: Sequence[Any]) -> Any:
+    leaves = list(self.leaves)
+    for i, x in zip(self.where, arrays, strict=True):
+      leaves[i] = x
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
 def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
   """``params`` typed so that their gradients come back unreduced over ``axis_name``.
 
@@ -418,6 +607,13 @@ def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
   reduces them once, when the window closes. (``microbatched`` needs none of
   this: under plain jit it reads the data axes from the batch's type.)
   Params sharded over ``axis_name`` (FSDP) are all-gathered over it here.
+
+  Prefer :func:`local_value_and_grad`: it runs the model unmodified (here
+  every bias add needs :func:`broadcast_like`) and needs no ``jax.set_mesh``.
+  This is the way for a model written for explicit sharding over more mesh
+  axes than the data ones (tensor parallelism): JAX 0.10 returns unreduced
+  gradients only from a ``shard_map`` manual over every axis, which
+  ``local_value_and_grad`` cannot be for such a model.
 
   Args:
     params: the params, placed on an explicit mesh (``jax.set_mesh``).
@@ -473,6 +669,7 @@ def broadcast_like(x: jax.Array, like: jax.Array) -> jax.Array:
   first is free: each device already holds the whole param, and its gradient
   stays unreduced. A value that is not reduced is returned as it is (ordinary
   broadcasting applies), so a model can call this unconditionally.
+  Only :func:`defer_reduction` needs it.
 
   Example:
     >>> import jax, jax.numpy as jnp

@@ -2,9 +2,11 @@
 
 The params are placed on an ``AxisType.Explicit`` mesh entered with
 ``jax.set_mesh``; the batch is sharded over ``"data"``. Gradients are taken
-with respect to ``defer_reduction(params, "data")``, so they come back
-unreduced (each device's partial sum), and ``accumulate(k, opt,
-axis_name="data")`` reduces the window once, when it closes.
+with ``local_value_and_grad(loss, "data")`` from the unmodified model, so they
+come back unreduced (each device's share), and ``accumulate(k, opt,
+axis_name="data")`` reduces the window once, when it closes. On the 2-D
+FSDP + tensor-parallel mesh the model is written for explicit sharding and
+differentiated with respect to ``defer_reduction(params, "data")``.
 
 Every run is compared with an independent single-device reference: the inner
 optimizer applied once per window to the gradient of the whole window's data
@@ -30,7 +32,12 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
 from optax_accum.debug import Collective, hlo_collectives
-from optax_accum.sharding import broadcast_like, defer_reduction, state_shardings
+from optax_accum.sharding import (
+    broadcast_like,
+    defer_reduction,
+    local_value_and_grad,
+    state_shardings,
+)
 
 N_DEV = 8
 pytestmark = pytest.mark.skipif(
@@ -97,7 +104,7 @@ def per_example_loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def sharded_per_example_loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-  """The same model on the explicit mesh (batch over "data")."""
+  """The model written for explicit sharding, for ``defer_reduction`` (reduced params)."""
   z = x @ params["w1"]
   h = jnp.tanh(z + broadcast_like(params["b1"], z))
   # On the FSDP mesh this contracts over "model": an all-reduce of activations.
@@ -143,16 +150,32 @@ def large_batch_reference(
 
 
 def make_step(
-    tx: optax.GradientTransformation, *, apply: bool, deferred: bool = True,
-    weighted: bool = False,
+    tx: optax.GradientTransformation, *, apply: bool, grads_by: str = "local",
+    weighted: bool = False, model: Callable[..., jax.Array] = per_example_loss,
 ) -> Callable[..., Any]:
-  """The jitted train step: one micro-batch in, ``(params, state)`` out."""
+  """The jitted train step: one micro-batch in, ``(params, state)`` out.
+
+  ``grads_by``: ``"local"`` (``local_value_and_grad``, unreduced), ``"plain"``
+  (``jax.grad``, reduced by XLA on every call) or ``"deferred"``
+  (``defer_reduction`` with the model written for explicit sharding).
+  """
+  loss = lambda p, x, y, mask: batch_loss(model, p, x, y, mask, weighted)
+  local = local_value_and_grad(loss, "data", batch_argnums=(1, 2, 3))
+  # Token-weighted: each device's share is its masked sum over the global count.
+  share = lambda p, x, y, mask, count: jnp.sum(model(p, x, y) * mask) / jnp.maximum(count, 1.0)
+  local_weighted = local_value_and_grad(share, "data", batch_argnums=(1, 2, 3), combine="sum")
 
   def step(params: Any, state: Any, x: jax.Array, y: jax.Array, mask: jax.Array,
            emit_now: jax.Array) -> tuple[Any, Any]:
-    local = defer_reduction(params, "data") if deferred else params
-    grads = jax.grad(batch_loss, argnums=1)(
-        sharded_per_example_loss, local, x, y, mask, weighted)
+    if grads_by == "local" and weighted:
+      _, grads = local_weighted(params, x, y, mask, jnp.sum(mask))
+    elif grads_by == "local":
+      _, grads = local(params, x, y, mask)
+    elif grads_by == "deferred":
+      grads = jax.grad(batch_loss, argnums=1)(
+          sharded_per_example_loss, defer_reduction(params, "data"), x, y, mask, weighted)
+    else:
+      grads = jax.grad(loss)(params, x, y, mask)
     kwargs: dict[str, Any] = {"emit_now": emit_now}
     if weighted:
       kwargs["weight"] = jnp.sum(mask)  # real examples: a global scalar under jit
@@ -172,14 +195,14 @@ def place_params(specs: dict[str, P]) -> dict[str, jax.Array]:
 def train(
     mesh: Mesh, specs: dict[str, P], tx: optax.GradientTransformation,
     data: tuple[np.ndarray, np.ndarray, np.ndarray], emit_now: Sequence[bool], *,
-    apply: bool, weighted: bool = False,
+    apply: bool, weighted: bool = False, **step_options: Any,
 ) -> tuple[Any, Any, list[bool]]:
   """``(params, state, emitted per micro-batch)`` after one step per micro-batch."""
   x, y, mask = data
   with jax.set_mesh(mesh):
     params = place_params(specs)
     state = tx.init(params)
-    step = make_step(tx, apply=apply, weighted=weighted)
+    step = make_step(tx, apply=apply, weighted=weighted, **step_options)
     emitted = []
     for i, now in enumerate(emit_now):
       batch = [jax.device_put(a[i], P("data")) for a in (x, y, mask)]
@@ -278,7 +301,7 @@ def test_fsdp_matches_large_batch_and_keeps_shardings(apply: bool) -> None:
   data = make_data(k * windows)
   tx = oa.accumulate(k, inner_opt(), axis_name="data")
   params, state, emitted = train(fsdp_mesh(), FSDP, tx, data, [False] * (k * windows),
-                                 apply=apply)
+                                 apply=apply, grads_by="deferred")
   plan = [range(w * k, (w + 1) * k) for w in range(windows)]
   assert emitted == window_ends(plan)
   trace = state.inner_opt_state[0].trace
@@ -312,7 +335,7 @@ def test_state_shardings_keeps_the_buffer_unreduced() -> None:
   with jax.set_mesh(fsdp_mesh()):
     params = place_params(FSDP)
     state = jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)
-    step = make_step(tx, apply=True)
+    step = make_step(tx, apply=True, grads_by="deferred")
     for i in range(k):
       batch = [jax.device_put(a[i], P("data")) for a in data]
       params, state = step(params, state, *batch, jnp.asarray(False))
@@ -332,12 +355,12 @@ def reductions(compiled: Any) -> tuple[list[Collective], list[Collective]]:
 
 
 def compile_step(
-    mesh: Mesh, specs: dict[str, P], tx: optax.GradientTransformation, *, deferred: bool,
+    mesh: Mesh, specs: dict[str, P], tx: optax.GradientTransformation, **step_options: Any,
 ) -> Any:
   data = make_data(1)
   with jax.set_mesh(mesh):
     params = place_params(specs)
-    step = make_step(tx, apply=True, deferred=deferred)
+    step = make_step(tx, apply=True, **step_options)
     batch = [jax.device_put(a[0], P("data")) for a in data]
     return step.lower(params, tx.init(params), *batch, jnp.asarray(False)).compile()
 
@@ -358,14 +381,13 @@ def local_buffer_bytes(mesh: Mesh, specs: dict[str, P]) -> int:
 def test_replicated_hlo_one_all_reduce_per_window() -> None:
   mesh, k = data_mesh(), 8
   grad_bytes = sum(v.nbytes for v in make_params().values())
-  ours = compile_step(mesh, REPLICATED, oa.accumulate(k, inner_opt(), axis_name="data"),
-                      deferred=True)
+  ours = compile_step(mesh, REPLICATED, oa.accumulate(k, inner_opt(), axis_name="data"))
   outside, emitting = reductions(ours)
   assert outside == []  # mid-steps move no gradient bytes
   assert 1 <= len(emitting) <= len(REPLICATED)  # one per leaf, or combined by XLA
   assert sum(c.bytes for c in emitting) == grad_bytes
 
-  naive = compile_step(mesh, REPLICATED, oa.accumulate(k, inner_opt()), deferred=False)
+  naive = compile_step(mesh, REPLICATED, oa.accumulate(k, inner_opt()), grads_by="plain")
   outside, emitting = reductions(naive)
   assert emitting == []
   assert sum(c.bytes for c in outside) == grad_bytes  # on every call: k times per window
@@ -375,7 +397,7 @@ def test_replicated_hlo_one_all_reduce_per_window() -> None:
 def test_fsdp_hlo_one_reduction_per_window() -> None:
   mesh, k = fsdp_mesh(), 8
   ours = compile_step(mesh, FSDP, oa.accumulate(k, inner_opt(), axis_name="data"),
-                      deferred=True)
+                      grads_by="deferred")
   outside, emitting = reductions(ours)
   # Outside the emitting branch: exactly the gradient computation's own
   # reductions (the activations' all-reduce over "model"), none over "data".
@@ -396,7 +418,8 @@ def test_fsdp_hlo_one_reduction_per_window() -> None:
   assert {c.op for c in emitting} <= {"all-reduce", "reduce-scatter"}
   assert sum(c.bytes for c in emitting) == local_buffer_bytes(mesh, FSDP)
 
-  naive = compile_step(mesh, FSDP, oa.accumulate(k, inner_opt()), deferred=False)
+  naive = compile_step(mesh, FSDP, oa.accumulate(k, inner_opt()), grads_by="plain",
+                       model=sharded_per_example_loss)
   outside, emitting = reductions(naive)
   assert emitting == []
   # The gradients are reduced on every call, on top of the activations.
@@ -406,26 +429,26 @@ def test_fsdp_hlo_one_reduction_per_window() -> None:
 # --- (d) wrong inputs: a clear error naming the fix ----------------------------------------
 
 
-def _one_step(mesh: Mesh, tx: optax.GradientTransformation, *, deferred: bool) -> None:
+def _one_step(mesh: Mesh, tx: optax.GradientTransformation, **step_options: Any) -> None:
   data = make_data(1)
   with jax.set_mesh(mesh):
     params = place_params(REPLICATED)
-    step = make_step(tx, apply=True, deferred=deferred)
+    step = make_step(tx, apply=True, **step_options)
     step(params, tx.init(params), *[jax.device_put(a[0], P("data")) for a in data],
          jnp.asarray(False))
 
 
 def test_reduced_gradients_with_axis_name_raise() -> None:
   tx = oa.accumulate(2, inner_opt(), axis_name="data")
-  with pytest.raises(ValueError, match=r"already reduced over \['data'\].*defer_reduction"):
-    _one_step(data_mesh(), tx, deferred=False)
+  with pytest.raises(ValueError, match=r"already reduced over \['data'\].*local_value_and_grad"):
+    _one_step(data_mesh(), tx, grads_by="plain")
 
 
 def test_unreduced_gradients_without_axis_name_raise() -> None:
   tx = oa.accumulate(2, inner_opt())
   with pytest.raises(ValueError, match=r"unreduced over \['data'\].*without `axis_name`"
                      r".*axis_name='data'"):
-    _one_step(data_mesh(), tx, deferred=True)
+    _one_step(data_mesh(), tx)
 
 
 def test_axis_name_on_an_auto_axis_raises() -> None:
@@ -435,8 +458,10 @@ def test_axis_name_on_an_auto_axis_raises() -> None:
     params = jax.device_put(make_params(), P())
     with pytest.raises(ValueError, match=r"kinds \['Auto'\].*Use Explicit axes"):
       tx.init(params)
-    with pytest.raises(ValueError, match=r"kinds \['Auto'\].*Use Explicit axes"):
-      defer_reduction(params, "data")
+    x = jax.device_put(make_data(1)[0][0], P("data"))
+    grad_fn = local_value_and_grad(lambda p, x: jnp.mean(x @ p["w1"]), "data")
+    with pytest.raises(ValueError, match=r"Explicit axes.*kinds \['Auto'\]"):
+      grad_fn(params, x)
 
 
 def test_axis_name_mixing_axis_types_raises() -> None:
@@ -448,19 +473,68 @@ def test_axis_name_mixing_axis_types_raises() -> None:
       tx.init(params)
 
 
-def test_state_built_outside_the_mesh_gets_a_clear_error() -> None:
-  tx = oa.accumulate(2, inner_opt(), axis_name="data")
+def test_no_set_mesh_trains_like_the_large_batch() -> None:
+  """The pjit idiom: arrays placed with NamedSharding, no ``jax.set_mesh`` anywhere."""
+  k = 2
+  data = make_data(2 * k)
   mesh = data_mesh()
+  tx = oa.accumulate(k, inner_opt(), axis_name="data")
   params = {name: jax.device_put(v, NamedSharding(mesh, P())) for name, v in make_params().items()}
-  state = tx.init(params)  # no mesh set: nothing says the buffer is a partial sum
-  x, y, mask = (jax.device_put(a[0], NamedSharding(mesh, P("data"))) for a in make_data(1))
-  with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"set_mesh"):
-    make_step(tx, apply=True)(params, state, x, y, mask, jnp.asarray(False))
+  state = tx.init(params)  # the mesh is read from the params' shardings
+  assert layout(state.acc_grads["w1"])[1] == {"data"}
+  step = make_step(tx, apply=False)
+  for i in range(2 * k):
+    batch = [jax.device_put(a[i], NamedSharding(mesh, P("data"))) for a in data]
+    params, state = step(params, state, *batch, jnp.asarray(False))
+  assert int(state.gradient_step) == 2
+  plan = [range(0, k), range(k, 2 * k)]
+  assert_trees_close(params, large_batch_reference(make_params(), plan, data, "mean"))
 
 
-def test_axis_name_missing_from_the_mesh_raises() -> None:
+def test_axis_name_missing_from_the_mesh_raises_where_it_is_used() -> None:
+  """``init`` does not need the axis (``pmap(tx.init)`` names none); ``update`` checks it."""
   tx = oa.accumulate(2, inner_opt(), axis_name="batch")
   with jax.set_mesh(data_mesh()):
     params = place_params(REPLICATED)
-    with pytest.raises(ValueError, match=r"'batch'"):
-      tx.init(params)
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.zeros_like, params)
+    with pytest.raises(ValueError, match=r"`axis_name='batch'` is not an axis of the current mesh"):
+      tx.update(grads, state, params)
+
+
+# FSDP over the data axis alone: local_value_and_grad all-gathers the params
+# for the forward pass and the emitting step reduce-scatters the window.
+FSDP_DATA = {"w1": P("data"), "b1": P("data"), "w2": P(None, "data"), "b2": P()}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "weighted"])
+def test_local_grads_fsdp_over_data_matches_large_batch(reduction: str) -> None:
+  k, windows = 2, 2
+  data = make_data(k * windows)
+  tx = oa.accumulate(k, inner_opt(), reduction=reduction, axis_name="data")
+  params, state, _ = train(data_mesh(), FSDP_DATA, tx, data, [False] * (k * windows),
+                           apply=False, weighted=reduction == "weighted")
+  for name, spec in FSDP_DATA.items():
+    assert layout(params[name]) == param_layout(spec, params[name].ndim), name
+    assert layout(state.acc_grads[name]) == ((None,) * params[name].ndim, {"data"}), name
+  plan = [range(w * k, (w + 1) * k) for w in range(windows)]
+  assert_trees_close(params, large_batch_reference(make_params(), plan, data, reduction))
+
+
+@cpu_only
+def test_local_grads_fsdp_over_data_reduces_once_at_emit() -> None:
+  compiled = compile_step(data_mesh(), FSDP_DATA,
+                          oa.accumulate(8, inner_opt(), axis_name="data"))
+  outside, emitting = reductions(compiled)
+  assert outside == []  # the forward's all-gathers are not reductions
+  assert sum(c.bytes for c in emitting) == sum(v.nbytes for v in make_params().values())
+
+
+def test_local_grads_reject_a_tensor_parallel_layout() -> None:
+  with jax.set_mesh(fsdp_mesh()):
+    params = place_params(FSDP)
+    x = jax.device_put(make_data(1)[0][0], P("data"))
+    grad_fn = local_value_and_grad(lambda p, x: jnp.mean(x @ p["w1"]), "data")
+    with pytest.raises(ValueError, match=r"argument 0\['b1'\] of `fn` is sharded over the"
+                       r" mesh axes \['model'\].*defer_reduction"):
+      grad_fn(params, x)
