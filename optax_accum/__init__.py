@@ -35,6 +35,7 @@ from optax_accum.multi_steps import (
     skip_large_updates,
     skip_not_finite,
 )
+from optax_accum.planning import plan_k
 from optax_accum.precision import (
     DynamicLossScale,
     LossScaler,
@@ -73,6 +74,7 @@ __all__ = [
     "mixed_precision",
     "noise_scale",
     "per_device_state",
+    "plan_k",
     "scaled_value_and_grad",
     "shard_map_specs",
     "skip_large_updates",
