@@ -9,8 +9,9 @@ once per window, in the emitting branch of
 ``accumulate(k, opt, axis_name="data")``. Two ways to write the step:
 
 * ``--mode plain_jit``: plain ``jax.jit`` on an ``AxisType.Explicit`` mesh
-  (``jax.set_mesh``); gradients with respect to
-  ``defer_reduction(params, "data")`` come back unreduced (``{U:data}``).
+  (``jax.make_mesh``'s default; no ``jax.set_mesh``), the unmodified model;
+  gradients from ``local_value_and_grad(loss_fn, "data")`` come back
+  unreduced (``{U:data}``).
 * ``--mode shard_map`` (the default): gradients with respect to
   ``pcast(params, "data", to="varying")`` inside ``shard_map``, the buffer
   per device (``per_device_state``).
@@ -95,10 +96,7 @@ def make_data(windows: int, k: int, global_batch: int) -> tuple[Any, Any]:
 def loss_fn(params: Any, x: Any, y: Any) -> Any:
   import jax.numpy as jnp
 
-  from optax_accum.sharding import broadcast_like
-
-  z = x @ params["w"]
-  return jnp.mean((jnp.tanh(z + broadcast_like(params["b"], z)) - y) ** 2)
+  return jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - y) ** 2)
 
 
 # --- the two ways to write the train step -------------------------------------------------
@@ -150,29 +148,26 @@ def shard_map_step(k: int, host_params: Any) -> tuple[Any, Any, Any, Any]:
 
 
 def plain_jit_step(k: int, host_params: Any) -> tuple[Any, Any, Any, Any]:
-  """``(params, state, train_step, batch_sharding)``: plain jit, Explicit mesh.
-
-  Sets the mesh (``jax.set_mesh``) for the rest of the run.
-  """
+  """``(params, state, train_step, batch_sharding)``: plain jit, Explicit mesh, no set_mesh."""
   import jax
   import optax
-  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import optax_accum as oa
-  from optax_accum.sharding import defer_reduction
+  from optax_accum.sharding import local_value_and_grad
 
-  mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,))
-  jax.set_mesh(mesh)
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))  # Explicit axes by default
   tx = oa.accumulate(k, optax.sgd(LR, momentum=MOMENTUM), axis_name="data")
   params = replicated(mesh, host_params)
-  state = jax.jit(tx.init)(params)  # under the mesh: the buffer is typed {U:data}
+  state = tx.init(params)  # the mesh comes from the params: the buffer is typed {U:data}
+  grad_fn = local_value_and_grad(loss_fn, "data", batch_argnums=(1, 2))
 
   @jax.jit
   def train_step(p: Any, s: Any, x: Any, y: Any) -> tuple[Any, Any, Any]:
-    # Unreduced gradients (each device's partial sum): no all-reduce here. The
+    # Each device's share of the gradient (unreduced): no all-reduce here. The
     # window is reduced once, in the emitting branch, to the params' sharding.
-    grads = jax.grad(loss_fn)(defer_reduction(p, "data"), x, y)
+    _, grads = grad_fn(p, x, y)
     p, s = oa.update_and_apply(tx, grads, s, p)
     return p, s, s.emitted
 

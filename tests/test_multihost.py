@@ -2,7 +2,8 @@
 
 Training is checked in both of ``examples/multihost.py``'s modes: ``shard_map``
 with per-device buffers, and plain ``jit`` on an Explicit mesh over all 4
-devices with ``defer_reduction`` (unreduced gradients). Each test launches
+devices with ``local_value_and_grad`` (unreduced gradients, the unmodified
+model, no ``jax.set_mesh``). Each test launches
 ``examples/multihost.py`` twice as subprocesses with hard timeouts; a
 subprocess that outlives its timeout is killed with its whole process group,
 so a hang fails the test instead of the suite.
