@@ -21,6 +21,12 @@ same order:
   losses, the common normalisation bug: a micro-batch of short lines weighs as
   much as one of long lines, so it trains on a different objective.
 
+How many micro-batches: unless ``--k`` is given, ``k`` is the smallest number
+of micro-batches whose compiled ``microbatched`` step fits ``--memory-limit``
+MiB per device, chosen by :func:`optax_accum.plan_k` before anything runs
+(the default budget of 16 MiB gives ``k = 4`` for the default model on
+XLA:CPU); the plan's table is printed. All four arms use that ``k``.
+
 By default each batch is sorted by length before it is cut into
 micro-batches (as length-bucketing loaders do), so micro-batches hold very
 different numbers of real tokens and the mean-of-means error shows.
@@ -105,7 +111,7 @@ class Config:
   """The demo's settings, one per command-line flag."""
 
   steps: int = 300
-  k: int = 4
+  k: int | None = None  # None: plan_k chooses it under memory_limit_mib
   batch_size: int = 32
   seq_len: int = 64
   d_model: int = 64
@@ -125,6 +131,7 @@ class Config:
   fraction: float = 1.0
   min_windows: int = oa.gradient_noise.MIN_WINDOWS
   schedule_unit: str = "examples"
+  memory_limit_mib: float = 16.0
 
 
 # ----------------------------------------------------------------------------- data
@@ -262,6 +269,54 @@ class CharTransformer(nnx.Module):
     for block in self.blocks:
       x = block(x, mask)
     return self.head(self.ln_f(x))
+
+
+# ------------------------------------------------------------------ how many micro-batches
+
+def batch_types(cfg: Config) -> dict[str, jax.ShapeDtypeStruct]:
+  """The types of one global batch (``inputs``, ``targets``, ``mask``): nothing allocated."""
+  shape = (cfg.batch_size, cfg.seq_len)
+  return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32),
+          "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
+          "mask": jax.ShapeDtypeStruct(shape, jnp.float32)}
+
+
+def plan_micro_batches(cfg: Config, loss_terms: LossTerms, params: Any) -> oa.planning.Plan:
+  """The smallest ``k`` whose compiled ``microbatched`` arm fits ``cfg.memory_limit_mib``.
+
+  The candidates are the divisors of ``cfg.batch_size``; each is compiled on
+  ``jax.ShapeDtypeStruct`` arguments (the global batch, Adam's state) and
+  nothing runs.
+  """
+  base = optax.adam(cfg.lr)
+
+  def make_step(k: int) -> Callable[..., Any]:
+    return build_step("microbatched", loss_terms, base, k)[1]
+
+  return oa.plan_k(make_step, params, jax.eval_shape(base.init, params), batch_types(cfg),
+                   batch_argnums=2, memory_limit=int(cfg.memory_limit_mib * 2**20))
+
+
+def choose_k(cfg: Config, loss_terms: LossTerms, params: Any
+             ) -> tuple[Config, oa.planning.Plan | None]:
+  """``cfg`` with its ``k`` set: as given, or planned (and the plan printed)."""
+  if cfg.k is not None:
+    return cfg, None
+  print(f"choosing k: the smallest whose compiled microbatched step fits"
+        f" {cfg.memory_limit_mib:g} MiB per device (--memory-limit) ...", flush=True)
+  plan = plan_micro_batches(cfg, loss_terms, params)
+  print(plan, flush=True)
+  return dataclasses.replace(cfg, k=plan.k), plan
+
+
+def plan_summary(plan: oa.planning.Plan | None) -> dict[str, Any] | None:
+  """The plan as JSON (``results["plan"]``), or None when ``--k`` was given."""
+  if plan is None:
+    return None
+  return {"k": plan.k, "micro_batch_size": plan.micro_batch_size,
+          "peak_bytes": plan.peak_bytes, "memory_limit": plan.memory_limit,
+          "monotone": plan.monotone, "candidates": list(plan.candidates),
+          "compile_s": plan.compile_s, "table": [row._asdict() for row in plan.table]}
 
 
 # ----------------------------------------------------------------------------- the four arms
@@ -769,9 +824,14 @@ def parse_args(argv: Sequence[str] | None) -> Config:
       " standard library's source four ways (full batch, accumulate, microbatched,"
       " naive mean of means) and compare loss, speed and memory.")
   p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per arm")
-  p.add_argument("--k", type=int, default=d.k, help="micro-batches per optimizer step")
+  p.add_argument("--k", type=int, default=None,
+                 help="micro-batches per optimizer step (default: the smallest whose compiled"
+                 " step fits --memory-limit, chosen by optax_accum.plan_k)")
+  p.add_argument("--memory-limit", dest="memory_limit_mib", type=float, default=None,
+                 help=f"MiB per device for plan_k's choice of k (default {d.memory_limit_mib:g},"
+                 " which gives k = 4 for the default model on XLA:CPU); not with --k")
   p.add_argument("--batch-size", type=int, default=d.batch_size,
-                 help="sequences per optimizer step (the large batch); divisible by --k")
+                 help="sequences per optimizer step (the large batch); divisible by k")
   p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
   p.add_argument("--d-model", type=int, default=d.d_model, help="model width")
   p.add_argument("--layers", type=int, default=d.layers, help="transformer blocks")
@@ -806,11 +866,19 @@ def parse_args(argv: Sequence[str] | None) -> Config:
   p.add_argument("--no-progress", dest="progress", action="store_false",
                  help="no progress bar")
   a = p.parse_args(argv)
-  for name in ("steps", "k", "batch_size", "seq_len", "d_model", "layers", "heads",
+  if a.k is not None and a.memory_limit_mib is not None:
+    p.error("pass --k (a fixed k) or --memory-limit (plan_k chooses k), not both.")
+  if a.memory_limit_mib is None:
+    a.memory_limit_mib = d.memory_limit_mib
+  if not a.memory_limit_mib > 0:
+    p.error(f"--memory-limit must be > 0 (MiB per device); got {a.memory_limit_mib}.")
+  for name in ("steps", "batch_size", "seq_len", "d_model", "layers", "heads",
                "eval_batches", "max_files", "k_small", "k_large", "min_windows"):
     if getattr(a, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(a, name)}.")
-  if a.batch_size % a.k:
+  if a.k is not None and a.k < 1:
+    p.error(f"--k must be >= 1; got {a.k}.")
+  if a.k is not None and a.batch_size % a.k:
     p.error(f"--batch-size ({a.batch_size}) must be divisible by --k ({a.k}); e.g."
             f" --batch-size {a.k * max(1, a.batch_size // a.k)}.")
   if a.k_large < a.k_small:
@@ -844,6 +912,8 @@ def run(cfg: Config) -> dict[str, Any]:
                           heads=cfg.heads, rngs=nnx.Rngs(cfg.seed))
   graphdef, params0 = nnx.split(model)
   n_params = sum(x.size for x in jax.tree.leaves(params0))
+  loss_terms = make_loss_terms(graphdef)
+  cfg, plan = choose_k(cfg, loss_terms, params0)
   micro_tokens = batches["mask"].reshape(cfg.steps, cfg.k, -1).sum(-1)
   print(f"optax_accum demo: {len(pieces):,} {cfg.unit}s from {cfg.max_files} stdlib files,"
         f" {n_params:,} parameters, {cfg.steps} steps of {cfg.batch_size} sequences"
@@ -851,7 +921,6 @@ def run(cfg: Config) -> dict[str, Any]:
         f" micro-batch {micro_tokens.min():.0f}..{micro_tokens.max():.0f}"
         f" (padding {1 - batches['mask'].mean():.0%}).", flush=True)
 
-  loss_terms = make_loss_terms(graphdef)
   print("compiling the four steps ...", flush=True)
   runs = [setup_arm(arm, cfg, loss_terms, params0, batches) for arm in ARMS]
   _train_in_lockstep(cfg, runs, batches)
@@ -867,6 +936,7 @@ def run(cfg: Config) -> dict[str, Any]:
   naive = arms["mean_of_means"]["max_abs_loss_diff_vs_full"]
   results: dict[str, Any] = {
       "config": dataclasses.asdict(cfg),
+      "plan": plan_summary(plan),
       "num_params": int(n_params),
       "num_sequences_available": len(pieces),
       "padding_fraction": float(1 - batches["mask"].mean()),
