@@ -1,0 +1,59 @@
+"""Fails the build on a Python code block that does not run.
+
+Every Python block on a page must be a ``sphinx.ext.doctest`` block
+(```` ```{testcode} ````, ```` ```{doctest} ````, ```` ```{testsetup} ````,
+```` ```{testoutput} ````), which ``sphinx-build -b doctest`` executes, one
+namespace per page, top to bottom. A plain ```` ```python ```` fence or a
+``code-block`` would be shown and never run, so it is an error here. Blocks
+in another language are fine (```` ```bash ````, ```` ```text ````), and a
+block in a page under ``docs/`` must name its language. A
+``literalinclude`` of Python is allowed only for the files named in
+``executed_code_includes`` (files the doctest run executes itself).
+
+Docstrings pulled in by autodoc are not checked here: their examples are
+doctests that the test suite runs (``pytest --doctest-modules``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from docutils import nodes
+from sphinx.application import Sphinx
+from sphinx.util import logging
+
+logger = logging.getLogger(__name__)
+
+PYTHON = frozenset({"python", "py", "python3", "py3", "pycon", "ipython", "ipython3"})
+
+
+def _check(app: Sphinx, doctree: nodes.document) -> None:
+  srcdir = os.path.abspath(app.srcdir)
+  allowed = {os.path.abspath(os.path.join(srcdir, p)) for p in app.config.executed_code_includes}
+  for node in doctree.findall(nodes.literal_block):
+    source = node.source or doctree.get("source") or ""
+    if ":docstring of " in source:  # autodoc: the test suite runs these
+      continue
+    if node.get("testnodetype"):  # a sphinx.ext.doctest block: it runs
+      continue
+    language = (node.get("language") or "").lower()
+    included = node.get("source")  # set by literalinclude
+    if included and os.path.abspath(included) in allowed:
+      continue
+    in_docs = os.path.abspath(source).startswith(srcdir + os.sep)
+    if language in PYTHON or (included and included.endswith(".py")):
+      logger.warning(
+          "executed_code: a Python block that never runs; write it as ```{testcode}"
+          " (or {doctest})", location=node, type="executed_code", subtype="python")
+    elif in_docs and language in ("", "default", "none") and not included:
+      logger.warning(
+          "executed_code: a code block without a language; name it (```bash, ```text)"
+          " or make it a {testcode}", location=node, type="executed_code",
+          subtype="language")
+
+
+def setup(app: Sphinx) -> dict[str, Any]:
+  app.add_config_value("executed_code_includes", [], "env")
+  app.connect("doctree-read", _check)
+  return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}
