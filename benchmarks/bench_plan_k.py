@@ -1,0 +1,367 @@
+"""Benchmark: the k that ``plan_k`` plans, against the compiled peak of every candidate.
+
+For three models (an MLP, the demo's character transformer, the same
+transformer with ``jax.checkpoint`` around each block, the blocks in a
+``lax.scan``) and two modes (in-step:
+``microbatched`` over ``k`` micro-batches of the global batch; across steps:
+one ``accumulate`` call on a micro-batch of ``global / k`` rows), it
+
+* compiles every candidate ``k`` (the divisors of the global batch) itself and
+  records the peak per device, ``argument + output + temp - alias`` of
+  ``memory_analysis()``, and XLA's own ``peak_memory_in_bytes`` beside it;
+* picks a limit halfway between the peaks of two neighbouring candidates near
+  the middle, so the search has something to find;
+* runs ``plan_k`` under that limit (fresh steps, nothing cached) and records
+  the planned ``k`` and peak, the compiles it used (against its bound
+  ``ceil(log2(n)) + 1``) and its wall time, and the brute-force answer from
+  the sweep (the smallest candidate within the limit).
+
+Nothing runs on a device: every program is compiled from
+``jax.ShapeDtypeStruct`` arguments. Run (about 3 minutes on 2 CPU cores; the
+same script runs on a GPU or TPU, where the peaks are that backend's)::
+
+  python benchmarks/bench_plan_k.py
+  python benchmarks/bench_plan_k.py --quick --out /tmp/plan_k   # smoke, seconds
+
+Writes ``benchmarks/results/plan_k.{json,md,png}`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import optax_accum as oa
+from optax_accum.planning import compiled_peak_bytes
+
+MakeStep = Callable[[int], Callable[..., Any]]
+
+
+# ----------------------------------------------------------------------------- models
+def mlp_case(args: argparse.Namespace) -> dict[str, Any]:
+  """A ReLU MLP (``--mlp-layers`` x ``--mlp-width``, scalar head), squared error, Adam."""
+  d, layers, batch = args.mlp_width, args.mlp_layers, args.mlp_batch
+  f32 = jnp.float32
+  layer = {"w": jax.ShapeDtypeStruct((d, d), f32), "b": jax.ShapeDtypeStruct((d,), f32)}
+  params = {"hidden": [dict(layer) for _ in range(layers)],
+            "head": jax.ShapeDtypeStruct((d,), f32)}
+  data = {"x": jax.ShapeDtypeStruct((batch, d), f32), "y": jax.ShapeDtypeStruct((batch,), f32)}
+
+  def loss(p: Any, b: dict[str, jax.Array]) -> jax.Array:
+    h = b["x"]
+    for layer in p["hidden"]:
+      h = jax.nn.relu(h @ layer["w"] + layer["b"])
+    return jnp.mean((h @ p["head"] - b["y"]) ** 2)
+
+  opt = optax.adam(1e-3)
+
+  def in_step(k: int) -> Callable[..., Any]:
+    grad_fn = oa.microbatched(jax.value_and_grad(loss), k)
+
+    def step(p, state, b):
+      value, grads = grad_fn(p, b)
+      updates, state = opt.update(grads, state, p)
+      return optax.apply_updates(p, updates), state, value
+    return step
+
+  def across(k: int) -> Callable[..., Any]:
+    tx = oa.accumulate(k, opt)
+
+    def step(p, state, micro):
+      value, grads = jax.value_and_grad(loss)(p, micro)
+      p, state = oa.update_and_apply(tx, grads, state, p)
+      return p, state, value
+    return step
+
+  return {
+      "model": f"MLP {layers} x {d}",
+      "global_batch": batch,
+      "params": _count(params),
+      "modes": {
+          "in-step": (in_step, (params, jax.eval_shape(opt.init, params), data)),
+          "across steps": (across, (params, jax.eval_shape(oa.accumulate(2, opt).init, params),
+                                    data)),
+      },
+  }
+
+
+def transformer_case(args: argparse.Namespace, remat: bool) -> dict[str, Any]:
+  """The demo's CharTransformer and token-weighted loss (its microbatched and accumulate arms)."""
+  from flax import nnx
+
+  from optax_accum import demo
+
+  cfg = demo.Config(k=1, batch_size=args.tf_batch, seq_len=args.tf_seq, d_model=args.tf_d_model,
+                    layers=args.tf_layers, heads=args.tf_heads)
+
+  class Checkpointed(demo.CharTransformer):
+    """The demo's model, its blocks run by a ``lax.scan`` with ``jax.checkpoint`` around each.
+
+    Same parameters, same outputs and gradients (to float rounding). The scan
+    matters: XLA:CPU saves nothing from ``jax.checkpoint`` around unrolled
+    blocks (``results/microbatched.md``), and neither did ``nnx.remat`` here.
+    """
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+      x = self.embed(tokens) + self.pos[...][: tokens.shape[1]]
+      mask = nnx.make_causal_mask(tokens)
+      graphdef = nnx.graphdef(self.blocks[0])
+      stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in self.blocks])
+
+      @jax.checkpoint
+      def body(x: jax.Array, state: Any) -> tuple[jax.Array, None]:
+        return nnx.merge(graphdef, state)(x, mask), None
+
+      x, _ = jax.lax.scan(body, x, stacked)
+      return self.head(self.ln_f(x))
+
+  cls = Checkpointed if remat else demo.CharTransformer
+  model = nnx.eval_shape(lambda: cls(seq_len=cfg.seq_len, d_model=cfg.d_model,
+                                     layers=cfg.layers, heads=cfg.heads, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(model)
+  loss_terms = demo.make_loss_terms(graphdef)
+  base = optax.adam(cfg.lr)
+  batch = demo.batch_types(cfg)
+
+  def in_step(k: int) -> Callable[..., Any]:
+    return demo.build_step("microbatched", loss_terms, base, k)[1]
+
+  def across(k: int) -> Callable[..., Any]:
+    return demo.build_step("accumulate", loss_terms, base, k)[1]
+
+  across_state = jax.eval_shape(demo.build_step("accumulate", loss_terms, base, 2)[0].init,
+                                params)
+  name = "demo transformer" + (" + jax.checkpoint (scan)" if remat else "")
+  return {
+      "model": f"{name} (d {cfg.d_model}, {cfg.layers} blocks, seq {cfg.seq_len})",
+      "global_batch": cfg.batch_size,
+      "params": _count(params),
+      "modes": {
+          "in-step": (in_step, (params, jax.eval_shape(base.init, params), batch)),
+          "across steps": (across, (params, across_state, batch)),
+      },
+  }
+
+
+def _count(tree: Any) -> int:
+  return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+# ----------------------------------------------------------------------------- measuring
+def divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def cut(args: tuple[Any, ...], rows: int) -> tuple[Any, ...]:
+  """The batch (last argument) cut to ``rows`` rows, as the planner does across steps."""
+  *rest, batch = args
+  return (*rest, jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct((rows, *s.shape[1:]), s.dtype, sharding=s.sharding),
+      batch))
+
+
+def sweep(make_step: MakeStep, args: tuple[Any, ...], ks: list[int], global_batch: int,
+          across: bool) -> list[dict[str, Any]]:
+  """Every candidate compiled here, independently of the planner."""
+  rows = []
+  for k in ks:
+    call_args = cut(args, global_batch // k) if across else args
+    t0 = time.perf_counter()
+    compiled = jax.jit(make_step(k)).lower(*call_args).compile()
+    m = compiled.memory_analysis()
+    peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+    assert peak == compiled_peak_bytes(compiled)
+    rows.append({"k": k, "micro_batch_size": global_batch // k, "peak_bytes": int(peak),
+                 "xla_peak_memory_in_bytes": int(m.peak_memory_in_bytes),
+                 "argument_bytes": int(m.argument_size_in_bytes),
+                 "output_bytes": int(m.output_size_in_bytes),
+                 "temp_bytes": int(m.temp_size_in_bytes),
+                 "alias_bytes": int(m.alias_size_in_bytes),
+                 "compile_s": time.perf_counter() - t0})
+  return rows
+
+
+def pick_limit(rows: list[dict[str, Any]]) -> float:
+  """Halfway between the peaks of two neighbours near the middle, the larger one first."""
+  n = len(rows)
+  order = sorted(range(1, n), key=lambda i: abs(i - n / 2))
+  for i in order:
+    hi, lo = rows[i - 1]["peak_bytes"], rows[i]["peak_bytes"]
+    if hi > lo:
+      return (hi + lo) / 2
+  return rows[-1]["peak_bytes"]  # (flat peaks: every candidate fits)
+
+
+def monotone(rows: list[dict[str, Any]]) -> bool:
+  peaks = [r["peak_bytes"] for r in rows]
+  return all(a >= b for a, b in itertools.pairwise(peaks))
+
+
+def run_case(case: dict[str, Any], mode: str, candidates: list[int] | None) -> dict[str, Any]:
+  make_step, args = case["modes"][mode]
+  across = mode == "across steps"
+  ks = candidates or divisors(case["global_batch"])
+  rows = sweep(make_step, args, ks, case["global_batch"], across)
+  limit = int(pick_limit(rows))
+  brute = min((r["k"] for r in rows if r["peak_bytes"] <= limit), default=None)
+  made: list[int] = []
+
+  def counting(k: int) -> Callable[..., Any]:
+    made.append(k)
+    return make_step(k)
+
+  t0 = time.perf_counter()
+  plan = oa.plan_k(counting, *args, batch_argnums=len(args) - 1, memory_limit=limit,
+                   across_steps=across, candidates=ks)
+  search_s = time.perf_counter() - t0
+  print(f"{case['model']}, {mode}:\n{plan}\n", flush=True)
+  return {
+      "model": case["model"], "mode": mode, "global_batch": case["global_batch"],
+      "params": case["params"], "candidates": ks, "sweep": rows,
+      "sweep_monotone": monotone(rows), "memory_limit": limit,
+      "planned_k": plan.k, "planned_peak_bytes": plan.peak_bytes,
+      "planned_micro_batch_size": plan.micro_batch_size,
+      "brute_force_k": brute, "agrees": plan.k == brute,
+      "compiles": len(made), "compile_bound": math.ceil(math.log2(len(ks))) + 1,
+      "compiled_ks": sorted(made), "plan_monotone": plan.monotone, "search_s": search_s,
+      "sweep_compile_s": sum(r["compile_s"] for r in rows),
+  }
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--mlp-width", type=int, default=256)
+  ap.add_argument("--mlp-layers", type=int, default=4)
+  ap.add_argument("--mlp-batch", type=int, default=4096)
+  ap.add_argument("--tf-batch", type=int, default=32, help="the demo's --batch-size")
+  ap.add_argument("--tf-seq", type=int, default=64)
+  ap.add_argument("--tf-d-model", type=int, default=64)
+  ap.add_argument("--tf-layers", type=int, default=2)
+  ap.add_argument("--tf-heads", type=int, default=4)
+  ap.add_argument("--quick", action="store_true",
+                  help="tiny sizes (MLP 2 x 32, batch 64; transformer d 16, 1 block, seq 16,"
+                       " batch 8): a smoke run")
+  ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+  args = ap.parse_args(argv)
+  if args.quick:
+    args.mlp_width, args.mlp_layers, args.mlp_batch = 32, 2, 64
+    args.tf_batch, args.tf_seq, args.tf_d_model, args.tf_layers, args.tf_heads = 8, 16, 16, 1, 2
+  t_start = time.perf_counter()
+  cases = [mlp_case(args), transformer_case(args, remat=False),
+           transformer_case(args, remat=True)]
+  results = [run_case(case, mode, None) for case in cases for mode in case["modes"]]
+  result = {
+      "setup": {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
+                "jax": jax.__version__, "cpu_count": os.cpu_count(),
+                "machine": platform.machine(), "optimizer": "adam",
+                "peak": "argument + output + temp - alias (memory_analysis, per device)"},
+      "rows": results,
+      "wall_seconds": time.perf_counter() - t_start,
+  }
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "plan_k.json").write_text(json.dumps(result, indent=2) + "\n")
+  (out / "plan_k.md").write_text(markdown(result))
+  plot(result, out / "plan_k.png")
+  print(markdown(result))
+  print(f"wall {result['wall_seconds']:.0f}s")
+  return result
+
+
+def _mib(b: float) -> str:
+  return f"{b / 2**20:.2f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+  s = result["setup"]
+  lines = [
+      f"`plan_k` against the compiled peak of every candidate; {s['backend']} ({s['device']},"
+      f" {s['cpu_count']} cores), jax {s['jax']}, Adam. Peak per device: {s['peak']}. The limit"
+      " is halfway between two neighbouring candidates' peaks; *brute force* is the smallest"
+      " candidate within it in the full sweep; *compiles* are the search's (bound"
+      " ceil(log2 n) + 1), *search* its wall time (building, lowering and compiling).",
+      "",
+      "| model | mode | global batch | candidates | limit (MiB) | planned k (peak MiB) |"
+      " brute force k | compiles (bound) | search (s) | sweep monotone |",
+      "|---|---|---:|---|---:|---:|---:|---:|---:|---|",
+  ]
+  for r in result["rows"]:
+    ks = r["candidates"]
+    cands = f"{len(ks)}: {ks[0]}..{ks[-1]}"
+    lines.append(
+        f"| {r['model']} | {r['mode']} | {r['global_batch']:,} | {cands} |"
+        f" {_mib(r['memory_limit'])} | {r['planned_k']} ({_mib(r['planned_peak_bytes'])}) |"
+        f" {r['brute_force_k']}{'' if r['agrees'] else ' **differs**'} |"
+        f" {r['compiles']} ({r['compile_bound']}) | {r['search_s']:.1f} |"
+        f" {'yes' if r['sweep_monotone'] else '**no**'} |")
+  lines += ["", "Compiled peak of every candidate (MiB; **bold**: planned, *italics*: compiled"
+            " by the search; XLA's `peak_memory_in_bytes` in brackets):", ""]
+  for r in result["rows"]:
+    cells = []
+    for row in r["sweep"]:
+      v = f"{row['k']}: {_mib(row['peak_bytes'])}"
+      if row["k"] == r["planned_k"]:
+        v = f"**{v}**"
+      elif row["k"] in r["compiled_ks"]:
+        v = f"*{v}*"
+      cells.append(f"{v} [{_mib(row['xla_peak_memory_in_bytes'])}]")
+    lines.append(f"- {r['model']}, {r['mode']} (limit {_mib(r['memory_limit'])}):"
+                 f" {', '.join(cells)}")
+  return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = result["rows"]
+  models = list(dict.fromkeys(r["model"] for r in rows))
+  modes = list(dict.fromkeys(r["mode"] for r in rows))
+  fig, axes = plt.subplots(len(modes), len(models), figsize=(5 * len(models), 4 * len(modes)),
+                           squeeze=False)
+  for r in rows:
+    ax = axes[modes.index(r["mode"])][models.index(r["model"])]
+    ks = [row["k"] for row in r["sweep"]]
+    peaks = [row["peak_bytes"] / 2**20 for row in r["sweep"]]
+    ax.plot(ks, peaks, "o-", color="tab:blue", ms=4, label="compiled peak (every candidate)")
+    ax.plot(ks, [row["xla_peak_memory_in_bytes"] / 2**20 for row in r["sweep"]], ":",
+            color="tab:gray", lw=1, label="XLA peak_memory_in_bytes")
+    searched = [(row["k"], row["peak_bytes"] / 2**20) for row in r["sweep"]
+                if row["k"] in r["compiled_ks"]]
+    ax.plot(*zip(*searched, strict=True), "s", mfc="none", mec="tab:orange", ms=9,
+            label=f"compiled by the search ({r['compiles']})")
+    ax.plot([r["planned_k"]], [r["planned_peak_bytes"] / 2**20], "*", color="tab:green",
+            ms=15, label=f"planned k = {r['planned_k']}")
+    ax.axhline(r["memory_limit"] / 2**20, color="tab:red", ls="--", lw=1,
+               label=f"limit {_mib(r['memory_limit'])} MiB")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k (micro-batches)")
+    ax.set_ylabel("peak per device (MiB)")
+    ax.set_title(f"{r['model']}\n{r['mode']}, global batch {r['global_batch']:,}", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+  s = result["setup"]
+  fig.suptitle(f"plan_k: planned k against the compiled peak of every candidate"
+               f" ({s['backend']}, jax {s['jax']})")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  main()
