@@ -187,7 +187,8 @@ def test_aux_rules_against_full_batch_and_manual_split(params, batch, split, jit
   np.testing.assert_allclose(aux["mean_abs_err"], ref_aux["mean_abs_err"], rtol=RTOL)
   assert aux["count"] == 16 and aux["count"].dtype == jnp.int32
   np.testing.assert_allclose(aux["max_err"], ref_aux["max_err"], rtol=RTOL)
-  np.testing.assert_allclose(aux["min_err"], ref_aux["min_err"], rtol=RTOL)
+  # The smallest squared error is ~7e-5: its float32 rounding is relative to the batch's.
+  np.testing.assert_allclose(aux["min_err"], ref_aux["min_err"], rtol=RTOL, atol=1e-8)
   # concat restores the original batch order, whatever the split.
   np.testing.assert_allclose(aux["per_example"], ref_aux["per_example"], rtol=RTOL, atol=ATOL)
   # Per-micro-batch quantities, against micro-batches cut by hand.
