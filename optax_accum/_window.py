@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import optax
 from jax import lax
@@ -263,7 +264,7 @@ def emit(
     operands: tuple[Any, ...],
     *,
     apply: bool,
-    extra_args: dict[str, Any],
+    inner: Callable[[Any, Any, Any], tuple[Any, Any]],
     dtypes: Any,
     accept: Any,
     weight: jax.Array | None,
@@ -308,8 +309,7 @@ def emit(
     # every micro-step. A barrier is not elementwise: the conditional stays.
     s = lax.optimization_barrier(scale)
     reduced = jax.tree.map(lambda a, d: (a * s.astype(a.dtype)).astype(d), window_sum(), dtypes)
-    out, new_inner = run_inner(config, reduced, inner_state, params, apply=apply,
-                               extra_args=extra_args)
+    out, new_inner = inner(reduced, inner_state, params)
     if parks is not None:
       out, buffer = park(out, buffer, parks)
     return out, new_inner, buffer
@@ -342,6 +342,29 @@ def _window_scale(config: Config, count: jax.Array, total_weight: jax.Array) -> 
   if config.reduction == "mean" and not config.running_mean:
     return 1.0 / count
   return jnp.ones([], count.dtype)  # a sum, or a running mean already
+
+
+def traced_once(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn``, whose Python runs at its first call; later calls replay its jaxpr.
+
+  The replay binds the same primitives (the compiled program is the same)
+  without running ``fn``'s Python again: an optimizer's tracing is most of a
+  train step's trace time. A call with arguments of other types traces anew.
+  ``fn`` must not close over values traced after its first call (here it
+  closes over the configuration and the caller's extra arguments only).
+  """
+  cache: dict[Any, tuple[Any, Any]] = {}
+
+  def call(*args: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(args)
+    key = (treedef, tuple(jax.typeof(x) for x in leaves))
+    if key not in cache:
+      closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+      cache[key] = (jax.extend.core.jaxpr_as_fun(closed), jax.tree.structure(shapes))
+    replay, out_tree = cache[key]
+    return jax.tree.unflatten(out_tree, replay(*leaves))
+
+  return call
 
 
 def run_inner(config: Config, reduced: Any, inner_state: Any, params: Any, *, apply: bool,
@@ -520,8 +543,13 @@ def micro_step(
 
   dtypes = _reduced_dtypes(grads, params)
   operands = (window, grads, count, total_weight, noise, inner_state, params, closes)
+  # The emitting branch is traced several times (for its output shapes, for
+  # each backend's layout, inside the weighted rule's conditional); the inner
+  # optimizer's Python runs once and is replayed from its jaxpr after that.
+  inner = traced_once(functools.partial(run_inner, config, apply=apply,
+                                        extra_args=extra_args or {}))
   emit_fn = lambda ops, parks=None: emit(
-      config, ops, apply=apply, extra_args=extra_args or {}, dtypes=dtypes, accept=accept,
+      config, ops, apply=apply, inner=inner, dtypes=dtypes, accept=accept,
       weight=weight, parks=parks)
   shapes = None if apply else jax.eval_shape(emit_fn, operands)[0]
   # Which leaves park, without and with the noise estimate's parking.
