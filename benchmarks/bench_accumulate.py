@@ -9,7 +9,7 @@ What is measured (all in one process; nothing here is a hard-coded result):
   emitting step run the *same* program with a runtime predicate.
 * Variants: the plain optimizer step; ``oa.accumulate(k, opt)`` through the
   optax protocol (``tx.update`` + ``optax.apply_updates``);
-  ``optax.chain(oa.accumulate(k), opt)`` (the chain form: the optimizer steps
+  ``optax.chain(oa.accumulate(k, None), opt)`` (the chain form: the optimizer steps
   on the zero updates of every mid-step, so it is **not** large-batch
   training); ``oa.update_and_apply`` (the fast path); ``oa.MultiSteps`` and
   ``optax.MultiSteps`` through the protocol.
@@ -105,7 +105,7 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
 PROGRAMS: list[tuple[str, str]] = [
     ("plain", "plain step"),
     ("accumulate", "oa.accumulate(k, opt): update + apply_updates"),
-    ("chain", "optax.chain(oa.accumulate(k), opt): update + apply_updates"),
+    ("chain", "optax.chain(oa.accumulate(k, None), opt): update + apply_updates"),
     ("update_and_apply", "oa.update_and_apply"),
     ("oa_multisteps", "oa.MultiSteps: update + apply_updates"),
     ("optax_multisteps", "optax.MultiSteps: update + apply_updates"),
@@ -122,8 +122,8 @@ ROWS: list[tuple[str, str]] = [
     ("plain", "plain step"),
     ("accumulate_mid", "oa.accumulate mid"),
     ("accumulate_emit", "oa.accumulate emit"),
-    ("chain_mid", "chain(oa.accumulate(k), opt) mid (not large-batch)"),
-    ("chain_emit", "chain(oa.accumulate(k), opt) emit"),
+    ("chain_mid", "chain(oa.accumulate(k, None), opt) mid (not large-batch)"),
+    ("chain_emit", "chain(oa.accumulate(k, None), opt) emit"),
     ("update_and_apply_mid", "oa.update_and_apply mid"),
     ("update_and_apply_emit", "oa.update_and_apply emit"),
     ("oa_multisteps_mid", "oa.MultiSteps mid"),
@@ -248,7 +248,7 @@ def make_programs(opt_name: str, k: int = K_WINDOW,
   make = OPTIMIZERS[opt_name]
   plain = make()
   acc = oa.accumulate(k, make())
-  chain = optax.chain(oa.accumulate(k), make())
+  chain = optax.chain(oa.accumulate(k, None), make())
   uaa = oa.accumulate(k, make())
   oms = oa.MultiSteps(make(), k)
   xms = optax.MultiSteps(make(), k)
@@ -630,7 +630,7 @@ def markdown(result: dict[str, Any]) -> str:
       "* Compiled passes: the bytes the row's compiled step reads and writes over P"
       " (`optax_accum.debug.step_bytes`, no cache reuse between kernels): what this"
       " backend's program moves, where the floor is what any program must move.",
-      "* `chain(oa.accumulate(k), opt)` steps the optimizer on the zero updates of every"
+      "* `chain(oa.accumulate(k, None), opt)` steps the optimizer on the zero updates of every"
       " mid-step: it is not large-batch training for a stateful optimizer.",
       "* References (programs, not floors; every call is a step): `opt` on the window's"
       " sum `(acc + g) / k`, applied, with no accumulation code (what an emitting step of"

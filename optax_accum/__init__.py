@@ -7,79 +7,81 @@ Train with a large effective batch on a device that holds a small one:
   path that never touches the params on mid-steps, :func:`flush` for a partial
   window and :func:`has_updated` for logging;
 * inside one step, :func:`microbatched` (a ``lax.scan`` over micro-batches);
-* around both, :class:`Policy` / :func:`mixed_precision` and dynamic loss
-  scaling (:mod:`optax_accum.precision`);
+* around both, :class:`Policy` / :func:`mixed_precision`; dynamic loss
+  scaling in :mod:`optax_accum.precision`;
 * on many devices, ``axis_name=`` and :mod:`optax_accum.sharding`;
-* the gradient noise scale of every window, :func:`noise_scale`
-  (:mod:`optax_accum.gradient_noise`), to choose ``k``.
+* how many micro-batches: :func:`plan_k` from the compiled step's memory, and
+  the gradient noise scale of every window (:func:`noise_scale`,
+  :func:`adaptive_k`) for the window.
 
 Flax users get the fast path from :mod:`optax_accum.flax`; what a compiled step
 does can be checked with :mod:`optax_accum.debug`.
 """
 
-import optax
+import importlib
+import warnings
+from typing import Any
 
+# The public submodules, reachable as attributes (optax_accum.sharding.X).
+from optax_accum import debug, gradient_noise, microbatching, precision, sharding  # noqa: F401
 from optax_accum.accumulation import (
     AccumulateState,
     accumulate,
-    all_finite,
     flush,
     has_updated,
     update_and_apply,
 )
-from optax_accum.gradient_noise import AdaptiveK, NoiseScaleState, adaptive_k, noise_scale
-from optax_accum.microbatching import AuxRule, microbatched, split_microbatches
-from optax_accum.multi_steps import (
-    MultiSteps,
-    ShouldSkipUpdateFunction,
-    skip_large_updates,
-    skip_not_finite,
-)
+from optax_accum.gradient_noise import adaptive_k, noise_scale
+from optax_accum.microbatching import microbatched
+from optax_accum.multi_steps import MultiSteps
 from optax_accum.planning import plan_k
-from optax_accum.precision import (
-    DynamicLossScale,
-    LossScaler,
-    Policy,
-    cast_floating,
-    dynamic_loss_scale,
-    mixed_precision,
-    scaled_value_and_grad,
-)
-from optax_accum.sharding import per_device_state, shard_map_specs, state_shardings
-
-#: ``MultiSteps`` keeps optax's own state type (``optax.MultiStepsState``).
-MultiStepsState = optax.MultiStepsState
+from optax_accum.precision import Policy, mixed_precision
 
 __version__ = "0.2.0"
 
 __all__ = [
     "AccumulateState",
-    "AdaptiveK",
-    "AuxRule",
-    "DynamicLossScale",
-    "LossScaler",
     "MultiSteps",
-    "MultiStepsState",
-    "NoiseScaleState",
     "Policy",
-    "ShouldSkipUpdateFunction",
     "accumulate",
     "adaptive_k",
-    "all_finite",
-    "cast_floating",
-    "dynamic_loss_scale",
     "flush",
     "has_updated",
     "microbatched",
     "mixed_precision",
     "noise_scale",
-    "per_device_state",
     "plan_k",
-    "scaled_value_and_grad",
-    "shard_map_specs",
-    "skip_large_updates",
-    "skip_not_finite",
-    "split_microbatches",
-    "state_shardings",
     "update_and_apply",
 ]
+
+# Names 0.2.0 exported at the top level, kept for one release: where each lives now.
+_MOVED = {
+    "AdaptiveK": "optax_accum.gradient_noise",
+    "NoiseScaleState": "optax_accum.gradient_noise",
+    "AuxRule": "optax_accum.microbatching",
+    "split_microbatches": "optax_accum.microbatching",
+    "DynamicLossScale": "optax_accum.precision",
+    "LossScaler": "optax_accum.precision",
+    "all_finite": "optax_accum.precision",
+    "cast_floating": "optax_accum.precision",
+    "dynamic_loss_scale": "optax_accum.precision",
+    "scaled_value_and_grad": "optax_accum.precision",
+    "per_device_state": "optax_accum.sharding",
+    "shard_map_specs": "optax_accum.sharding",
+    "state_shardings": "optax_accum.sharding",
+    # optax's own names, which 0.2.0 re-exported:
+    "MultiStepsState": "optax",
+    "ShouldSkipUpdateFunction": "optax",
+    "skip_large_updates": "optax",
+    "skip_not_finite": "optax",
+}
+
+
+def __getattr__(name: str) -> Any:
+  if name in _MOVED:
+    where = _MOVED[name]
+    warnings.warn(
+        f"`optax_accum.{name}` is deprecated and goes in the next release: use"
+        f" `{where}.{name}`.", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(where), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -67,7 +67,7 @@ def all_finite(tree: Any) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from optax_accum import all_finite
+    >>> from optax_accum.precision import all_finite
     >>> bool(all_finite({"a": jnp.ones(2)})), bool(all_finite({"a": jnp.array([1., jnp.inf])}))
     (True, False)
   """
@@ -84,9 +84,19 @@ def _leaf_finite(x: jax.Array) -> jax.Array:
   return jnp.isfinite(jnp.sum(x - x))
 
 
+class _NoOptimizer:
+  """The default of ``accumulate``'s ``optimizer``: none given (not even ``None``)."""
+
+  def __repr__(self) -> str:
+    return "<no optimizer>"
+
+
+_NO_OPTIMIZER: Any = _NoOptimizer()
+
+
 def accumulate(
     k: int | KSchedule,
-    optimizer: optax.GradientTransformation | None = None,
+    optimizer: optax.GradientTransformation | None = _NO_OPTIMIZER,
     *,
     reduction: str = "mean",
     accumulator_dtype: Any = None,
@@ -107,11 +117,14 @@ def accumulate(
 
   * ``accumulate(k, optimizer)``: the exact large-batch step for any
     optimizer. Prefer this form.
-  * ``optax.chain(accumulate(k), optimizer)``: emits the reduced gradient
-    every ``k``-th call and zeros otherwise. Stateless transforms after it
-    (``sgd`` without momentum, ``scale``) then behave exactly; stateful ones
-    still step on the zeros of every mid-step (Adam's moments decay, its
-    count advances), so that is not large-batch training.
+  * ``optax.chain(accumulate(k, None), optimizer)``: emits the reduced
+    gradient every ``k``-th call and zeros otherwise. Stateless transforms
+    after it (``sgd`` without momentum, ``scale``) then behave exactly;
+    stateful ones still step on the zeros of every mid-step (Adam's moments
+    decay, its count advances), so that is not large-batch training.
+    ``optax.chain`` gives its first member no way to stop the others, so this
+    form takes an explicit ``None``: ``accumulate(k)`` with no optimizer
+    warns, naming ``accumulate(k, optimizer)`` (an error in the next release).
 
   Args:
     k: micro-batches per optimizer step: a positive int, a schedule
@@ -119,8 +132,8 @@ def accumulate(
       step count so changing values never recompile (a concrete value below 1
       raises; under ``jit`` it is clamped to 1), or
       :func:`~optax_accum.adaptive_k` to follow the gradient noise scale.
-    optimizer: the inner optimizer, run once per window; ``None`` gives the
-      chain form.
+    optimizer: the inner optimizer, run once per window; an explicit
+      ``None`` gives the chain form.
     reduction: ``"mean"`` (sum / k), ``"sum"``, or ``"weighted"``: then
       ``update(..., weight=w)`` takes a per-micro-batch weight ``w >= 0``
       (e.g. its count of real tokens) and the window emits
@@ -177,6 +190,16 @@ def accumulate(
   """
   adaptive = isinstance(k, noise_lib.AdaptiveK)
   k = k if adaptive else _validation.check_k(k)
+  if optimizer is _NO_OPTIMIZER:
+    warnings.warn(
+        "`accumulate(k)` was given no optimizer: it emits the reduced gradient every k-th"
+        " call and zeros otherwise, and a stateful optimizer chained after it"
+        " (`optax.chain(accumulate(k), optax.adam(lr))`) still steps on every mid-step's"
+        " zeros: its moments decay and its count runs k times too fast. Write"
+        " `accumulate(k, optimizer)` for large-batch training, or pass `None`"
+        " explicitly to keep this form. (An error in the next release.)",
+        UserWarning, stacklevel=2)
+    optimizer = None
   _validation.check_optimizer(optimizer)
   noise_decay = noise_lib.check_decay(track_noise_scale)
   if adaptive and noise_decay is None:

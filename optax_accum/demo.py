@@ -618,8 +618,8 @@ def _summarise_adaptive(a: _AdaptiveArm, b: int, n_micro: int) -> dict[str, Any]
     raise AssertionError(f"{a.name}: {steps} optimizer steps, {len(ends)} windows closed.")
   tail = slice(int(0.9 * n_micro), n_micro)  # the last 10% of the examples
   return {
-      "label": (f"adaptive k ({a.k.k_min}..{a.k.k_max})" if isinstance(a.k, oa.AdaptiveK)
-                else f"k = {a.k}"),
+      "label": (f"adaptive k ({a.k.k_min}..{a.k.k_max})"
+                if isinstance(a.k, oa.gradient_noise.AdaptiveK) else f"k = {a.k}"),
       "optimizer_steps": steps,
       "mean_k": n_micro / steps,
       "window_k": (ends - starts + 1).tolist(),

@@ -32,18 +32,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from optax.transforms import ShouldSkipUpdateFunction, skip_large_updates, skip_not_finite
+from optax.transforms import ShouldSkipUpdateFunction
 
 from optax_accum import _validation, _window
 from optax_accum import gradient_noise as noise_lib
 from optax_accum.accumulation import _APPLY, _FLUSH, _Applied, begin_update
 
-__all__ = [
-    "MultiSteps",
-    "ShouldSkipUpdateFunction",
-    "skip_large_updates",
-    "skip_not_finite",
-]
+__all__ = ["MultiSteps"]
 
 
 class MultiSteps:
@@ -82,7 +77,7 @@ class MultiSteps:
         ``f(gradient_step) -> int``, or :func:`~optax_accum.adaptive_k`.
       use_grad_mean: average (True) or sum (False) the window's gradients.
       should_skip_update_fn: ``f(updates, gradient_step, params) -> (skip,
-        skip_state)``, e.g. ``optax_accum.skip_not_finite``. A skipped
+        skip_state)``, e.g. ``optax.skip_not_finite``. A skipped
         mini-step changes nothing and does not count toward ``k``.
       accumulator_dtype: dtype of the buffer; None (default) is never
         narrower than the gradients (float32 for bfloat16 ones). optax's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import chex
 import jax
@@ -13,11 +14,11 @@ import pytest
 
 import optax_accum as oa
 from tests._reference import (
-    assert_trees_close,
-    grad_fn,
-    init_params,
-    large_batch_run,
-    make_batches,
+  assert_trees_close,
+  grad_fn,
+  init_params,
+  large_batch_run,
+  make_batches,
 )
 
 K = 3
@@ -127,11 +128,11 @@ def test_chain_form_exact_for_stateless_inexact_for_stateful():
   windows = _windows(seed=6)
   # Stateless sgd after accumulate: exactly the large batch.
   ref = large_batch_run(optax.sgd(0.1), params, windows)
-  got, _ = _run_accumulate(optax.chain(oa.accumulate(K), optax.sgd(0.1)), params, windows)
+  got, _ = _run_accumulate(optax.chain(oa.accumulate(K, None), optax.sgd(0.1)), params, windows)
   assert_trees_close(ref[-1], got[-1])
   # Adam after accumulate in a chain steps on the zeros of every mid-step.
-  state = optax.chain(oa.accumulate(K), optax.adam(1e-2)).init(params)
-  tx = optax.chain(oa.accumulate(K), optax.adam(1e-2))
+  state = optax.chain(oa.accumulate(K, None), optax.adam(1e-2)).init(params)
+  tx = optax.chain(oa.accumulate(K, None), optax.adam(1e-2))
   p = params
   for window in windows:
     for batch in window:
@@ -384,7 +385,7 @@ def test_extra_args_reach_the_inner_optimizer():
 
 
 def test_has_updated_finds_the_state_inside_a_chain():
-  tx = optax.chain(optax.clip(1.0), oa.accumulate(2))
+  tx = optax.chain(optax.clip(1.0), oa.accumulate(2, None))
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
   _, state = tx.update({"w": jnp.ones(2)}, state, params)
@@ -408,21 +409,21 @@ def test_bad_k(k, exc):
 
 def test_bad_options():
   with pytest.raises(ValueError, match=r"`reduction`.*'mean'"):
-    oa.accumulate(2, reduction="avg")
+    oa.accumulate(2, None, reduction="avg")
   with pytest.raises(TypeError, match="accumulator_dtype"):
-    oa.accumulate(2, accumulator_dtype=jnp.int32)
+    oa.accumulate(2, None, accumulator_dtype=jnp.int32)
   with pytest.raises(TypeError, match="skip_nonfinite"):
-    oa.accumulate(2, skip_nonfinite="yes")
+    oa.accumulate(2, None, skip_nonfinite="yes")
 
 
 def test_weight_misuse():
   params = {"w": jnp.zeros(2)}
-  weighted = oa.accumulate(2, reduction="weighted")
+  weighted = oa.accumulate(2, None, reduction="weighted")
   with pytest.raises(ValueError, match="needs a per-micro-batch weight"):
     weighted.update({"w": jnp.ones(2)}, weighted.init(params))
   with pytest.raises(ValueError, match="must be a scalar"):
     weighted.update({"w": jnp.ones(2)}, weighted.init(params), weight=jnp.ones(2))
-  mean = oa.accumulate(2)
+  mean = oa.accumulate(2, None)
   with pytest.raises(ValueError, match="reduction='weighted'"):
     mean.update({"w": jnp.ones(2)}, mean.init(params), weight=3.0)
 
@@ -516,3 +517,31 @@ def test_flush_weighted_window_and_bad_transform():
   assert bool(oa.has_updated(state))
   with pytest.raises(TypeError, match="`flush` needs an optax transform"):
     oa.flush(object(), state, params)
+
+
+def test_accumulate_without_an_optimizer_warns_and_names_the_exact_form():
+  """``optax.chain(accumulate(k), adam)`` is the line a reader writes from the package's
+  description; it cannot be large-batch training, so writing it by accident warns."""
+  with pytest.warns(UserWarning, match=r"accumulate\(k, optimizer\).*`None`"):
+    optax.chain(oa.accumulate(K), optax.adam(1e-2))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    oa.accumulate(K, None)  # the chain form, asked for explicitly
+    oa.accumulate(K, optax.adam(1e-2))
+
+
+@pytest.mark.parametrize("name, where", [
+    ("per_device_state", "optax_accum.sharding"), ("all_finite", "optax_accum.precision"),
+    ("AdaptiveK", "optax_accum.gradient_noise"),
+    ("split_microbatches", "optax_accum.microbatching"),
+    ("skip_not_finite", "optax"), ("MultiStepsState", "optax"),
+])
+def test_names_moved_from_the_top_level_warn_and_still_work(name, where):
+  """0.2.0's top-level names keep one release of deprecation aliases, outside ``__all__``."""
+  import importlib
+  assert name not in oa.__all__
+  with pytest.warns(DeprecationWarning, match=rf"`optax_accum.{name}`.*`{where}.{name}`"):
+    alias = getattr(oa, name)
+  assert alias is getattr(importlib.import_module(where), name)
+  with pytest.raises(AttributeError):
+    oa.no_such_name  # noqa: B018

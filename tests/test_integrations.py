@@ -433,7 +433,7 @@ def test_has_updated_logs_only_on_update_steps():
 
 
 def test_has_updated_finds_the_state_inside_a_chain():
-  tx = optax.chain(oa.accumulate(2), optax.sgd(0.1))
+  tx = optax.chain(oa.accumulate(2, None), optax.sgd(0.1))
   params = _init_params()
   state = tx.init(params)
   flags = []

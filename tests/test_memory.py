@@ -70,7 +70,7 @@ CASES: dict[str, tuple[Callable[[int], optax.GradientTransformation], dict[str, 
     "adam_weighted": (
         lambda k: oa.accumulate(k, optax.adam(1e-3), reduction="weighted"),
         {"weight": jnp.float32(3.0)}),
-    "chain_form": (lambda k: oa.accumulate(k), {}),
+    "chain_form": (lambda k: oa.accumulate(k, None), {}),
 }
 
 

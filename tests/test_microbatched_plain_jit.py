@@ -218,7 +218,7 @@ def test_noise_stats_span_every_device_micro_batch_in_the_one_reduction():
   assert_close(out, jax.value_and_grad(mean_loss)(params, batch))
   assert [(c.op, c.context) for c in ops] == [("all-reduce", ())], ops
   assert int(stats.window_count) == 16  # 8 devices x 2 micro-batches of 4 rows
-  tx = oa.accumulate(16, reduction="mean", track_noise_scale=0.9)
+  tx = oa.accumulate(16, None, reduction="mean", track_noise_scale=0.9)
   state, update = tx.init(params), jax.jit(tx.update)
   for dev in range(8):
     rows = jax.tree.map(lambda x, dev=dev: x[8 * dev:8 * dev + 8], batch)

@@ -869,7 +869,7 @@ def _noise_problem(normalize):
 
 def _accumulate_window(params, per_mb, micro_batches, reduction, decay):
   """One window through accumulate(track_noise_scale=...): its folded state."""
-  tx = oa.accumulate(len(micro_batches), reduction=reduction, track_noise_scale=decay)
+  tx = oa.accumulate(len(micro_batches), None, reduction=reduction, track_noise_scale=decay)
   state = tx.init(params)
   update = jax.jit(tx.update)
   for mb in micro_batches:

@@ -25,8 +25,8 @@ def test_optax_own_multisteps_tests_pass_against_ours():
   original = upstream._accumulation
   shim = types.SimpleNamespace(
       MultiSteps=oa.MultiSteps,
-      skip_not_finite=oa.skip_not_finite,
-      skip_large_updates=oa.skip_large_updates,
+      skip_not_finite=optax.skip_not_finite,
+      skip_large_updates=optax.skip_large_updates,
   )
   loader = unittest.TestLoader()
   names = [n for n in loader.getTestCaseNames(upstream.AccumulationTest) if "multi_steps" in n]
@@ -43,8 +43,8 @@ def test_optax_own_multisteps_tests_pass_against_ours():
 
 
 def test_state_fields_and_methods_match_optax():
-  assert oa.MultiStepsState._fields == optax.MultiStepsState._fields
   ms = oa.MultiSteps(optax.adam(1e-3), 2)
+  assert type(ms.init({"w": jnp.zeros(2)})) is optax.MultiStepsState
   for name in ("init", "update", "has_updated", "gradient_transformation", "inner_opt"):
     assert hasattr(ms, name)
   init, update = ms.gradient_transformation()
@@ -79,7 +79,7 @@ def test_inner_optimizer_skipped_on_mid_steps():
 
 def test_skip_large_updates_and_nan_safety():
   import functools
-  skip = functools.partial(oa.skip_large_updates, max_squared_norm=50.0)
+  skip = functools.partial(optax.skip_large_updates, max_squared_norm=50.0)
   ms = oa.MultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=skip)
   params = {"w": jnp.zeros(2)}
   state = ms.init(params)

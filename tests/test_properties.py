@@ -139,7 +139,7 @@ def test_bf16_gradients_in_f32_buffer_stay_within_bf16_rounding():
   exact_open = np.mean(wide[:-1], axis=0)  # the window before its last micro-batch
 
   def emitted(acc_dtype):
-    tx = oa.accumulate(n, accumulator_dtype=acc_dtype)
+    tx = oa.accumulate(n, None, accumulator_dtype=acc_dtype)
     params = {"w": jnp.zeros(4096, jnp.bfloat16)}
     state = tx.init(params)
     update = jax.jit(tx.update)

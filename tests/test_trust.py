@@ -124,7 +124,7 @@ def test_emitted_gradient_against_a_wide_reference(dtype, reduction, k, weights,
     raw = rng.normal(size=(k, 5)) + (1j * rng.normal(size=(k, 5)) if dtype == "c64" else 0)
     grads = [{"g": jnp.asarray(r, DTYPES[dtype])} for r in raw]
     params = {"g": jnp.zeros(5, DTYPES[dtype])}
-    tx = oa.accumulate(k, reduction=reduction, skip_nonfinite=skip)
+    tx = oa.accumulate(k, None, reduction=reduction, skip_nonfinite=skip)
     state = tx.init(params)
     update = jax.jit(tx.update)
     kept = []
@@ -291,7 +291,7 @@ def test_rough_edges_name_the_argument():
   _, state = tx.update({"w": jnp.full(2, jnp.nan)}, tx.init(params), params)
   assert int(state.num_skipped) == 1
   with pytest.raises(TypeError, match="skip_nonfinite"):
-    oa.accumulate(2, skip_nonfinite=1)
+    oa.accumulate(2, None, skip_nonfinite=1)
 
 
 def test_public_update_functions_have_docstrings():
