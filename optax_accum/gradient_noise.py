@@ -227,9 +227,10 @@ def noise_scale(state: Any, min_windows: int = MIN_WINDOWS) -> jax.Array:
     >>> params = {"w": jnp.zeros(64)}
     >>> state = tx.init(params)
     >>> key = jax.random.key(0)
+    >>> step = jax.jit(tx.update)
     >>> for i in range(4 * 50):   # true gradient 1, per-element noise variance 4
     ...   g = {"w": 1.0 + 2.0 * jax.random.normal(jax.random.fold_in(key, i), (64,))}
-    ...   _, state = tx.update(g, state, params)
+    ...   _, state = step(g, state, params)
     >>> b = float(oa.noise_scale(state))   # tr(Sigma) / |G|^2 = 64 * 4 / 64 = 4
     >>> 2.5 < b < 6.0
     True
