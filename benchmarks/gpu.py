@@ -6,7 +6,7 @@ What is measured (one process; every number comes from this run):
    leaves), inner optimizer adam, window k = 4, with the machinery of
    ``bench_accumulate.py``: ``step(params, state, grads) -> (params, state)``
    with params and state donated; plain adam, ``oa.accumulate(k, adam)`` +
-   ``apply_updates``, ``optax.chain(oa.accumulate(k), adam)`` (not large-batch
+   ``apply_updates``, ``optax.chain(oa.accumulate(k, None), adam)`` (not large-batch
    training), ``oa.update_and_apply``, ``oa.MultiSteps`` and
    ``optax.MultiSteps``, mid and emitting steps (phases of one compiled
    program, timed call by call with ``jax.block_until_ready`` after a warm-up
