@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -376,6 +376,35 @@ def explicit_axes(axis_name: Any, *, check: bool = True) -> tuple[Any, ...] | No
       " and jax.set_mesh) for jit with unreduced gradients, or Manual ones"
       " (inside shard_map) for psum: not Auto axes, and not a mix."
   )
+
+
+class ArrayLeaves(NamedTuple):
+  """A pytree's array leaves, and how to put the tree back around new ones.
+
+  What crosses ``jax.eval_shape`` or a ``shard_map`` is the arrays; every
+  other leaf (an Equinox module's activation function, a Python number)
+  stays static, passed through as it is, the way ``eqx.filter_jit`` does.
+  """
+
+  arrays: list[Any]
+  paths: list[Any]  # the key path of each array leaf
+  leaves: list[Any]  # every leaf
+  where: list[int]  # the positions of the array leaves among them
+  treedef: Any
+
+  @classmethod
+  def of(cls, tree: Any) -> ArrayLeaves:
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [x for _, x in with_paths]
+    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+    return cls([leaves[i] for i in where], [with_paths[i][0] for i in where], leaves, where,
+               treedef)
+
+  def rebuild(self, arrays: Sequence[Any]) -> Any:
+    leaves = list(self.leaves)
+    for i, x in zip(self.where, arrays, strict=True):
+      leaves[i] = x
+    return jax.tree.unflatten(self.treedef, leaves)
 
 
 def inputs_mesh(tree: Any) -> Any:

@@ -739,26 +739,9 @@ def _run(
 
 
 def _eval_shape(f: Callable[..., Any], *args: Any) -> Any:
-  """``jax.eval_shape(f, *args)`` where only the array leaves of ``args`` are abstract.
-
-  Every other leaf (an Equinox module's activation function, a Python
-  number) is static: passed to ``f`` as it is, the way ``eqx.filter_jit``
-  and the loop itself pass it.
-  """
-  leaves, treedef = jax.tree.flatten(args)
-  where = [i for i, x in enumerate(leaves) if _is_array(x)]
-
-  def on_arrays(*arrays: Any) -> Any:
-    full = list(leaves)
-    for i, x in zip(where, arrays, strict=True):
-      full[i] = x
-    return f(*jax.tree.unflatten(treedef, full))
-
-  return jax.eval_shape(on_arrays, *[leaves[i] for i in where])
-
-
-def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+  """``jax.eval_shape(f, *args)`` where only the array leaves of ``args`` are abstract."""
+  inputs = _validation.ArrayLeaves.of(args)
+  return jax.eval_shape(lambda *arrays: f(*inputs.rebuild(arrays)), *inputs.arrays)
 
 
 def _filled(s: jax.ShapeDtypeStruct, dtype: Any, fill: Any = 0) -> jax.Array:
@@ -1140,8 +1123,9 @@ def _run_on_mesh(call: Callable[..., Any], config: _Config, place: _Placement,
         f" {devices * config.k} examples: each device splits its own rows. Use a"
         f" num_microbatches that divides {size // devices or 1}, or pad the batch.")
   inner = dataclasses.replace(config, axis_name=_spec_entry(place.axes))
-  arrays = _ArrayArgs.of(args, b_nums)
-  shapes = _abstract_outputs(call, config, arrays, size // devices // config.k)
+  arrays = _validation.ArrayLeaves.of(tuple(args))
+  is_batch = [path[0].idx in b_nums for path in arrays.paths]  # path[0]: fn's argnum
+  shapes = _abstract_outputs(call, config, arrays, is_batch, size // devices // config.k)
   targets, scatter = _grad_targets(place, args, (*b_nums, *r_nums), shapes.grads)
   out_specs = _out_specs(inner, place.axes, shapes, scatter, size // devices // config.k)
 
@@ -1149,9 +1133,9 @@ def _run_on_mesh(call: Callable[..., Any], config: _Config, place: _Placement,
     return _run(call, inner, _split_inputs(inner, arrays.rebuild(values)), scatter)
 
   values = [v if batch else _gather_data_axes(v, place) for v, batch in
-            zip(arrays.values, arrays.is_batch, strict=True)]
+            zip(arrays.arrays, is_batch, strict=True)]
   in_specs = tuple(jax.sharding.PartitionSpec(_spec_entry(place.axes)) if batch
-                   else jax.sharding.PartitionSpec() for batch in arrays.is_batch)
+                   else jax.sharding.PartitionSpec() for batch in is_batch)
   out = jax.shard_map(body, mesh=place.mesh, in_specs=in_specs, out_specs=out_specs,
                       axis_names=set(place.axes))(*values)
   return _to_param_shardings(config, out, targets)
@@ -1175,41 +1159,14 @@ def _gather_data_axes(x: Any, place: _Placement) -> Any:
       *[None if not e else _spec_entry(e) for e in entries]))
 
 
-class _ArrayArgs(NamedTuple):
-  """``fn``'s positional arguments split into array leaves (through ``shard_map``) and the rest."""
-
-  leaves: list[Any]
-  treedef: Any
-  where: list[int]  # positions of the array leaves in `leaves`
-  is_batch: list[bool]  # per array leaf: part of a batch argument
-
-  @classmethod
-  def of(cls, args: tuple[Any, ...], b_nums: tuple[int, ...]) -> _ArrayArgs:
-    per_arg = [jax.tree.leaves(a) for a in args]
-    owner = [i for i, leaves in enumerate(per_arg) for _ in leaves]
-    leaves, treedef = jax.tree.flatten(list(args))
-    where = [j for j, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
-    return cls(leaves, treedef, where, [owner[j] in b_nums for j in where])
-
-  @property
-  def values(self) -> list[Any]:
-    return [self.leaves[j] for j in self.where]
-
-  def rebuild(self, values: Any) -> tuple[Any, ...]:
-    leaves = list(self.leaves)
-    for j, v in zip(self.where, values, strict=True):
-      leaves[j] = v
-    return tuple(jax.tree.unflatten(self.treedef, leaves))
-
-
-def _abstract_outputs(call: Callable[..., Any], config: _Config, arrays: _ArrayArgs,
-                      rows: int) -> _Out:
+def _abstract_outputs(call: Callable[..., Any], config: _Config,
+                      arrays: _validation.ArrayLeaves, is_batch: list[bool], rows: int) -> _Out:
   """``fn``'s output shapes on one device's micro-batch of ``rows`` examples (for out_specs)."""
   def plain(x: Any, batch: bool) -> jax.ShapeDtypeStruct:
     shape = (rows, *jnp.shape(x)[1:]) if batch else jnp.shape(x)
     return jax.ShapeDtypeStruct(shape, jnp.result_type(x))
 
-  shapes = [plain(x, b) for x, b in zip(arrays.values, arrays.is_batch, strict=True)]
+  shapes = [plain(x, b) for x, b in zip(arrays.arrays, is_batch, strict=True)]
   return _unpack(config, jax.eval_shape(lambda *v: call(*arrays.rebuild(v)), *shapes))
 
 

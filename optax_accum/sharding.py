@@ -28,11 +28,10 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
@@ -525,7 +524,7 @@ def _local_value_and_grad(fn: Callable[..., Any], axes: tuple[Any, ...], b_nums:
         f"`batch_argnums={b_nums}` names argument {max(b_nums)} but `fn` got"
         f" {len(args) + 1} arguments.")
   entry = axes[0] if len(axes) == 1 else axes
-  inputs = _ArrayLeaves.of((params, *args))
+  inputs = _validation.ArrayLeaves.of((params, *args))
   is_batch = [path[0].idx in b_nums for path in inputs.paths]  # path[0]: fn's argnum
   for path, x, batch in zip(inputs.paths, inputs.arrays, is_batch, strict=True):
     other = {a for e in _partitions(x)[1 if batch else 0:] if e is not None
@@ -569,30 +568,6 @@ def _local_value_and_grad(fn: Callable[..., Any], axes: tuple[Any, ...], b_nums:
 def _partitions(x: Any) -> tuple[Any, ...]:
   spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
   return tuple(spec.partitions) if spec is not None else ()
-
-
-class _ArrayLeaves(NamedTuple):
-  """A pytree's array leaves (what crosses a ``shard_map``); the others stay static."""
-
-  arrays: list[Any]
-  paths: list[Any]  # the key path of each array leaf
-  leaves: list[Any]  # every leaf
-  where: list[int]  # the positions of the array leaves among them
-  treedef: Any
-
-  @classmethod
-  def of(cls, tree: Any) -> _ArrayLeaves:
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = [x for _, x in with_paths]
-    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
-    return cls([leaves[i] for i in where], [with_paths[i][0] for i in where], leaves, where,
-               treedef)
-
-  def rebuild(self, arrays: Sequence[Any]) -> Any:
-    leaves = list(self.leaves)
-    for i, x in zip(self.where, arrays, strict=True):
-      leaves[i] = x
-    return jax.tree.unflatten(self.treedef, leaves)
 
 
 def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
