@@ -329,8 +329,13 @@ def explicit_spec(like: Any) -> Any:
     sharding = like.sharding
   else:  # an array or a tracer: the sharding in its type (a tracer has no .sharding)
     sharding = getattr(jax.typeof(like), "sharding", None)
-  types = getattr(getattr(sharding, "mesh", None), "axis_types", ()) or ()
-  return sharding.spec if any(str(t).endswith("Explicit") for t in types) else None
+  return sharding.spec if has_explicit_axes(getattr(sharding, "mesh", None)) else None
+
+
+def has_explicit_axes(mesh: Any) -> bool:
+  """Whether ``mesh`` (a Mesh, an AbstractMesh or None) has an Explicit axis."""
+  types = getattr(mesh, "axis_types", ()) or ()
+  return any(str(t).endswith("Explicit") for t in types)
 
 
 def pcast_varying(x: jax.Array, names: tuple[Any, ...]) -> jax.Array:
@@ -419,8 +424,7 @@ def inputs_mesh(tree: Any) -> Any:
     else:
       sharding = getattr(x, "sharding", None)  # an array's, or a ShapeDtypeStruct's
     mesh = getattr(sharding, "mesh", None)
-    if mesh is not None and not mesh.empty and any(
-        str(t).endswith("Explicit") for t in mesh.axis_types):
+    if has_explicit_axes(mesh):
       return mesh
   return None
 

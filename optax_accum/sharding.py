@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from optax_accum import _validation, debug
 from optax_accum._validation import axis_name_repr
-from optax_accum._window import strip_axes
+from optax_accum._window import _spec, strip_axes
 from optax_accum.accumulation import AccumulateState
 from optax_accum.gradient_noise import NoiseScaleState
 
@@ -527,7 +527,7 @@ def _local_value_and_grad(fn: Callable[..., Any], axes: tuple[Any, ...], b_nums:
   inputs = _validation.ArrayLeaves.of((params, *args))
   is_batch = [path[0].idx in b_nums for path in inputs.paths]  # path[0]: fn's argnum
   for path, x, batch in zip(inputs.paths, inputs.arrays, is_batch, strict=True):
-    other = {a for e in _partitions(x)[1 if batch else 0:] if e is not None
+    other = {a for e in _spec(x).partitions[1 if batch else 0:] if e is not None
              for a in _validation.axis_names(e)} - set(axes)
     if other:
       raise ValueError(
@@ -539,7 +539,7 @@ def _local_value_and_grad(fn: Callable[..., Any], axes: tuple[Any, ...], b_nums:
           " tensor-parallel layout. For such a model written for explicit sharding use"
           " `defer_reduction`; or shard only over the data axes (FSDP over them is fine).")
   # FSDP: params sharded over the data axes are all-gathered for the forward pass.
-  whole = lambda x: jax.reshard(x, PartitionSpec(*strip_axes(_partitions(x), axes)))
+  whole = lambda x: jax.reshard(x, PartitionSpec(*strip_axes(_spec(x).partitions, axes)))
   arrays = [x if batch else whole(x) for x, batch in zip(inputs.arrays, is_batch, strict=True)]
   in_specs = tuple(PartitionSpec(entry) if batch else PartitionSpec() for batch in is_batch)
 
@@ -563,11 +563,6 @@ def _local_value_and_grad(fn: Callable[..., Any], axes: tuple[Any, ...], b_nums:
                                                           unreduced),
       axis_names=set(mesh.axis_names))(*arrays)
   return ((loss, aux), grads) if has_aux else (loss, grads)
-
-
-def _partitions(x: Any) -> tuple[Any, ...]:
-  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-  return tuple(spec.partitions) if spec is not None else ()
 
 
 def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
