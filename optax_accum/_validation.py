@@ -5,19 +5,81 @@ Every error names the argument at fault and says how to fix it.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_accum import _window
+
 REDUCTIONS = ("mean", "sum", "weighted")
 
 
 _INT32_MAX = 2**31 - 1
+
+
+def check_update(
+    config: Any, grads: Any, buffer: Any, extra_args: dict[str, Any], *, strict: bool,
+    where: str, own: tuple[str, ...], weight: Any = None, emit_now: Any = False,
+    flushing: bool = False, skip_nonfinite: bool = False,
+) -> tuple[jax.Array | None, Any]:
+  """Every check an update starts with; returns ``(weight, emit_now)``, checked.
+
+  The keywords must be ones the inner optimizer may take; the gradients must
+  match the buffer's tree and shapes, fit its dtypes (no part of a value
+  dropped) and live where the window expects them: device-local under
+  ``shard_map``, unreduced under plain jit with Explicit axes, neither
+  without ``axis_name``. A flush carries zeros and no weight. Each failure is
+  raised by the check that words it.
+  """
+  if extra_args:
+    check_keywords(extra_args, strict, where, own)
+  g_leaves, g_def = jax.tree.flatten(grads)
+  b_leaves, b_def = jax.tree.flatten(buffer)
+  if g_def != b_def:
+    check_tree_matches(grads, buffer)
+  explicit_dtype = config.acc_dtype is not None
+  for g, b in zip(g_leaves, b_leaves, strict=True):
+    if getattr(g, "dtype", None) == jax.dtypes.float0:
+      check_no_float0(grads)
+    if jnp.shape(g) != jnp.shape(b):
+      check_tree_matches(grads, buffer)
+    g_dtype, b_dtype = jnp.result_type(g), jnp.result_type(b)
+    if (jnp.issubdtype(g_dtype, jnp.complexfloating)
+        and not jnp.issubdtype(b_dtype, jnp.complexfloating)) or (
+            not explicit_dtype and jnp.promote_types(g_dtype, b_dtype) != b_dtype):
+      check_grad_dtypes(grads, buffer, explicit_dtype)
+  if flushing:
+    return None, True
+  if weight is not None or config.reduction == "weighted":
+    weight = check_weight(weight, config.reduction)
+  if emit_now is not False:
+    emit_now = check_emit_now(emit_now)
+  # Where the gradients live: their types say it.
+  if config.axis_name is None:
+    for g in g_leaves:
+      if _window.array_type(g).unreduced:
+        check_grads_not_unreduced(grads)
+    return weight, emit_now
+  axes = _window.explicit_axes(config.axis_name)
+  if axes is None:  # shard_map / pmap
+    check_grads_are_local(grads, config.axis_name)
+    return weight, emit_now
+  check_grads_unreduced(grads, axes)
+  check_buffer_unreduced(buffer, axes)
+  for flag, on in (("skip_nonfinite", skip_nonfinite),
+                   ("track_noise_scale", config.noise_decay is not None)):
+    if on:
+      raise ValueError(
+          f"`{flag}` needs each device's gradient values, but under jit with"
+          f" `axis_name={config.axis_name!r}` they are unreduced partial sums (JAX has"
+          " no finiteness or squared-norm rule for those). Use shard_map with"
+          " `axis_name` (optax_accum.per_device_state), or drop the option."
+      )
+  return weight, emit_now
 
 
 def check_k(k: Any, name: str = "k") -> int | Callable[[jax.Array], Any]:
@@ -193,33 +255,6 @@ def check_accumulator_dtype(dtype: Any) -> jnp.dtype | None:
   return canonical
 
 
-def accumulator_dtype(dtype: Any, requested: jnp.dtype | None = None) -> jnp.dtype:
-  """The dtype of the buffer that sums values of ``dtype``.
-
-  The default rule (``requested=None``) never narrows: bfloat16 and float16
-  accumulate in float32, float32 in float32, float64 in float64, complex64 in
-  complex64 and complex128 in complex128. An explicit ``requested`` dtype is
-  used as given, even if narrower (the caller asked for it), except that a
-  real buffer for complex values raises: it would drop the imaginary part.
-  Non-floating dtypes (integer aux outputs, say) keep their own dtype.
-  """
-  dtype = jnp.dtype(dtype)
-  if requested is not None:
-    if jnp.issubdtype(dtype, jnp.complexfloating) and not jnp.issubdtype(
-        requested, jnp.complexfloating):
-      raise TypeError(
-          f"`accumulator_dtype={requested}` is real but the values are {dtype}:"
-          " the imaginary part would be dropped. Pass a complex dtype such as"
-          f" {jnp.promote_types(dtype, jnp.complex64)}, or None for the default rule."
-      )
-    return jnp.dtype(requested)
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return jnp.dtype(jnp.promote_types(dtype, jnp.complex64))
-  if jnp.issubdtype(dtype, jnp.floating):
-    return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
-  return dtype
-
-
 def _path_str(path: tuple[Any, ...]) -> str:
   return jax.tree_util.keystr(path) or "<root>"
 
@@ -261,20 +296,6 @@ def check_tree_matches(grads: Any, buffer: Any, *, what: str = "gradients") -> N
       )
 
 
-def varying_axes(x: Any) -> frozenset[Any]:
-  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere).
-
-  Accepts arrays, tracers and ``jax.ShapeDtypeStruct``. Empty under ``pmap``
-  and ``shard_map(check_vma=False)``, whose types carry no such information.
-  """
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
-  varying = getattr(mat, "varying", None)
-  if varying is None:
-    varying = getattr(aval, "vma", None)  # jax < 0.9
-  return frozenset(varying or ())
-
-
 def check_grads_are_local(grads: Any, axis_name: Any) -> None:
   """Raises if, inside a checked ``shard_map``, ``grads`` are already reduced.
 
@@ -283,15 +304,15 @@ def check_grads_are_local(grads: Any, axis_name: Any) -> None:
   again would scale it by the axis size. Where the types carry no manual-axis
   information (pmap, ``check_vma=False``) nothing can be checked.
   """
-  axes = set(axis_names(axis_name))
+  axes = set(_window.axis_names(axis_name))
   try:
     probe = [jax.lax.axis_index(a) for a in axes]
   except NameError:
     return
-  if not all(axes & varying_axes(p) for p in probe):
+  if not all(axes & _window.varying_axes(p) for p in probe):
     return  # no manual-axis types here: nothing to check
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    if not axes <= varying_axes(g):
+    if not axes <= _window.varying_axes(g):
       raise ValueError(
           f"The gradient at {_path_str(path)} is already reduced over"
           f" {axis_name!r} (it is the same on every device): inside shard_map,"
@@ -301,86 +322,6 @@ def check_grads_are_local(grads: Any, axis_name: Any) -> None:
           f" `jax.lax.pcast(params, {axis_name!r}, to='varying')` so each device"
           " accumulates its local gradient and the all-reduce runs once per window."
       )
-
-
-def axis_names(axis_name: Any) -> tuple[Any, ...]:
-  """``axis_name`` (one name, or a tuple or list of them) as a tuple."""
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
-def axis_kinds(mesh: Any, axes: tuple[Any, ...]) -> set[str] | None:
-  """The kinds (``"Explicit"``, ``"Auto"``, ``"Manual"``) of ``axes`` in ``mesh``.
-
-  None if the mesh does not list every one of them (pmap, no mesh set).
-  """
-  names = tuple(getattr(mesh, "axis_names", ()) or ())
-  if not axes or not all(a in names for a in axes):
-    return None
-  return {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
-
-
-def explicit_spec(like: Any) -> Any:
-  """The ``out_sharding`` a new array needs to have ``like``'s type.
-
-  Under explicit sharding the sharding is part of the type (both branches of
-  a cond, and a scan carry, must keep it): ``like``'s spec. None otherwise.
-  """
-  if isinstance(like, jax.ShapeDtypeStruct):
-    sharding = like.sharding
-  else:  # an array or a tracer: the sharding in its type (a tracer has no .sharding)
-    sharding = getattr(jax.typeof(like), "sharding", None)
-  return sharding.spec if has_explicit_axes(getattr(sharding, "mesh", None)) else None
-
-
-def has_explicit_axes(mesh: Any) -> bool:
-  """Whether ``mesh`` (a Mesh, an AbstractMesh or None) has an Explicit axis."""
-  types = getattr(mesh, "axis_types", ()) or ()
-  return any(str(t).endswith("Explicit") for t in types)
-
-
-def pcast_varying(x: jax.Array, names: tuple[Any, ...]) -> jax.Array:
-  """``x`` marked device-varying over the manual axes ``names`` (a no-op if none)."""
-  if not names:
-    return x
-  if hasattr(jax.lax, "pcast"):
-    return jax.lax.pcast(x, names, to="varying")
-  return jax.lax.pvary(x, names)  # older jax
-
-
-def explicit_axes(axis_name: Any, *, check: bool = True) -> tuple[Any, ...] | None:
-  """The axes, if ``axis_name`` names Explicit axes of the current mesh (plain jit).
-
-  None when they are manual axes (``shard_map``, ``pmap``): there the
-  cross-device reduction is a ``psum``. Under ``jax.jit`` in explicit-sharding
-  mode the gradients arrive *unreduced* over these axes and the reduction is a
-  ``jax.reshard``. Auto axes carry no such types: that is an error, as is a
-  mix of kinds. With ``check=False`` (``init``, which ``jax.pmap`` maps
-  without naming the axis) an axis that is neither on the mesh nor bound is
-  not an error: it is checked where it is used.
-  """
-  if axis_name is None:
-    return None
-  axes = axis_names(axis_name)
-  mesh = jax.sharding.get_abstract_mesh()
-  kinds = axis_kinds(mesh, axes)
-  if kinds is None:
-    names = tuple(getattr(mesh, "axis_names", ()) or ())
-    if check and names and not _bound(axes):
-      raise ValueError(
-          f"`axis_name={axis_name!r}` is not an axis of the current mesh (its axes are"
-          f" {names}) nor a bound pmap/shard_map axis. Pass one of the mesh's axes."
-      )
-    return None  # pmap, or a shard_map axis the abstract mesh does not list
-  if kinds == {"Manual"}:
-    return None
-  if kinds == {"Explicit"}:
-    return axes
-  raise ValueError(
-      f"`axis_name={axis_name!r}` names mesh axes of kinds {sorted(kinds)}. Use"
-      " Explicit axes (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))"
-      " and jax.set_mesh) for jit with unreduced gradients, or Manual ones"
-      " (inside shard_map) for psum: not Auto axes, and not a mix."
-  )
 
 
 class ArrayLeaves(NamedTuple):
@@ -412,66 +353,11 @@ class ArrayLeaves(NamedTuple):
     return jax.tree.unflatten(self.treedef, leaves)
 
 
-def inputs_mesh(tree: Any) -> Any:
-  """The mesh of the first leaf of ``tree`` placed on one with Explicit axes, or None.
-
-  A concrete array gives its ``Mesh``; a tracer (under ``jax.jit``) the
-  ``AbstractMesh`` in its type.
-  """
-  for x in jax.tree.leaves(tree):
-    if isinstance(x, jax.core.Tracer):
-      sharding = getattr(jax.typeof(x), "sharding", None)
-    else:
-      sharding = getattr(x, "sharding", None)  # an array's, or a ShapeDtypeStruct's
-    mesh = getattr(sharding, "mesh", None)
-    if has_explicit_axes(mesh):
-      return mesh
-  return None
-
-
-@contextlib.contextmanager
-def inputs_mesh_context(tree: Any) -> Iterator[None]:
-  """Enters the mesh ``tree``'s arrays are placed on, when no mesh is set.
-
-  The pjit idiom places arrays with ``NamedSharding(mesh, spec)`` and never
-  calls ``jax.set_mesh``; a new array typed with a ``PartitionSpec`` (the
-  unreduced buffer, a cond's zeros, a reshard) needs a mesh in context. Under
-  ``jax.jit`` the inputs' abstract mesh is entered, eagerly the concrete one.
-  A set mesh, or inputs on no Explicit mesh, leave everything as it is.
-  """
-  mesh = None if not jax.sharding.get_abstract_mesh().empty else inputs_mesh(tree)
-  if mesh is None:
-    yield
-  elif isinstance(mesh, jax.sharding.Mesh):
-    with jax.set_mesh(mesh):
-      yield
-  else:
-    with jax.sharding.use_abstract_mesh(mesh):
-      yield
-
-
-def _bound(axes: tuple[Any, ...]) -> bool:
-  """Whether every axis is bound by an enclosing pmap / shard_map."""
-  try:
-    for a in axes:
-      jax.lax.axis_index(a)
-  except NameError:
-    return False
-  return True
-
-
-def unreduced_axes(x: Any) -> frozenset[Any]:
-  """The mesh axes over which ``x``'s type says it is an unreduced partial sum."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  spec = getattr(sharding, "spec", None)
-  return frozenset(getattr(spec, "unreduced", None) or ())
-
-
 def check_grads_unreduced(grads: Any, axes: tuple[Any, ...]) -> None:
   """Raises unless every gradient leaf is unreduced over exactly ``axes``."""
   want = frozenset(axes)
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    have = unreduced_axes(g)
+    have = _window.unreduced_axes(g)
     if have == want:
       continue
     if not have:
@@ -494,7 +380,7 @@ def check_buffer_unreduced(buffer: Any, axes: tuple[Any, ...]) -> None:
   """Raises unless the accumulator was built (by ``init``) unreduced over ``axes``."""
   want = frozenset(axes)
   for path, b in jax.tree_util.tree_flatten_with_path(buffer)[0]:
-    if unreduced_axes(b) != want:
+    if _window.unreduced_axes(b) != want:
       raise ValueError(
           f"The accumulator at {_path_str(path)} is {jax.typeof(b)}, not unreduced over"
           f" {sorted(want)}: `init` ran outside the mesh. Call `tx.init(params)` (or"
@@ -507,7 +393,7 @@ def check_buffer_unreduced(buffer: Any, axes: tuple[Any, ...]) -> None:
 def check_grads_not_unreduced(grads: Any) -> None:
   """Raises if a gradient is unreduced but the accumulator has no axis to reduce it."""
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    have = unreduced_axes(g)
+    have = _window.unreduced_axes(g)
     if have:
       raise ValueError(
           f"The gradient at {_path_str(path)} is unreduced over {sorted(have)} (each"
@@ -519,16 +405,6 @@ def check_grads_not_unreduced(grads: Any) -> None:
 
 def axis_name_repr(axes: tuple[Any, ...]) -> str:
   return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
-
-
-def match_varying(x: jax.Array, target: Any) -> jax.Array:
-  """``x`` marked device-varying over the manual axes ``target`` varies over.
-
-  A no-op outside ``shard_map``. Inside it, both branches of a ``lax.cond``
-  (and a ``lax.scan`` carry and its update) must vary over the same axes.
-  """
-  missing = varying_axes(target) - varying_axes(x)
-  return pcast_varying(x, tuple(sorted(missing, key=str)))
 
 
 def check_keywords(extra: dict[str, Any], strict: bool, where: str, own: tuple[str, ...]) -> None:

@@ -1,44 +1,38 @@
-"""One accumulation window: the micro-step behind ``accumulate`` and ``MultiSteps``.
+"""The accumulation window: the one algorithm behind ``accumulate`` and ``MultiSteps``.
 
-Read top to bottom. :func:`micro_step` counts the micro-batch, decides whether
-the window closes (:func:`window_closes`, the only place that decides it) and
-then runs two conditionals:
+:func:`micro_step` reads top to bottom:
 
-* :func:`add_to_buffer` writes this micro-batch into the buffer, only when
-  the window stays open;
-* :func:`emit` reduces the window (the buffer plus this micro-batch, summed on
-  the fly by :func:`buffer_after`) and runs the inner optimizer, or
-  :func:`mid` returns zeros.
+1. **decide**: does this micro-batch count (``accept``, from the caller), and
+   does the window close (``k`` micro-batches, or ``emit_now``);
+2. **add**: write it into the buffer, unless the window closes;
+3. **emit or not**: one ``lax.cond``. The emitting branch (:func:`emit`)
+   reduces the window (the buffer plus this micro-batch, summed where the
+   inner optimizer reads it), runs the inner optimizer once and folds the
+   noise estimate; the other returns zeros (or the params, when applying);
+4. **advance** the counters.
 
-:func:`advance` moves the counters. Whether a micro-batch counts at all
-(finite? positive weight?) is decided by the caller and passed in as
-``accept``.
+:func:`emit` is traced once (:func:`trace_once`); its output shapes give the
+mid-step's zeros, and the conditional calls the traced function.
 
-So the closing micro-batch is not written to the buffer: the emitting step
-reads the buffer inside the inner optimizer's loops. Once read, the buffer is
-dead, so the emitting step writes the updates there (:func:`parking`) and
-``update`` returns them masked by "a step was taken": no parameter-sized
-value leaves a conditional. The buffer is reset lazily: between windows it
-holds leftovers (updates, or a partial sum) that the next window's first
-micro-batch ignores. Branch order matters to the compilers' copy insertion:
-every pass-through branch sits where XLA:CPU, or XLA:GPU, needs it to copy
-nothing (benchmarks/NOTES.md).
+What the compilers need (which conditional branch passes the buffer through,
+the barriers, the updates parked in the dead buffer, zeros XLA cannot merge)
+is the *layout*, kept in its own section below with its HLO evidence in
+``benchmarks/NOTES.md``. The array-type facts every module reads (shardings,
+unreduced and device-varying axes, the buffer dtype) close the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _validation
 from optax_accum import gradient_noise as noise_lib
 
 KSchedule = Callable[[jax.Array], Any]
@@ -94,20 +88,34 @@ class StepOut(NamedTuple):
   emitted: jax.Array  # this call took an optimizer step
 
 
+class Operands(NamedTuple):
+  """What both branches of the window's conditional read."""
+
+  acc: optax.Updates
+  mini_step: jax.Array
+  grads: optax.Updates
+  count: jax.Array
+  total_weight: jax.Array  # the window's, over every device
+  noise: Any
+  inner_state: Any
+  params: Any
+  emits: jax.Array
+
+
 def init_window(config: Config, params: optax.Params) -> Window:
   """An empty window: a zero buffer shaped (and sharded) like ``params``.
 
   Under ``jax.jit`` with explicit sharding and ``axis_name`` naming data axes,
   the buffer is typed *unreduced* over them: each device keeps its partial sum.
   """
-  unreduced = _validation.explicit_axes(config.axis_name, check=False)
+  unreduced = explicit_axes(config.axis_name, check=False)
 
   def zeros(p: jax.Array) -> jax.Array:
-    dtype = _validation.accumulator_dtype(jnp.result_type(p), config.acc_dtype)
+    dtype = accumulator_dtype(jnp.result_type(p), config.acc_dtype)
     if unreduced is None:
       return jnp.zeros_like(p, dtype=dtype)
     spec = jax.sharding.PartitionSpec(
-        *strip_axes(_spec(p).partitions, unreduced), unreduced=set(unreduced))
+        *strip_axes(spec_of(p).partitions, unreduced), unreduced=set(unreduced))
     return jnp.zeros(jnp.shape(p), dtype, out_sharding=spec)
 
   return Window(
@@ -120,381 +128,7 @@ def init_window(config: Config, params: optax.Params) -> Window:
   )
 
 
-def _spec(x: Any) -> jax.sharding.PartitionSpec:
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  return getattr(sharding, "spec", None) or jax.sharding.PartitionSpec()
-
-
-def strip_axes(partitions: tuple[Any, ...], axes: tuple[Any, ...]) -> tuple[Any, ...]:
-  """A spec's partitions with ``axes`` removed (those dims all-gathered over them)."""
-  def one(entry: Any) -> Any:
-    if entry is None:
-      return None
-    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n not in axes)
-    return None if not names else names[0] if len(names) == 1 else names
-  return tuple(one(e) for e in partitions)
-
-
-def window_length(k: int | KSchedule | noise_lib.AdaptiveK, window: Window) -> jax.Array:
-  """``k`` for this window; a schedule is checked when concrete, clamped under jit."""
-  if isinstance(k, int):
-    return jnp.asarray(k, jnp.int32)
-  if isinstance(k, noise_lib.AdaptiveK):
-    return k(window.noise)
-  gradient_step = window.gradient_step
-  value = k(gradient_step)
-  if not isinstance(value, jax.core.Tracer):
-    concrete = int(jnp.asarray(value))
-    if concrete < 1:
-      raise ValueError(
-          f"The `k` schedule returned {concrete} at gradient_step"
-          f" {int(gradient_step)}; a window needs at least 1 micro-batch. Make"
-          " the schedule return an int >= 1 for every step. (Under jit such"
-          " values are clamped to 1.)"
-      )
-  return jnp.maximum(jnp.asarray(value).astype(jnp.int32), 1)
-
-
-def buffer_after(
-    config: Config, window: Window, grads: optax.Updates, accept: Any, weight: jax.Array | None,
-) -> optax.Updates:
-  """The buffer with this micro-batch added: one fused expression per leaf.
-
-  The buffer's old contents count only while ``mini_step > 0``; they are
-  discarded with a select, never multiplied, so a NaN left behind never
-  reaches a later window. A micro-batch of weight 0 adds nothing (its
-  gradient may be NaN: the mean loss of pure padding). A rejected one
-  (``accept`` False) leaves the buffer as it is.
-  """
-  if accept is False:
-    return window.acc_grads
-  stale = window.mini_step == 0
-  inv_next = 1.0 / (window.mini_step + 1).astype(jnp.float32)
-
-  def add(acc: jax.Array, g: jax.Array) -> jax.Array:
-    g = g.astype(acc.dtype)
-    zero = jnp.zeros_like(acc)  # (a scalar 0 is not allowed with unreduced types)
-    old = jnp.where(stale, zero, acc)
-    if weight is not None:
-      g = jnp.where(weight != 0, g * _scalar_like(weight.astype(acc.dtype), acc), zero)
-    if config.running_mean:  # optax.MultiSteps' Welford update
-      new = old + (g - old) * inv_next.astype(acc.dtype)
-    else:
-      new = old + g
-    return new if accept is True else jnp.where(accept, new, acc)
-
-  return jax.tree.map(add, window.acc_grads, grads)
-
-
-def add_to_buffer(
-    config: Config, window: Window, grads: optax.Updates, accept: Any, weight: jax.Array | None,
-    closes: jax.Array, *, emit_writes: bool,
-) -> optax.Updates:
-  """The buffer after this call: written in place, unless the window closes.
-
-  The closing micro-batch goes straight into :func:`emit`, which sums it
-  with the buffer on the fly. ``emit_writes``: the emitting conditional
-  writes the buffer too (parked updates, or the sum the noise estimate
-  reads), which decides the branch order the compiler needs.
-  """
-  if accept is False:
-    return window.acc_grads
-  writes = jnp.logical_not(closes)
-  if accept is not True:
-    writes = jnp.logical_and(writes, accept)
-
-  @jax.named_scope(SCOPES["add"])
-  def write(acc: optax.Updates, grads: optax.Updates) -> optax.Updates:
-    # A conditional whose branch is cheap elementwise work becomes selects on
-    # XLA:GPU (a pass on every step); a barrier is not elementwise.
-    mini_step = lax.optimization_barrier(window.mini_step)
-    return buffer_after(config, window._replace(acc_grads=acc, mini_step=mini_step), grads,
-                        True, weight)
-
-  keep = lambda acc, _: acc
-  pass_through_false = lambda acc, g: lax.cond(writes, write, keep, acc, g)
-  if not emit_writes:
-    return pass_through_false(window.acc_grads, grads)
-  # Which branch passes the buffer through decides whether the compiler
-  # copies every buffer of the two conditionals: XLA:CPU needs it in the
-  # false slot always; XLA:GPU in the true one when the emitting conditional
-  # writes the buffer too (benchmarks/NOTES.md has the HLO of both).
-  pass_through_true = lambda acc, g: lax.cond(jnp.logical_not(writes), keep, write, acc, g)
-  return lax.platform_dependent(window.acc_grads, grads, cpu=pass_through_false,
-                                default=pass_through_true)
-
-
-def window_closes(count: jax.Array, k_now: jax.Array, emit_now: Any) -> jax.Array:
-  """Whether this call closes the window: ``k`` micro-batches, or ``emit_now``."""
-  full = count >= k_now
-  if emit_now is not False:
-    full = jnp.logical_or(full, emit_now)
-  return jnp.logical_and(full, count > 0)
-
-
-def _scalar_like(w: jax.Array, acc: jax.Array) -> jax.Array:
-  """``w`` typed to multiply ``acc``: an unreduced array needs a *reduced* scalar."""
-  axes = _validation.unreduced_axes(acc)
-  if not axes:
-    return w
-  return jax.reshard(w, jax.sharding.PartitionSpec(reduced=set(axes)))
-
-
-def _cross_device(
-    config: Config, acc: Any, scalars: jax.Array, params: Any) -> tuple[Any, jax.Array]:
-  """The window summed over ``axis_name``, and a vector of scalars with it.
-
-  Under ``shard_map``/``pmap`` two ``psum``s (the scalars are per device).
-  Under jit with unreduced buffers, one ``jax.reshard`` per leaf to the
-  params' sharding: an all-reduce, or a reduce-scatter for sharded params;
-  the scalars are global values there already.
-  """
-  if config.axis_name is None:
-    return acc, scalars
-  if _validation.explicit_axes(config.axis_name) is None:
-    return lax.psum(acc, config.axis_name), lax.psum(scalars, config.axis_name)
-  targets = acc if params is None else params
-  acc = jax.tree.map(
-      lambda a, t: jax.reshard(a, jax.sharding.PartitionSpec(*_spec(t).partitions)), acc, targets)
-  return acc, scalars
-
-
-def emit(
-    config: Config,
-    operands: tuple[Any, ...],
-    *,
-    apply: bool,
-    inner: Callable[[Any, Any, Any], tuple[Any, Any]],
-    dtypes: Any,
-    accept: Any,
-    weight: jax.Array | None,
-    parks: list[bool] | None = None,
-) -> tuple[Any, ...]:
-  """The emitting branch: reduce the window, run the inner optimizer once.
-
-  The window is the buffer plus this micro-batch (``accept``, ``weight``),
-  summed on the fly: XLA fuses that sum into the inner optimizer's reads.
-  A window whose total weight is 0 (only padding) is not a step: the inner
-  state is kept, the updates are zeros and ``stepped`` is False. This is the
-  only place that rule lives. With ``parks`` (see :func:`parking`) the
-  updates of those leaves are written into the buffer, which is returned.
-  """
-  window, grads, count, total_weight, noise, inner_state, params, _ = operands
-  tracking = config.noise_decay is not None
-  window_k = noise.window_count if tracking else count
-  totals = jnp.stack([total_weight, count.astype(jnp.float32), window_k.astype(jnp.float32),
-                      noise.window_sq_norms if tracking else jnp.zeros([], jnp.float32)])
-  written: Any = ()
-  if _emit_writes_buffer(config) and parks is None:
-    written = buffer_after(config, window, grads, accept, weight)
-    window_sum = lambda: written
-  elif config.axis_name is None:
-    # Summed where it is read (inside the weighted rule's conditional too):
-    # a sum computed out here would be a parameter-sized temporary.
-    window_sum = lambda: buffer_after(config, window, grads, accept, weight)
-  else:
-    reduced_sum, totals = _cross_device(
-        config, buffer_after(config, window, grads, accept, weight), totals, params)
-    window_sum = lambda: reduced_sum
-  total_weight, count_f, window_k, window_sq = totals[0], totals[1], totals[2], totals[3]
-  # In the buffer's precision (float64 buffers would lose digits to a float32 1/3).
-  wide = jnp.result_type(jnp.float32, *(jnp.finfo(a.dtype).dtype
-                                        for a in jax.tree.leaves(window.acc_grads)
-                                        if jnp.issubdtype(a.dtype, jnp.inexact)))
-  scale = _window_scale(config, count_f.astype(wide), total_weight.astype(wide))
-
-  def step(inner_state: Any, params: Any, buffer: Any) -> tuple[Any, Any, Any]:
-    # XLA's GPU compiler turns a conditional whose branches hold only cheap
-    # elementwise work into selects, and then the inner optimizer runs on
-    # every micro-step. A barrier is not elementwise: the conditional stays.
-    s = lax.optimization_barrier(scale)
-    reduced = jax.tree.map(lambda a, d: (a * s.astype(a.dtype)).astype(d), window_sum(), dtypes)
-    out, new_inner = inner(reduced, inner_state, params)
-    if parks is not None:
-      out, buffer = park(out, buffer, parks)
-    return out, new_inner, buffer
-
-  buffer = window.acc_grads if parks is not None else ()
-  if config.reduction == "weighted":
-    stepped = total_weight != 0
-    out_shapes = jax.eval_shape(step, inner_state, params, buffer)[0]
-    # Passes the buffer through (parked updates are masked by ``stepped``).
-    skip = lambda s, p, b: (p if apply else _distinct_zeros(out_shapes, stepped), s, b)
-    out, new_inner, buffer = lax.cond(stepped, step, skip, inner_state, params, buffer)
-  else:
-    stepped = jnp.asarray(True)
-    out, new_inner, buffer = step(inner_state, params, buffer)
-  if parks is not None:
-    written = buffer
-  if tracking:
-    mean = scale if config.reduction != "sum" else 1.0 / count_f
-    noise = noise_lib.fold_window(
-        noise, window_sq_norms=window_sq, window_count=window_k.astype(jnp.int32),
-        total_weight=total_weight if config.reduction == "weighted" else window_k,
-        mean_sq_norm=noise_lib.sq_norm(window_sum()) * mean**2, decay=config.noise_decay)
-  return out, new_inner, stepped, noise, written
-
-
-def _window_scale(config: Config, count: jax.Array, total_weight: jax.Array) -> jax.Array:
-  """The factor that turns the buffer into the window's reduced gradient."""
-  if config.reduction == "weighted":
-    return 1.0 / jnp.where(total_weight == 0, 1.0, total_weight)
-  if config.reduction == "mean" and not config.running_mean:
-    return 1.0 / count
-  return jnp.ones([], count.dtype)  # a sum, or a running mean already
-
-
-def traced_once(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """``fn``, whose Python runs at its first call; later calls replay its jaxpr.
-
-  The replay binds the same primitives (the compiled program is the same)
-  without running ``fn``'s Python again: an optimizer's tracing is most of a
-  train step's trace time. A call with arguments of other types traces anew.
-  ``fn`` must not close over values traced after its first call (here it
-  closes over the configuration and the caller's extra arguments only).
-  """
-  cache: dict[Any, tuple[Any, Any]] = {}
-
-  def call(*args: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(args)
-    key = (treedef, tuple(jax.typeof(x) for x in leaves))
-    if key not in cache:
-      closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
-      cache[key] = (jax.extend.core.jaxpr_as_fun(closed), jax.tree.structure(shapes))
-    replay, out_tree = cache[key]
-    return jax.tree.unflatten(out_tree, replay(*leaves))
-
-  return call
-
-
-def run_inner(config: Config, reduced: Any, inner_state: Any, params: Any, *, apply: bool,
-              extra_args: dict[str, Any]) -> tuple[Any, Any]:
-  """The inner optimizer on the reduced gradient: ``(updates or new params, state)``."""
-  if config.inner is None:
-    return reduced, inner_state
-  updates, new_inner = config.inner.update(reduced, inner_state, params, **extra_args)
-  # Optimizers may promote their state (Adam's f16 moments on f32 gradients);
-  # both branches of the cond, and lax.scan, need stable dtypes.
-  new_inner = optax.tree.cast_like(new_inner, inner_state)
-  return (optax.apply_updates(params, updates) if apply else updates), new_inner
-
-
-def mid(operands: tuple[Any, ...], *, apply: bool, zeros: Any, emit_writes: bool,
-        ) -> tuple[Any, ...]:
-  """The non-emitting branch: zero updates (or the params untouched).
-
-  Updates parked in the buffer (see :func:`parking`) get no zeros here: they
-  are read back, masked, after the conditional.
-  """
-  window, _, _, _, noise, inner_state, params, closes = operands
-  out = params if apply else _distinct_zeros(zeros, closes)  # closes is False here
-  buffer = window.acc_grads if emit_writes else ()
-  return out, inner_state, jnp.asarray(False), noise, buffer
-
-
-def parking(config: Config, updates: Any, buffer: optax.Updates, *, noise_parks: bool = False,
-            ) -> list[bool] | None:
-  """Which leaves of the updates the emitting branch writes into the buffer.
-
-  Once the window closes the buffer is dead (the next window resets it
-  lazily), so the updates can live there: ``update`` then returns
-  ``where(stepped, buffer, 0)``, which XLA fuses into ``apply_updates``. The
-  conditional then outputs no parameter-sized updates: no temporaries, and
-  the mid-step writes no zeros (6 passes over the params instead of 7). A
-  leaf parks when the buffer leaf holds its value exactly (same shape, same
-  sharding and device variance, the same dtype or an exact widening); the
-  others are returned as usual. Not under ``axis_name`` (the reduction
-  materialises the sum elsewhere), and with the noise estimate only when
-  ``noise_parks`` (else the buffer keeps the window's sum for the norm).
-  None when no leaf parks.
-  """
-  if config.axis_name is not None or (_emit_writes_buffer(config) and not noise_parks):
-    return None
-  if jax.tree.structure(updates) != jax.tree.structure(buffer):
-    return None
-  outs, bufs = jax.tree.leaves(updates), jax.tree.leaves(buffer)
-  parks = [_holds_exactly(a, u) for u, a in zip(outs, bufs, strict=True)]
-  return parks if any(parks) else None
-
-
-_EXACT_WIDENINGS = {
-    (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)),
-    (jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)),
-    (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float64)),
-    (jnp.dtype(jnp.float16), jnp.dtype(jnp.float64)),
-    (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)),
-}
-
-
-def _holds_exactly(buffer: Any, updates: Any) -> bool:
-  """Whether ``updates`` stored in ``buffer`` reads back bit for bit, in place."""
-  same_dtype = jnp.dtype(updates.dtype) == jnp.dtype(buffer.dtype)
-  if not same_dtype and (jnp.dtype(updates.dtype), jnp.dtype(buffer.dtype)) not in _EXACT_WIDENINGS:
-    return False
-  return (tuple(updates.shape) == tuple(buffer.shape)
-          and _validation.varying_axes(updates) == _validation.varying_axes(buffer)
-          and _validation.explicit_spec(updates) == _validation.explicit_spec(buffer)
-          and not _validation.unreduced_axes(buffer))
-
-
-def park(updates: Any, buffer: optax.Updates, parks: list[bool]) -> tuple[list[Any], Any]:
-  """``(the updates with parked leaves None, the buffer holding them)``."""
-  leaves = jax.tree.leaves(updates)
-  bufs, treedef = jax.tree.flatten(buffer)
-  kept = [None if p else u for u, p in zip(leaves, parks, strict=True)]
-  stored = [u.astype(b.dtype) if p else b for u, b, p in zip(leaves, bufs, parks, strict=True)]
-  return kept, jax.tree.unflatten(treedef, stored)
-
-
-def unpark(kept: list[Any], buffer: optax.Updates, parks: list[bool], stepped: jax.Array,
-           shapes: Any) -> Any:
-  """The updates: parked leaves read back from the buffer, zeros unless ``stepped``."""
-  like, treedef = jax.tree.flatten(shapes)
-  out = [jnp.where(stepped, b.astype(s.dtype), jnp.zeros((), s.dtype)) if p else u
-         for u, b, p, s in zip(kept, jax.tree.leaves(buffer), parks, like, strict=True)]
-  return jax.tree.unflatten(treedef, out)
-
-
-def _emit_writes_buffer(config: Config) -> bool:
-  """Whether :func:`emit` writes the window's sum into the buffer.
-
-  Only when the noise estimate reads the sum too: XLA:CPU (and libtpu, in
-  part) keeps a sum with two readers (the inner optimizer and the norm) as a
-  parameter-sized temporary, so it goes into the buffer instead, whose
-  window is over. Where the updates park instead (XLA:GPU, see
-  :func:`micro_step`) it is not written. (A cross-device sum is
-  materialised by its collective anyway.)
-  """
-  return config.noise_decay is not None and config.axis_name is None
-
-
-def _distinct_zeros(shapes: Any, false: jax.Array) -> Any:
-  """Zeros shaped (and typed) like ``shapes``, one independent broadcast per leaf.
-
-  Plain ``zeros_like`` leaves are identical HLO that XLA merges into one
-  buffer and then copies into each output: nearly two passes instead of one.
-  ``false`` is a traced bool that is False where this runs; XLA cannot know
-  it, so no two leaves look alike. Both branches of a cond need equal types,
-  so each leaf also takes its target's sharding (explicit mode) or the mesh
-  axes it varies over (inside ``shard_map``).
-  """
-  leaves, treedef = jax.tree.flatten(shapes)
-  out = []
-  for i, s in enumerate(leaves):
-    fill = jnp.where(false, jnp.asarray(i + 1, s.dtype), jnp.zeros((), s.dtype))
-    z = jnp.broadcast_to(fill, s.shape, out_sharding=_validation.explicit_spec(s))
-    out.append(_validation.match_varying(z, s))
-  return jax.tree.unflatten(treedef, out)
-
-
-def advance(window: Window, *, count: jax.Array, total_weight: jax.Array, closes: jax.Array,
-            stepped: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(mini_step, gradient_step, acc_weight)`` after this call."""
-  return (
-      jnp.where(closes, jnp.zeros_like(count), count),
-      jnp.where(stepped, optax.safe_increment(window.gradient_step), window.gradient_step),
-      jnp.where(closes, jnp.zeros_like(total_weight), total_weight),
-  )
+# ---------------------------------------------------------------- the algorithm
 
 
 def micro_step(
@@ -519,84 +153,570 @@ def micro_step(
     inner_state: the inner optimizer's state.
     params: the params (needed by some optimizers, and to apply).
     accept: whether this micro-batch counts (a bool scalar; ``True`` when it
-      cannot fail). A rejected one changes no buffer and no counter.
+      cannot fail, ``False`` for a flush). A rejected one changes no buffer
+      and no counter.
     weight: the micro-batch's weight (``reduction="weighted"`` only).
     emit_now: close the window after this micro-batch even if short.
     apply: return the new params instead of the updates, applied inside the
       emitting branch (mid-steps then never touch the params).
     extra_args: passed to the inner optimizer.
   """
-  k_now = window_length(config.k, window)
+  # 1. Decide: does the window close with this micro-batch?
+  k_now = jnp.asarray(config.k, jnp.int32) if isinstance(config.k, int) else window_length(
+      config.k, window)
   count = window.mini_step + jnp.asarray(accept, window.mini_step.dtype)
-  closes = window_closes(count, k_now, emit_now)
+  full = count >= k_now if emit_now is False else jnp.logical_or(count >= k_now, emit_now)
+  closes = jnp.logical_and(full, count > 0)
   weighted = config.reduction == "weighted"
   total_weight = window.acc_weight if weighted else jnp.zeros([], jnp.float32)
   if weight is not None:
     total_weight = total_weight + jnp.where(accept, weight, 0.0)
+  window_weight = total_weight
+  if weighted and config.axis_name is not None and explicit_axes(config.axis_name) is None:
+    # Per-device weights (shard_map / pmap): the devices agree on the
+    # window's total with one scalar all-reduce per micro-step.
+    window_weight = lax.psum(total_weight, config.axis_name)
+  # A window of total weight 0 (only padding) is not a step: it closes without
+  # emitting (zero updates, the inner state kept). The only place that rule lives.
+  emits = jnp.logical_and(closes, window_weight != 0) if weighted else closes
   noise = window.noise
   if config.noise_decay is not None:
-    sq = noise_lib.sq_norm(grads)
-    counted = jnp.logical_and(accept, True if weight is None else weight != 0)
+    noise = noise_lib.add_micro_batch(noise, grads, accept, weight)
+
+  # The emitting branch, traced once: its outputs shape the mid-step's zeros
+  # and decide where the updates live (the layout, below).
+  ops = Operands(window.acc_grads, window.mini_step, grads, count, window_weight, noise,
+                 inner_state, params, emits)
+  run_emit, shapes = trace_once(
+      lambda ops: emit(config, ops, accept=accept, weight=weight, apply=apply,
+                       extra_args=extra_args or {}), ops)
+  layout = choose_layout(config, shapes.out, window.acc_grads, apply=apply)
+
+  # 2. Add: the buffer takes this micro-batch unless the window closes (the
+  # emitting branch sums the closing one on the fly).
+  acc = add_to_buffer(config, ops, closes, accept, weight, layout)
+  ops = ops._replace(acc=acc)
+
+  # 3. Emit or not.
+  def conditional(parks: list[bool] | None) -> Emitted:
+    # "A step was taken" leaves the conditional as an output of each branch,
+    # not as its predicate: libtpu then fuses the parked updates' read-back
+    # with 12 fewer kernels in the chain form (the same passes either way).
+    (out, new_inner, new_noise, buffer), stepped = lax.cond(
+        emits,
+        jax.named_scope(SCOPES["emit"])(
+            lambda ops: (park(run_emit(ops), ops.acc, parks, layout), jnp.asarray(True))),
+        jax.named_scope(SCOPES["mid"])(
+            lambda ops: (mid(ops, shapes.out, parks, layout, apply), jnp.asarray(False))),
+        ops)
+    buffer = buffer if layout.emit_writes else acc
+    return Emitted(unpark(out, buffer, parks, stepped, shapes.out), new_inner, new_noise, buffer)
+
+  if layout.parks_with_noise is None:
+    result = conditional(layout.parks)
+  else:  # with the noise estimate, the TPU keeps the window's sum in the buffer (see parking)
+    result = lax.platform_dependent(tpu=lambda: conditional(None),
+                                    default=lambda: conditional(layout.parks_with_noise))
+
+  # 4. Advance.
+  new_window = Window(
+      mini_step=jnp.where(closes, jnp.zeros_like(count), count),
+      gradient_step=jnp.where(emits, optax.safe_increment(window.gradient_step),
+                              window.gradient_step),
+      acc_grads=result.window_sum,
+      acc_weight=jnp.where(closes, jnp.zeros_like(total_weight), total_weight)
+      if weighted else window.acc_weight,
+      noise=result.noise)
+  return StepOut(result.out, new_window, result.inner_state, emits)
+
+
+def window_length(k: KSchedule | noise_lib.AdaptiveK, window: Window) -> jax.Array:
+  """``k`` for this window; a schedule is checked when concrete, clamped under jit."""
+  if isinstance(k, noise_lib.AdaptiveK):
+    return k(window.noise)
+  value = k(window.gradient_step)
+  if not isinstance(value, jax.core.Tracer):
+    concrete = int(jnp.asarray(value))
+    if concrete < 1:
+      raise ValueError(
+          f"The `k` schedule returned {concrete} at gradient_step"
+          f" {int(window.gradient_step)}; a window needs at least 1 micro-batch. Make"
+          " the schedule return an int >= 1 for every step. (Under jit such"
+          " values are clamped to 1.)"
+      )
+  return jnp.maximum(jnp.asarray(value).astype(jnp.int32), 1)
+
+
+def buffer_after(config: Config, acc: optax.Updates, mini_step: jax.Array, grads: optax.Updates,
+                 accept: Any, weight: jax.Array | None) -> optax.Updates:
+  """The buffer with this micro-batch added: one fused expression per leaf.
+
+  The buffer's old contents count only while ``mini_step > 0``; they are
+  discarded with a select, never multiplied, so a NaN left behind never
+  reaches a later window. A micro-batch of weight 0 adds nothing (its
+  gradient may be NaN: the mean loss of pure padding). A rejected one
+  (``accept`` False) leaves the buffer as it is.
+  """
+  if accept is False:
+    return acc
+  stale = mini_step == 0
+  inv_next = 1.0 / (mini_step + 1).astype(jnp.float32)
+
+  def add(acc: jax.Array, g: jax.Array) -> jax.Array:
+    g = g.astype(acc.dtype)
+    zero = jnp.zeros_like(acc)  # (a scalar 0 is not allowed with unreduced types)
+    old = jnp.where(stale, zero, acc)
     if weight is not None:
-      sq = jnp.where(weight != 0, sq * weight, 0.0)
-    noise = noise_lib.add_micro_batch(noise, sq, counted)
+      w = weight.astype(acc.dtype)
+      unreduced = array_type(acc).unreduced
+      if unreduced:  # an unreduced array multiplies by a *reduced* scalar
+        w = jax.reshard(w, jax.sharding.PartitionSpec(reduced=set(unreduced)))
+      g = jnp.where(weight != 0, g * w, zero)
+    if config.running_mean:  # optax.MultiSteps' Welford update
+      new = old + (g - old) * inv_next.astype(acc.dtype)
+    else:
+      new = old + g
+    return new if accept is True else jnp.where(accept, new, acc)
 
-  dtypes = _reduced_dtypes(grads, params)
-  operands = (window, grads, count, total_weight, noise, inner_state, params, closes)
-  # The emitting branch is traced several times (for its output shapes, for
-  # each backend's layout, inside the weighted rule's conditional); the inner
-  # optimizer's Python runs once and is replayed from its jaxpr after that.
-  inner = traced_once(functools.partial(run_inner, config, apply=apply,
-                                        extra_args=extra_args or {}))
-  emit_fn = lambda ops, parks=None: emit(
-      config, ops, apply=apply, inner=inner, dtypes=dtypes, accept=accept,
-      weight=weight, parks=parks)
-  shapes = None if apply else jax.eval_shape(emit_fn, operands)[0]
-  # Which leaves park, without and with the noise estimate's parking.
-  parks_for = {noise_parks: None if apply else parking(config, shapes, window.acc_grads,
-                                                        noise_parks=noise_parks)
-               for noise_parks in (False, True)}
-  emit_writes = _emit_writes_buffer(config) or parks_for[False] is not None
-  acc = add_to_buffer(config, window, grads, accept, weight, closes, emit_writes=emit_writes)
-  # The emitting branch reads the buffer as add_to_buffer leaves it
-  # (unchanged when the window closes).
-  operands = (window._replace(acc_grads=acc), *operands[1:])
+  return jax.tree.map(add, acc, grads)
 
-  def conditional(noise_parks: bool) -> tuple[Any, ...]:
-    parks = parks_for[noise_parks]
-    zeros, run_emit = shapes, emit_fn
-    if parks is not None:
-      zeros = [None if p else z for z, p in zip(jax.tree.leaves(shapes), parks, strict=True)]
-      run_emit = functools.partial(emit_fn, parks=parks)
-    mid_fn = lambda ops: mid(ops, apply=apply, zeros=zeros, emit_writes=emit_writes)
-    out, inner, stepped, noise, written = lax.cond(
-        closes, jax.named_scope(SCOPES["emit"])(run_emit),
-        jax.named_scope(SCOPES["mid"])(mid_fn), operands)
-    buffer = written if emit_writes else acc
-    if parks is not None:
-      out = unpark(out, buffer, parks, stepped, shapes)
-    return out, buffer, inner, stepped, noise
 
-  if _emit_writes_buffer(config) and not apply:
-    # The noise estimate reads the window's sum too. Computed on the fly for
-    # both readers, XLA:GPU fuses it (no temporaries); XLA:CPU materialises
-    # it (1.0x) and libtpu holds more (0.49x -> 0.79x on a v5e) than with
-    # the sum kept in the buffer and the updates out of the conditional.
-    out, acc, inner_state, stepped, noise = lax.platform_dependent(
-        cuda=lambda: conditional(True), default=lambda: conditional(False))
+def emit(config: Config, ops: Operands, *, accept: Any, weight: jax.Array | None, apply: bool,
+         extra_args: dict[str, Any]) -> Emitted:
+  """The emitting branch: reduce the window, run the inner optimizer once.
+
+  The reduced gradient is the window's sum (the buffer plus this
+  micro-batch, reduced across devices with ``axis_name``) times
+  its scale (1 / count, 1 / total weight, or 1), in the wider of each gradient's and param's dtype.
+  The window's sum is returned too, for the layout that keeps it in the
+  buffer.
+  """
+  tracking = config.noise_decay is not None
+  window_k = ops.noise.window_count if tracking else ops.count
+  # Per device under shard_map / pmap (the total weight is global already).
+  totals = jnp.stack([ops.count.astype(jnp.float32), window_k.astype(jnp.float32),
+                      ops.noise.window_sq_norms if tracking else jnp.zeros([], jnp.float32)])
+  if config.axis_name is None:
+    window_sum = None  # summed after the barrier, where the inner optimizer reads it
+  elif explicit_axes(config.axis_name) is None:  # shard_map / pmap: the scalars are per device
+    window_sum = buffer_after(config, ops.acc, ops.mini_step, ops.grads, accept, weight)
+    window_sum, totals = lax.psum(window_sum, config.axis_name), lax.psum(totals, config.axis_name)
+  else:  # jit with unreduced buffers: an all-reduce, or a reduce-scatter to sharded params
+    window_sum = jax.tree.map(
+        lambda a, t: jax.reshard(a, jax.sharding.PartitionSpec(*array_type(t).spec.partitions)),
+        buffer_after(config, ops.acc, ops.mini_step, ops.grads, accept, weight),
+        ops.acc if ops.params is None else ops.params)
+  total_weight, count, window_k, window_sq = ops.total_weight, totals[0], totals[1], totals[2]
+  # In the buffer's precision (float64 buffers would lose digits to a float32 1/3).
+  wide = jnp.result_type(jnp.float32, *(jnp.finfo(a.dtype).dtype
+                                        for a in jax.tree.leaves(ops.acc)
+                                        if jnp.issubdtype(a.dtype, jnp.inexact)))
+  if config.reduction == "weighted":
+    scale = 1.0 / jnp.where(total_weight == 0, 1.0, total_weight).astype(wide)
+  elif config.reduction == "mean" and not config.running_mean:
+    scale = 1.0 / count.astype(wide)
+  else:  # a sum, or a running mean already
+    scale = jnp.ones([], wide)
+  # XLA's GPU compiler turns a conditional whose branches hold only cheap
+  # elementwise work into selects, and then the inner optimizer would run on
+  # every micro-step. A barrier is not elementwise: the conditional stays.
+  kept_scale = lax.optimization_barrier(scale)
+  if window_sum is None:  # after the barrier, as the previous core had it (benchmarks/NOTES.md)
+    window_sum = buffer_after(config, ops.acc, ops.mini_step, ops.grads, accept, weight)
+  dtypes = ops.grads if ops.params is None else ops.params
+  reduced = jax.tree.map(
+      lambda a, g, d: (a * kept_scale.astype(a.dtype)).astype(
+          jnp.promote_types(jnp.result_type(g), jnp.result_type(d))),
+      window_sum, ops.grads, dtypes)
+
+  out, new_inner = reduced, ops.inner_state  # the chain form emits the reduced gradient
+  if config.inner is not None:
+    updates, new_inner = config.inner.update(reduced, ops.inner_state, ops.params, **extra_args)
+    # Optimizers may promote their state (Adam's f16 moments on f32 gradients);
+    # both branches of the cond, and lax.scan, need stable dtypes.
+    new_inner = optax.tree.cast_like(new_inner, ops.inner_state)
+    out = optax.apply_updates(ops.params, updates) if apply else updates
+
+  noise = ops.noise
+  if tracking:
+    mean = scale if config.reduction != "sum" else 1.0 / count
+    noise = noise_lib.fold_window(noise, noise_lib.WindowStats(
+        window_sq_norms=window_sq, window_count=window_k.astype(jnp.int32),
+        total_weight=total_weight if config.reduction == "weighted" else window_k,
+        mean_sq_norm=noise_lib.sq_norm(window_sum) * mean**2), config.noise_decay)
+  return Emitted(out, new_inner, noise, window_sum)
+
+
+class Emitted(NamedTuple):
+  """What a branch of the window's conditional returns."""
+
+  out: Any
+  inner_state: Any
+  noise: Any
+  window_sum: Any  # the buffer after the conditional (() where the layout keeps it out)
+
+
+def mid(ops: Operands, shapes: Any, parks: list[bool] | None, layout: Layout, apply: bool,
+        ) -> Emitted:
+  """The non-emitting branch: zero updates (or the params untouched).
+
+  The zeros are one independent broadcast per leaf: plain ``zeros_like``
+  leaves are identical HLO that XLA merges into one buffer and then copies
+  into each output (nearly two passes instead of one). ``emits`` is False
+  here, but XLA cannot know it, so no two leaves look alike. Each leaf takes
+  its target's type (sharding, device variance): both branches of a cond
+  must agree. Parked leaves get none: they are read back, masked, after the
+  conditional.
+  """
+  out = ops.params
+  if not apply:
+    leaves, treedef = jax.tree.flatten(shapes)
+    out = []
+    for i, s in enumerate(leaves):
+      if parks is not None and parks[i]:
+        out.append(None)
+        continue
+      like = array_type(s)
+      z = jnp.broadcast_to(jnp.where(ops.emits, jnp.asarray(i + 1, s.dtype),
+                                     jnp.zeros((), s.dtype)), s.shape,
+                           out_sharding=like.explicit_spec)
+      out.append(pcast_varying(z, tuple(sorted(like.varying - array_type(z).varying, key=str))))
+    out = out if parks is not None else jax.tree.unflatten(treedef, out)
+  buffer = ops.acc if layout.emit_writes else ()
+  return Emitted(out, ops.inner_state, ops.noise, buffer)
+
+
+def trace_once(fn: Callable[[Any], Any], arg: Any) -> tuple[Callable[[Any], Any], Any]:
+  """``fn`` as a function traced once, at ``arg``'s types, and its output shapes.
+
+  ``fn`` is wrapped in ``jax.jit`` and traced here, by ``jax.eval_shape``; a
+  call with arguments of the same types (each branch a conditional traces)
+  binds the cached jaxpr as one nested call, which XLA inlines: the inner
+  optimizer's Python runs once per traced update and the compiled program is
+  the same. (Replaying the jaxpr eqn by eqn cost as much as tracing it.)
+  """
+  traced = jax.jit(fn)
+  return traced, jax.eval_shape(traced, arg)
+
+
+# ------------------------------------------------------------------- the layout
+#
+# Where the updates live and which branch passes the buffer through: what
+# XLA:CPU, XLA:GPU and libtpu need to copy nothing and hold no temporaries
+# (benchmarks/NOTES.md has the HLO of each; tests/test_parking.py pins the
+# choices). Besides the barrier and the distinct zeros above, the algorithm
+# calls these names only: choose_layout, add_to_buffer, park, unpark.
+
+
+class Layout(NamedTuple):
+  """Where the emitting step's outputs go.
+
+  Attributes:
+    parks: per leaf of the updates, whether it is written into the dead
+      buffer (None: none parks).
+    parks_with_noise: the same with the noise estimate (None without it),
+      except on a TPU, where the window's sum goes into the buffer instead.
+    writes_sum: with the noise estimate, the emitting branch writes the
+      window's sum into the buffer where its updates do not park.
+    emit_writes: the emitting branch writes the buffer at all, which decides
+      the branch order of the buffer's conditional.
+  """
+
+  parks: list[bool] | None
+  parks_with_noise: list[bool] | None
+  writes_sum: bool
+  emit_writes: bool
+
+
+def choose_layout(config: Config, updates: Any, buffer: optax.Updates, *, apply: bool) -> Layout:
+  """The layout for these updates (see :func:`parking`)."""
+  noise = config.noise_decay is not None and config.axis_name is None
+  parks = None if apply else parking(config, updates, buffer)
+  with_noise = None if apply or not noise else parking(config, updates, buffer, noise_parks=True)
+  return Layout(parks=parks, parks_with_noise=with_noise, writes_sum=noise,
+                emit_writes=noise or parks is not None)
+
+
+def parking(config: Config, updates: Any, buffer: optax.Updates, *, noise_parks: bool = False,
+            ) -> list[bool] | None:
+  """Which leaves of the updates the emitting branch writes into the buffer.
+
+  Once the window closes the buffer is dead (the next window resets it
+  lazily), so the updates can live there: ``update`` then returns
+  ``where(stepped, buffer, 0)``, which XLA fuses into ``apply_updates``. The
+  conditional then outputs no parameter-sized updates: no temporaries, and
+  the mid-step writes no zeros (6 passes over the params instead of 7). A
+  leaf parks when the buffer leaf holds its value bit for bit, in place:
+  same shape, sharding and device variance, the same dtype or an exact
+  widening; the others are returned as usual. Not under ``axis_name`` (the
+  reduction materialises the sum elsewhere).
+
+  The noise estimate reads the window's sum too. Computed on the fly for both
+  readers, XLA:GPU fuses it (no temporaries) and XLA:CPU holds as much as with
+  the sum kept in the buffer (1.0x, one pass less per mid-step, half the
+  compile time); libtpu holds more (0.49x -> 0.79x on a v5e) than with the sum
+  kept in the buffer and the updates out of the conditional. So with the
+  noise estimate the updates park only when ``noise_parks`` (every backend
+  but the TPU). None when no leaf parks.
+  """
+  if config.axis_name is not None or (config.noise_decay is not None and not noise_parks):
+    return None
+  if jax.tree.structure(updates) != jax.tree.structure(buffer):
+    return None
+  parks = []
+  for u, b in zip(jax.tree.leaves(updates), jax.tree.leaves(buffer), strict=True):
+    u_dtype, b_dtype = jnp.dtype(u.dtype), jnp.dtype(b.dtype)
+    u_type, b_type = array_type(u), array_type(b)
+    parks.append((u_dtype == b_dtype or (u_dtype, b_dtype) in _EXACT_WIDENINGS)
+                 and tuple(u.shape) == tuple(b.shape) and u_type.varying == b_type.varying
+                 and u_type.explicit_spec == b_type.explicit_spec and not b_type.unreduced)
+  return parks if any(parks) else None
+
+
+_EXACT_WIDENINGS = {
+    (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)),
+    (jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)),
+    (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float64)),
+    (jnp.dtype(jnp.float16), jnp.dtype(jnp.float64)),
+    (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)),
+}
+
+
+def add_to_buffer(config: Config, ops: Operands, closes: jax.Array, accept: Any,
+                  weight: jax.Array | None, layout: Layout) -> optax.Updates:
+  """The buffer after this call: written in place, unless the window closes.
+
+  Which branch passes the buffer through decides whether the compiler copies
+  every buffer of the two conditionals: XLA:CPU needs it in the false slot
+  always; XLA:GPU in the true one when the emitting conditional writes the
+  buffer too. A conditional whose branch is cheap elementwise work becomes
+  selects on XLA:GPU (a pass on every step); a barrier is not elementwise.
+  """
+  if accept is False:
+    return ops.acc
+  writes = jnp.logical_not(closes)
+  if accept is not True:
+    writes = jnp.logical_and(writes, accept)
+  write = jax.named_scope(SCOPES["add"])(lambda acc, g: buffer_after(
+      config, acc, lax.optimization_barrier(ops.mini_step), g, True, weight))
+  keep = lambda acc, _: acc
+  false_slot = lambda acc, g: lax.cond(writes, write, keep, acc, g)
+  if not layout.emit_writes:
+    return false_slot(ops.acc, ops.grads)
+  true_slot = lambda acc, g: lax.cond(jnp.logical_not(writes), keep, write, acc, g)
+  return lax.platform_dependent(ops.acc, ops.grads, cpu=false_slot, default=true_slot)
+
+
+def park(emitted: Emitted, buffer: optax.Updates, parks: list[bool] | None,
+         layout: Layout) -> Emitted:
+  """The emitting branch's outputs laid out: the parked updates (or the sum) in the buffer."""
+  out = emitted.out
+  if parks is not None:
+    leaves = jax.tree.leaves(out)
+    bufs, treedef = jax.tree.flatten(buffer)
+    out = [None if p else u for u, p in zip(leaves, parks, strict=True)]
+    buffer = jax.tree.unflatten(treedef, [u.astype(b.dtype) if p else b
+                                          for u, b, p in zip(leaves, bufs, parks, strict=True)])
   else:
-    out, acc, inner_state, stepped, noise = conditional(False)
-
-  mini_step, gradient_step, acc_weight = advance(
-      window, count=count, total_weight=total_weight, closes=closes, stepped=stepped)
-  acc_weight = acc_weight if weighted else window.acc_weight
-  new_window = Window(mini_step, gradient_step, acc, acc_weight, noise)
-  return StepOut(out, new_window, inner_state, stepped)
+    buffer = emitted.window_sum if layout.writes_sum else ()
+  return emitted._replace(out=out, window_sum=buffer)
 
 
-def _reduced_dtypes(grads: optax.Updates, params: optax.Params | None) -> Any:
-  """The dtype the reduced gradient takes: the wider of the gradient's and the param's."""
-  if params is None:
-    return jax.tree.map(lambda g: jnp.result_type(g), grads)
-  return jax.tree.map(lambda g, p: jnp.promote_types(jnp.result_type(g), jnp.result_type(p)),
-                      grads, params)
+def unpark(out: Any, buffer: optax.Updates, parks: list[bool] | None, stepped: jax.Array,
+           shapes: Any) -> Any:
+  """The updates: parked leaves read back from the buffer, zeros unless ``stepped``."""
+  if parks is None:
+    return out
+  like, treedef = jax.tree.flatten(shapes)
+  return jax.tree.unflatten(treedef, [
+      jnp.where(stepped, b.astype(s.dtype), jnp.zeros((), s.dtype)) if p else u
+      for u, b, p, s in zip(out, jax.tree.leaves(buffer), parks, like, strict=True)])
+
+
+# ------------------------------------------------------------ array-type facts
+
+
+def accumulator_dtype(dtype: Any, requested: jnp.dtype | None = None) -> jnp.dtype:
+  """The dtype of the buffer that sums values of ``dtype``.
+
+  The default rule (``requested=None``) never narrows: bfloat16 and float16
+  accumulate in float32, float32 in float32, float64 in float64, complex64 in
+  complex64 and complex128 in complex128. An explicit ``requested`` dtype is
+  used as given, even if narrower (the caller asked for it), except that a
+  real buffer for complex values raises: it would drop the imaginary part.
+  Non-floating dtypes (integer aux outputs, say) keep their own dtype.
+  """
+  dtype = jnp.dtype(dtype)
+  if requested is not None:
+    if jnp.issubdtype(dtype, jnp.complexfloating) and not jnp.issubdtype(
+        requested, jnp.complexfloating):
+      raise TypeError(
+          f"`accumulator_dtype={requested}` is real but the values are {dtype}:"
+          " the imaginary part would be dropped. Pass a complex dtype such as"
+          f" {jnp.promote_types(dtype, jnp.complex64)}, or None for the default rule."
+      )
+    return jnp.dtype(requested)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return jnp.dtype(jnp.promote_types(dtype, jnp.complex64))
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
+  return dtype
+
+
+class ArrayType(NamedTuple):
+  """What an array's type says about where it lives."""
+
+  spec: jax.sharding.PartitionSpec  # its PartitionSpec (empty when none)
+  explicit_spec: Any  # the out_sharding a new array needs to have this type, or None
+  varying: frozenset[Any]  # the manual mesh axes it varies over inside shard_map
+  unreduced: frozenset[Any]  # the mesh axes over which it is an unreduced partial sum
+
+
+def array_type(x: Any) -> ArrayType:
+  """The type facts of an array, a tracer or a ``jax.ShapeDtypeStruct``.
+
+  Under explicit sharding the sharding is part of the type (both branches of
+  a cond, and a scan carry, must keep it). ``varying`` is empty under
+  ``pmap`` and ``shard_map(check_vma=False)``, whose types carry no such
+  information.
+  """
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  sharding = getattr(aval, "sharding", None)
+  spec = getattr(sharding, "spec", None) or jax.sharding.PartitionSpec()
+  explicit = spec if has_explicit_axes(getattr(sharding, "mesh", None)) else None
+  varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+  return ArrayType(spec, explicit, frozenset(varying or ()),
+                   frozenset(getattr(spec, "unreduced", None) or ()))
+
+
+def spec_of(x: Any) -> jax.sharding.PartitionSpec:
+  """The PartitionSpec in ``x``'s type."""
+  return array_type(x).spec
+
+
+def strip_axes(partitions: tuple[Any, ...], axes: tuple[Any, ...]) -> tuple[Any, ...]:
+  """A spec's partitions with ``axes`` removed (those dims all-gathered over them)."""
+  def one(entry: Any) -> Any:
+    if entry is None:
+      return None
+    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n not in axes)
+    return None if not names else names[0] if len(names) == 1 else names
+  return tuple(one(e) for e in partitions)
+
+
+def explicit_spec(like: Any) -> Any:
+  """The ``out_sharding`` a new array needs to have ``like``'s type (None if none)."""
+  return array_type(like).explicit_spec
+
+
+def has_explicit_axes(mesh: Any) -> bool:
+  """Whether ``mesh`` (a Mesh, an AbstractMesh or None) has an Explicit axis."""
+  return any(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ()) or ())
+
+
+def unreduced_axes(x: Any) -> frozenset[Any]:
+  """The mesh axes over which ``x``'s type says it is an unreduced partial sum."""
+  return array_type(x).unreduced
+
+
+def varying_axes(x: Any) -> frozenset[Any]:
+  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere)."""
+  return array_type(x).varying
+
+
+def match_varying(x: jax.Array, target: Any) -> jax.Array:
+  """``x`` marked device-varying over the manual axes ``target`` varies over.
+
+  A no-op outside ``shard_map``. Inside it, both branches of a ``lax.cond``
+  (and a ``lax.scan`` carry and its update) must vary over the same axes.
+  """
+  return pcast_varying(x, tuple(sorted(array_type(target).varying - array_type(x).varying,
+                                       key=str)))
+
+
+def pcast_varying(x: jax.Array, names: tuple[Any, ...]) -> jax.Array:
+  """``x`` marked device-varying over the manual axes ``names`` (a no-op if none)."""
+  return lax.pcast(x, names, to="varying") if names else x
+
+
+def axis_names(axis_name: Any) -> tuple[Any, ...]:
+  """``axis_name`` (one name, or a tuple or list of them) as a tuple."""
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def axis_kinds(mesh: Any, axes: tuple[Any, ...]) -> set[str] | None:
+  """The kinds (``"Explicit"``, ``"Auto"``, ``"Manual"``) of ``axes`` in ``mesh``.
+
+  None if the mesh does not list every one of them (pmap, no mesh set).
+  """
+  names = tuple(getattr(mesh, "axis_names", ()) or ())
+  if not axes or not all(a in names for a in axes):
+    return None
+  return {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
+
+
+def bound(axes: tuple[Any, ...]) -> bool:
+  """Whether every axis is bound by an enclosing pmap / shard_map."""
+  try:
+    for a in axes:
+      lax.axis_index(a)
+  except NameError:
+    return False
+  return True
+
+
+def explicit_axes(axis_name: Any, *, check: bool = True) -> tuple[Any, ...] | None:
+  """The axes, if ``axis_name`` names Explicit axes of the current mesh (plain jit).
+
+  None when they are manual axes (``shard_map``, ``pmap``): there the
+  cross-device reduction is a ``psum``. Under ``jax.jit`` in explicit-sharding
+  mode the gradients arrive *unreduced* over these axes and the reduction is a
+  ``jax.reshard``. Auto axes carry no such types: that is an error, as is a
+  mix of kinds. With ``check=False`` (``init``, which ``jax.pmap`` maps
+  without naming the axis) an axis that is neither on the mesh nor bound is
+  not an error: it is checked where it is used.
+  """
+  if axis_name is None:
+    return None
+  axes = axis_names(axis_name)
+  mesh = jax.sharding.get_abstract_mesh()
+  kinds = axis_kinds(mesh, axes)
+  if kinds is None:
+    names = tuple(getattr(mesh, "axis_names", ()) or ())
+    if check and names and not bound(axes):
+      raise ValueError(
+          f"`axis_name={axis_name!r}` is not an axis of the current mesh (its axes are"
+          f" {names}) nor a bound pmap/shard_map axis. Pass one of the mesh's axes."
+      )
+    return None  # pmap, or a shard_map axis the abstract mesh does not list
+  if kinds == {"Manual"}:
+    return None
+  if kinds == {"Explicit"}:
+    return axes
+  raise ValueError(
+      f"`axis_name={axis_name!r}` names mesh axes of kinds {sorted(kinds)}. Use"
+      " Explicit axes (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))"
+      " and jax.set_mesh) for jit with unreduced gradients, or Manual ones"
+      " (inside shard_map) for psum: not Auto axes, and not a mix."
+  )
+
+
+def mesh_context(tree: Any) -> Any:
+  """A context that enters the mesh ``tree``'s arrays are placed on, when none is set.
+
+  The pjit idiom places arrays with ``NamedSharding(mesh, spec)`` and never
+  calls ``jax.set_mesh``; a new array typed with a ``PartitionSpec`` (the
+  unreduced buffer, a cond's zeros, a reshard) needs a mesh in context. Under
+  ``jax.jit`` the inputs' abstract mesh is entered, eagerly the concrete one.
+  A set mesh, or inputs on no Explicit mesh, leave everything as it is.
+  """
+  if jax.sharding.get_abstract_mesh().empty:
+    for x in jax.tree.leaves(tree):
+      # A tracer's sharding is in its type; an array's (or a ShapeDtypeStruct's) on it.
+      sharding = getattr(jax.typeof(x) if isinstance(x, jax.core.Tracer) else x, "sharding", None)
+      mesh = getattr(sharding, "mesh", None)
+      if has_explicit_axes(mesh):
+        if isinstance(mesh, jax.sharding.Mesh):
+          return jax.set_mesh(mesh)
+        return jax.sharding.use_abstract_mesh(mesh)
+  return contextlib.nullcontext()

@@ -222,7 +222,7 @@ def accumulate(
 
   def init_fn(params: optax.Params) -> AccumulateState:
     """An empty window and the inner optimizer's initial state."""
-    with _validation.inputs_mesh_context(params):
+    with _window.mesh_context(params):
       window = _window.init_window(config, params)
       inner_state = () if config.inner is None else config.inner.init(params)
     return AccumulateState(
@@ -257,90 +257,35 @@ def accumulate(
           "`state` must be the AccumulateState returned by this transform's"
           f" `init`; got {type(state).__name__}."
       )
-    with _validation.inputs_mesh_context((updates, params)):
-      return update_in_mesh(updates, state, params, weight, emit_now, extra_args)
-
-  def update_in_mesh(updates: optax.Updates, state: AccumulateState, params: Any, weight: Any,
-                     emit_now: Any, extra_args: dict[str, Any]) -> tuple[Any, AccumulateState]:
-    mode = begin_update(updates, state.acc_grads, extra_args, config, strict=strict_kwargs,
-                        where="the update of `accumulate`", own=("weight", "emit_now"))
-    flushing = mode == _FLUSH
-    weight = None if flushing else _validation.check_weight(weight, config.reduction)
-    if not flushing:
-      _check_locality(updates, state.acc_grads, config, skip_nonfinite)
-    accept = _accept(updates, weight, skip_nonfinite, config.axis_name)
-    out = _window.micro_step(
-        config, updates, _window_of(state), state.inner_opt_state, params,
-        accept=False if flushing else accept, weight=weight,
-        emit_now=True if flushing else _validation.check_emit_now(emit_now),
-        apply=mode == _APPLY and config.inner is not None, extra_args=extra_args)
+    mode = extra_args.pop(MODE, None)
+    flushing, apply = mode == _FLUSH, mode == _APPLY and config.inner is not None
+    weight, emit_now = _validation.check_update(
+        config, updates, state.acc_grads, extra_args, strict=strict_kwargs,
+        where="the update of `accumulate`", own=("weight", "emit_now"), weight=weight,
+        emit_now=emit_now, flushing=flushing, skip_nonfinite=skip_nonfinite)
+    with _window.mesh_context((updates, params)):
+      accept = False if flushing else (
+          _accept(updates, weight, config.axis_name) if skip_nonfinite else True)
+      window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads,
+                              state.acc_weight, state.noise_stats)
+      out = _window.micro_step(config, updates, window, state.inner_opt_state, params,
+                               accept=accept, weight=weight, emit_now=emit_now, apply=apply,
+                               extra_args=extra_args)
     num_skipped = state.num_skipped
     if skip_nonfinite and not flushing:
       num_skipped = num_skipped + jnp.logical_not(accept).astype(jnp.int32)
     new_state = AccumulateState(
-        mini_step=out.window.mini_step,
-        gradient_step=out.window.gradient_step,
-        acc_grads=out.window.acc_grads,
-        acc_weight=out.window.acc_weight,
-        num_skipped=num_skipped,
-        emitted=out.emitted,
-        inner_opt_state=out.inner_state,
-        noise_stats=out.window.noise,
-    )
-    if mode == _APPLY and config.inner is not None:
-      return _Applied(out.out), new_state
-    return out.out, new_state
+        mini_step=out.window.mini_step, gradient_step=out.window.gradient_step,
+        acc_grads=out.window.acc_grads, acc_weight=out.window.acc_weight,
+        num_skipped=num_skipped, emitted=out.emitted, inner_opt_state=out.inner_state,
+        noise_stats=out.window.noise)
+    return (_Applied(out.out) if apply else out.out), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def begin_update(updates: Any, buffer: Any, extra_args: dict[str, Any], config: _window.Config,
-                 *, strict: bool, where: str, own: tuple[str, ...]) -> str | None:
-  """The checks every update starts with; pops and returns the call's mode.
-
-  The mode (``"flush"``, ``"apply"`` or None) travels as an extra argument;
-  the other keywords must be ones the inner optimizer may take, the gradients
-  must match the buffer's tree, and no leaf may lose part of its value in it.
-  """
-  mode = extra_args.pop(MODE, None)
-  _validation.check_keywords(extra_args, strict, where, own=own)
-  _validation.check_tree_matches(updates, buffer)
-  _validation.check_grad_dtypes(updates, buffer, config.acc_dtype is not None)
-  return mode
-
-
-def _window_of(state: AccumulateState) -> _window.Window:
-  return _window.Window(state.mini_step, state.gradient_step, state.acc_grads,
-                        state.acc_weight, state.noise_stats)
-
-
-def _check_locality(grads: Any, buffer: Any, config: _window.Config,
-                    skip_nonfinite: bool) -> None:
-  """Raises unless the gradients are per-device partial sums where the window expects them."""
-  if config.axis_name is None:
-    _validation.check_grads_not_unreduced(grads)
-    return
-  axes = _validation.explicit_axes(config.axis_name)
-  if axes is None:  # shard_map / pmap
-    _validation.check_grads_are_local(grads, config.axis_name)
-    return
-  _validation.check_grads_unreduced(grads, axes)
-  _validation.check_buffer_unreduced(buffer, axes)
-  for flag, on in (("skip_nonfinite", skip_nonfinite),
-                   ("track_noise_scale", config.noise_decay is not None)):
-    if on:
-      raise ValueError(
-          f"`{flag}` needs each device's gradient values, but under jit with"
-          f" `axis_name={config.axis_name!r}` they are unreduced partial sums (JAX has"
-          " no finiteness or squared-norm rule for those). Use shard_map with"
-          " `axis_name` (optax_accum.per_device_state), or drop the option."
-      )
-
-
-def _accept(grads: Any, weight: jax.Array | None, skip_nonfinite: bool, axis_name: Any) -> Any:
-  """Whether this micro-batch counts: ``True`` unless non-finite ones are skipped."""
-  if not skip_nonfinite:
-    return True
+def _accept(grads: Any, weight: jax.Array | None, axis_name: Any) -> jax.Array:
+  """Whether this micro-batch counts when non-finite ones are skipped."""
   accept = all_finite(grads)
   if weight is not None:
     accept = jnp.logical_and(accept, jnp.isfinite(weight))

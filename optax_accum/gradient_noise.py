@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum._validation import first_node
+from optax_accum import _validation
 
 __all__ = [
     "MIN_WINDOWS",
@@ -117,37 +117,35 @@ def sq_norm(tree: Any) -> jax.Array:
   return total
 
 
-def add_micro_batch(state: NoiseScaleState, sq: jax.Array, counted: jax.Array) -> NoiseScaleState:
-  """Adds one micro-batch's (weighted) squared norm to the open window."""
+def add_micro_batch(state: NoiseScaleState, grads: Any, accept: Any,
+                    weight: jax.Array | None) -> NoiseScaleState:
+  """Adds one micro-batch's (weighted) squared norm to the open window.
+
+  It counts when ``accept`` and, with a ``weight``, when that is nonzero.
+  """
+  sq = sq_norm(grads)
+  counted = jnp.logical_and(accept, True if weight is None else weight != 0)
+  if weight is not None:
+    sq = jnp.where(weight != 0, sq * weight, 0.0)
   return state._replace(
       window_sq_norms=state.window_sq_norms + jnp.where(counted, sq, 0.0),
       window_count=state.window_count + jnp.asarray(counted, jnp.int32),
   )
 
 
-def fold_window(
-    state: NoiseScaleState,
-    *,
-    window_sq_norms: jax.Array,
-    window_count: jax.Array,
-    total_weight: jax.Array,
-    mean_sq_norm: jax.Array,
-    decay: float,
-) -> NoiseScaleState:
+def fold_window(state: NoiseScaleState, stats: WindowStats, decay: float) -> NoiseScaleState:
   r"""Closes a window: folds its estimates into the averages, empties the window.
 
   Args:
     state: the state to update.
-    window_sq_norms: :math:`\sum_i w_i |g_i|^2` over the window (summed over
-      devices when the window spans several).
-    window_count: ``k``, the micro-batches of nonzero weight in the window.
-    total_weight: :math:`\sum_i w_i` (``k`` for unweighted windows).
-    mean_sq_norm: :math:`|\bar g|^2`, the squared norm of the window's mean.
+    stats: the window's statistics (``window_sq_norms`` summed over devices
+      when the window spans several).
     decay: the decay of the moving averages.
   """
+  window_count, total_weight = stats.window_count, stats.total_weight
   k = window_count.astype(jnp.float32)
-  s = window_sq_norms / jnp.where(total_weight == 0, 1.0, total_weight)
-  m = mean_sq_norm
+  s = stats.window_sq_norms / jnp.where(total_weight == 0, 1.0, total_weight)
+  m = stats.mean_sq_norm
   denom = jnp.maximum(k - 1.0, 1.0)
   signal = (k * m - s) / denom
   noise = k * (s - m) / denom
@@ -193,15 +191,15 @@ def fold(state: NoiseScaleState, stats: WindowStats, decay: float = DEFAULT_DECA
     (1.0, 4.0)
   """
   check_decay(decay)
-  return fold_window(state, window_sq_norms=jnp.asarray(stats.window_sq_norms, jnp.float32),
-                     window_count=jnp.asarray(stats.window_count, jnp.int32),
-                     total_weight=jnp.asarray(stats.total_weight, jnp.float32),
-                     mean_sq_norm=jnp.asarray(stats.mean_sq_norm, jnp.float32), decay=decay)
+  return fold_window(state, WindowStats(jnp.asarray(stats.window_sq_norms, jnp.float32),
+                                        jnp.asarray(stats.window_count, jnp.int32),
+                                        jnp.asarray(stats.total_weight, jnp.float32),
+                                        jnp.asarray(stats.mean_sq_norm, jnp.float32)), decay)
 
 
 def find(state: Any) -> NoiseScaleState | None:
   """The first :class:`NoiseScaleState` inside ``state``, or None."""
-  return first_node(state, lambda n: isinstance(n, NoiseScaleState))
+  return _validation.first_node(state, lambda n: isinstance(n, NoiseScaleState))
 
 
 def noise_scale(state: Any, min_windows: int = MIN_WINDOWS) -> jax.Array:

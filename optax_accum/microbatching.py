@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum import _validation, gradient_noise
+from optax_accum import _validation, _window, gradient_noise
 
 __all__ = [
     "AUX_RULES",
@@ -228,7 +228,7 @@ def _acc_dtype(dtype: Any, requested: jnp.dtype | None) -> Any:
   sums) keep their own, which is exact.
   """
   if _is_float(dtype):
-    return _validation.accumulator_dtype(dtype, requested)
+    return _window.accumulator_dtype(dtype, requested)
   return dtype
 
 
@@ -583,7 +583,7 @@ def microbatched(
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
     call = functools.partial(fn, **kwargs)
-    with _validation.inputs_mesh_context(args):
+    with _window.mesh_context(args):
       place = _place(config, args)
       if place is not None:
         return _run_on_mesh(call, config, place, args)
@@ -627,13 +627,13 @@ def _split_inputs(config: _Config, args: tuple[Any, ...]) -> _Inputs:
 
 def _make_varying(tree: Any, axis_name: Any) -> Any:
   """Marks a replicated input device-varying (a no-op outside shard_map)."""
-  names = _validation.axis_names(axis_name)
+  names = _window.axis_names(axis_name)
 
   def one(leaf: Any) -> Any:
     if not isinstance(leaf, (jax.Array, np.ndarray)):
       return leaf
-    have = _validation.varying_axes(leaf)
-    return _validation.pcast_varying(leaf, tuple(n for n in names if n not in have))
+    have = _window.varying_axes(leaf)
+    return _window.pcast_varying(leaf, tuple(n for n in names if n not in have))
   return jax.tree.map(one, tree)
 
 
@@ -750,7 +750,7 @@ def _filled(s: jax.ShapeDtypeStruct, dtype: Any, fill: Any = 0) -> jax.Array:
   A ``lax.scan`` carry must keep its type, and under explicit sharding the
   type includes the sharding (a gradient sharded over a ``"model"`` axis).
   """
-  return jnp.full(s.shape, fill, dtype, out_sharding=_validation.explicit_spec(s))
+  return jnp.full(s.shape, fill, dtype, out_sharding=_window.explicit_spec(s))
 
 
 def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _Out) -> _Carry:
@@ -823,7 +823,7 @@ def _loop(
       # Inside shard_map the carry must vary over the same mesh axes as what
       # the body adds to it; match the zeros to one abstract step.
       out_carry = jax.eval_shape(lambda c: body(c, jnp.zeros([], jnp.int32))[0], init)
-      init = jax.tree.map(_validation.match_varying, init, out_carry)
+      init = jax.tree.map(_window.match_varying, init, out_carry)
     return lax.scan(body, init, jnp.arange(config.k, dtype=jnp.int32), unroll=config.unroll)
 
 
@@ -1000,7 +1000,7 @@ def _aux_finalize(
 
 # ------------------------------------------------------------- shard_map
 def _any_varying(tree: Any) -> bool:
-  return any(_validation.varying_axes(x) for x in jax.tree.leaves(tree)
+  return any(_window.varying_axes(x) for x in jax.tree.leaves(tree)
              if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)))
 
 
@@ -1052,9 +1052,9 @@ def _place(config: _Config, args: tuple[Any, ...]) -> _Placement | None:
       return _Placement(axes, mesh, explicit=True)
     _check_no_hidden_split(args, b_nums)
     return None
-  named = _validation.axis_names(config.axis_name)
+  named = _window.axis_names(config.axis_name)
   current = jax.sharding.get_abstract_mesh()
-  kinds = _validation.axis_kinds(current, named)
+  kinds = _window.axis_kinds(current, named)
   if kinds is None or kinds == {"Manual"}:  # inside shard_map, or pmap
     if axes:
       raise ValueError(
@@ -1081,13 +1081,13 @@ def _check_no_hidden_split(args: tuple[Any, ...], b_nums: tuple[int, ...]) -> No
   """
   mesh = jax.sharding.get_abstract_mesh()
   names = tuple(getattr(mesh, "axis_names", ()) or ())
-  if not {"Auto", "Explicit"} <= (_validation.axis_kinds(mesh, names) or set()):
+  if not {"Auto", "Explicit"} <= (_window.axis_kinds(mesh, names) or set()):
     return
   for i, arg in enumerate(args):
     if i in b_nums:
       continue
     for leaf in jax.tree.leaves(arg):
-      if isinstance(leaf, (jax.Array, np.ndarray)) and any(_spec_of(leaf)):
+      if isinstance(leaf, (jax.Array, np.ndarray)) and any(_window.spec_of(leaf)):
         auto = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                      if str(t).endswith("Auto"))
         raise ValueError(
@@ -1097,11 +1097,6 @@ def _check_no_hidden_split(args: tuple[Any, ...], b_nums: tuple[int, ...]) -> No
             " gradients would be reduced on every micro-batch. Make the data axes"
             " Explicit and shard the batch over them, or name them:"
             f" `microbatched(..., axis_name={_spec_entry(auto)!r})`.")
-
-
-def _spec_of(leaf: Any) -> jax.sharding.PartitionSpec:
-  sharding = getattr(jax.typeof(leaf), "sharding", None)
-  return getattr(sharding, "spec", None) or jax.sharding.PartitionSpec()
 
 
 def _run_on_mesh(call: Callable[..., Any], config: _Config, place: _Placement,
@@ -1149,8 +1144,8 @@ def _gather_data_axes(x: Any, place: _Placement) -> Any:
   """
   if not place.explicit:
     return x
-  spec = _spec_of(x)
-  names = _validation.axis_names
+  spec = _window.spec_of(x)
+  names = _window.axis_names
   entries = [None if e is None else tuple(n for n in names(e) if n not in place.axes)
              for e in spec]
   if all(e is None or len(e) == len(names(o)) for e, o in zip(entries, spec, strict=True)):
@@ -1189,7 +1184,7 @@ def _grad_targets(place: _Placement, args: tuple[Any, ...], skip: tuple[int, ...
     if i in skip or treedef != g_def or any(
         jnp.shape(p) != g.shape for p, g in zip(leaves, g_leaves, strict=True)):
       continue
-    specs = [_spec_of(p) for p in leaves]
+    specs = [_window.spec_of(p) for p in leaves]
     return specs, [_scatter_dim(spec, place.axes) for spec in specs]
   return None, None
 
@@ -1201,7 +1196,7 @@ def _scatter_dim(spec: jax.sharding.PartitionSpec, axes: tuple[Any, ...]) -> Any
   lower an operand that is also sharded over an Explicit axis inside a
   partial-manual ``shard_map``. Such a gradient is all-reduced, then sliced.
   """
-  entries = [() if e is None else _validation.axis_names(e) for e in spec]
+  entries = [() if e is None else _window.axis_names(e) for e in spec]
   hits = [dim for dim, names in enumerate(entries) if set(names) == set(axes)]
   if len(hits) != 1 or sum(bool(names) for names in entries) != 1:
     return None

@@ -36,7 +36,7 @@ from optax.transforms import ShouldSkipUpdateFunction
 
 from optax_accum import _validation, _window
 from optax_accum import gradient_noise as noise_lib
-from optax_accum.accumulation import _APPLY, _FLUSH, _Applied, begin_update
+from optax_accum.accumulation import _APPLY, _FLUSH, MODE, _Applied
 
 __all__ = ["MultiSteps"]
 
@@ -140,8 +140,10 @@ class MultiSteps:
       ``(updates, state)``: zeros on mid-steps, the inner optimizer's updates
       on the emitting step.
     """
-    mode = begin_update(updates, state.acc_grads, extra_args, self._config,
-                        strict=self._strict_kwargs, where="MultiSteps.update", own=())
+    mode = extra_args.pop(MODE, None)
+    _validation.check_update(self._config, updates, state.acc_grads, extra_args,
+                             strict=self._strict_kwargs, where="MultiSteps.update", own=(),
+                             flushing=mode == _FLUSH)
     skip_state, noise = self._unpack(state.skip_state)
     accept: Any = True
     if mode == _FLUSH:
@@ -150,7 +152,7 @@ class MultiSteps:
       should_skip, skip_state = self._should_skip(updates, state.gradient_step, params)
       accept = jnp.logical_not(_check_skip(should_skip))
     window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads, (), noise)
-    with _validation.inputs_mesh_context((updates, params)):
+    with _window.mesh_context((updates, params)):
       out = _window.micro_step(
           self._config, updates, window, state.inner_opt_state, params, accept=accept,
           emit_now=mode == _FLUSH, apply=mode == _APPLY, extra_args=extra_args)

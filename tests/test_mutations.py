@@ -17,45 +17,45 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from optax_accum import _window
+from optax_accum import _validation, _window
 from tests import test_accumulate, test_memory, test_parking, test_trust
 
 _real = types.SimpleNamespace(
-    window_scale=_window._window_scale,
     buffer_after=_window.buffer_after,
     emit=_window.emit,
     unpark=_window.unpark,
+    parking=_window.parking,
+    check_weight=_validation.check_weight,
 )
 
 
-def _mean_divides_by_k(config, count, total_weight):
+def _mean_divides_by_k(config, operands, **kwargs):
   if config.reduction == "mean" and isinstance(config.k, int):
-    return jnp.asarray(1.0 / config.k, jnp.float32)
-  return _real.window_scale(config, count, total_weight)
+    operands = operands._replace(count=jnp.full_like(operands.count, config.k))
+  return _real.emit(config, operands, **kwargs)
 
 
-def _weighted_divides_by_count(config, count, total_weight):
-  if config.reduction == "weighted":
-    return 1.0 / count
-  return _real.window_scale(config, count, total_weight)
+def _weighted_divides_by_count(config, operands, **kwargs):
+  """The weighted scale 1 / count."""
+  if config.reduction != "weighted":
+    return _real.emit(config, operands, **kwargs)
+  return _real.emit(config, operands._replace(
+      total_weight=operands.count.astype(jnp.float32)), **kwargs)
 
 
-def _weights_ignored(config, window, grads, accept, weight):
-  return _real.buffer_after(config, window, grads, accept, None)
+def _weights_ignored(config, acc, mini_step, grads, accept, weight):
+  return _real.buffer_after(config, acc, mini_step, grads, accept, None)
 
 
-def _never_reset(config, window, grads, accept, weight):
-  return _real.buffer_after(
-      config, window._replace(mini_step=jnp.maximum(window.mini_step, 1)), grads, accept, weight)
+def _never_reset(config, acc, mini_step, grads, accept, weight):
+  return _real.buffer_after(config, acc, jnp.maximum(mini_step, 1), grads, accept, weight)
 
 
-def _reset_by_multiplying(config, window, grads, accept, weight):
+def _reset_by_multiplying(config, acc, mini_step, grads, accept, weight):
   """optax.MultiSteps' ``(1 - emit) * acc``: 0 * NaN is NaN."""
-  keep = (window.mini_step > 0).astype(jnp.float32)
-  window = window._replace(
-      acc_grads=jax.tree.map(lambda a: a * keep.astype(a.dtype), window.acc_grads),
-      mini_step=jnp.maximum(window.mini_step, 1))
-  return _real.buffer_after(config, window, grads, accept, weight)
+  keep = (mini_step > 0).astype(jnp.float32)
+  acc = jax.tree.map(lambda a: a * keep.astype(a.dtype), acc)
+  return _real.buffer_after(config, acc, jnp.maximum(mini_step, 1), grads, accept, weight)
 
 
 def _closing_micro_batch_dropped(config, operands, **kwargs):
@@ -63,9 +63,10 @@ def _closing_micro_batch_dropped(config, operands, **kwargs):
   return _real.emit(config, operands, **{**kwargs, "accept": False})
 
 
-def _zero_weight_window_steps(config, operands, **kwargs):
-  out, inner, _, noise, written = _real.emit(config, operands, **kwargs)
-  return out, inner, jnp.asarray(True), noise, written
+def _zero_weights_made_positive(weight, reduction):
+  """A weight of 0 nudged to a tiny positive one: a window of padding becomes a step."""
+  checked = _real.check_weight(weight, reduction)
+  return checked if checked is None else jnp.maximum(checked, 1e-30)
 
 
 def _parked_updates_unmasked(kept, buffer, parks, stepped, shapes):
@@ -73,9 +74,14 @@ def _parked_updates_unmasked(kept, buffer, parks, stepped, shapes):
   return _real.unpark(kept, buffer, parks, jnp.asarray(True), shapes)
 
 
-def _parks_regardless_of_dtype(buffer, updates):
+def _parks_regardless_of_dtype(config, updates, buffer, **kwargs):
   """f32 updates parked in a bf16 buffer: rounded on the way back."""
-  return tuple(updates.shape) == tuple(buffer.shape)
+  if _real.parking(config, updates, buffer, **kwargs) is None and any(
+      jnp.dtype(u.dtype) == jnp.dtype(b.dtype)
+      for u, b in zip(jax.tree.leaves(updates), jax.tree.leaves(buffer), strict=True)):
+    return None  # not parked for another reason than the dtype
+  return [tuple(u.shape) == tuple(b.shape)
+          for u, b in zip(jax.tree.leaves(updates), jax.tree.leaves(buffer), strict=True)]
 
 
 def _cond_as_selects(pred, true_fn, false_fn, *operands):
@@ -86,13 +92,13 @@ def _cond_as_selects(pred, true_fn, false_fn, *operands):
 
 MUTANTS: dict[str, tuple[dict[str, Any], list[Callable[[], None]]]] = {
     "mean divides by k, not the micro-batches accumulated": (
-        {"_window_scale": _mean_divides_by_k},
+        {"emit": _mean_divides_by_k},
         [test_accumulate.test_emit_now_flushes_a_partial_window,
          lambda: test_accumulate.test_flush_closes_a_partial_window_without_a_new_micro_batch(
              True)],
     ),
     "weighted divides by the count of micro-batches": (
-        {"_window_scale": _weighted_divides_by_count},
+        {"emit": _weighted_divides_by_count},
         [test_accumulate.test_weighted_reduction_with_uneven_weights,
          test_accumulate.test_flush_weighted_window_and_bad_transform],
     ),
@@ -113,7 +119,7 @@ MUTANTS: dict[str, tuple[dict[str, Any], list[Callable[[], None]]]] = {
         [lambda: test_accumulate.test_equals_large_batch_for_every_optimizer("sgd")],
     ),
     "a window of total weight 0 counts as a step": (
-        {"emit": _zero_weight_window_steps},
+        {"_validation.check_weight": _zero_weights_made_positive},
         [lambda: test_trust.test_zero_weight_window_is_not_a_step(False)],
     ),
     "parked updates read back on mid-steps": (
@@ -121,7 +127,7 @@ MUTANTS: dict[str, tuple[dict[str, Any], list[Callable[[], None]]]] = {
         [lambda: test_accumulate.test_equals_large_batch_for_every_optimizer("sgd")],
     ),
     "updates parked in a narrower buffer": (
-        {"_holds_exactly": _parks_regardless_of_dtype},
+        {"parking": _parks_regardless_of_dtype},
         [test_parking.test_updates_keep_their_precision_with_a_narrow_buffer],
     ),
     "the inner optimizer runs on every micro-step (selects)": (
@@ -135,7 +141,8 @@ MUTANTS: dict[str, tuple[dict[str, Any], list[Callable[[], None]]]] = {
 def test_mutant_is_caught(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
   patches, detectors = MUTANTS[name]
   for attr, value in patches.items():
-    monkeypatch.setattr(_window, attr, value)
+    module, _, attr = attr.rpartition(".")
+    monkeypatch.setattr(_validation if module == "_validation" else _window, attr, value)
   caught = []
   for detector in detectors:
     try:
