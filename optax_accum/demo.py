@@ -374,7 +374,7 @@ def build_step(arm: str, loss_terms: LossTerms, base: optax.GradientTransformati
 
   if arm == "microbatched":
     grad_fn = microbatched(jax.value_and_grad(loss_terms, has_aux=True), k,
-                           normalize="weighted", split="contiguous")
+                           normalize="weighted")
 
     def step(params, opt_state, batch):
       loss, grads = grad_fn(params, batch)  # sum_i s_i / sum_i n_i, and its gradient

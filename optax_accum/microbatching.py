@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -78,10 +79,10 @@ class AuxRule:
     >>> def loss(w, x):
     ...   return jnp.mean(w * x), jnp.max(x)
     >>> fn = jax.value_and_grad(loss, has_aux=True)
-    >>> (l, aux), g = microbatched(fn, 2, has_aux=True, aux_rules=first,
-    ...                            split="contiguous")(1.0, jnp.arange(4.0))
-    >>> float(aux)  # the max of the first micro-batch [0, 1]
-    1.0
+    >>> (l, aux), g = microbatched(fn, 2, has_aux=True, aux_rules=first)(
+    ...     1.0, jnp.arange(4.0))
+    >>> float(aux)  # the max of the first micro-batch, rows 0 and 2
+    2.0
   """
 
   init: Callable[[Any], Any]
@@ -326,6 +327,11 @@ def _check_aux_rules(aux_rules: Any) -> Any:
   return aux_rules
 
 
+# Options of 0.2.0 kept for one release (and their defaults).
+_DEPRECATED_OPTIONS = {"split": "strided", "rng_mode": "fold_in", "accumulator_dtype": None,
+                       "unroll": 1}
+
+
 def microbatched(
     fn: Callable[..., tuple[Any, Any]],
     num_microbatches: int,
@@ -334,13 +340,10 @@ def microbatched(
     has_aux: bool = False,
     normalize: str = "mean",
     aux_rules: Any = "mean",
-    split: str = "strided",
     rng_argnums: int | Sequence[int] = (),
-    rng_mode: str = "fold_in",
-    accumulator_dtype: Any = None,
     axis_name: Any = None,
-    unroll: int | bool = 1,
     return_noise_stats: bool = False,
+    **deprecated: Any,
 ) -> Callable[..., Any]:
   r"""Runs a value-and-grad function over ``k`` micro-batches in one ``lax.scan``.
 
@@ -349,7 +352,11 @@ def microbatched(
   outputs. Each batch argument (any pytree of arrays with a common leading
   batch dimension ``B``) is split into ``k`` micro-batches of ``B // k``
   examples; the other arguments are given unchanged to every micro-batch.
-  Values and gradients are summed into accumulators initialised to zero from
+  Micro-batch ``i`` holds rows ``i, i + k, ...`` (a reshape that keeps a
+  batch-sharded input on its devices; split over devices, each device splits
+  its own rows the same way, so together the devices' micro-batch ``i`` is
+  the one-device micro-batch ``i``). Values and gradients are summed into
+  accumulators initialised to zero from
   ``jax.eval_shape`` and reduced once after the loop; the outputs are cast
   back to the dtypes ``fn`` returns. Peak activation memory is that of one
   micro-batch, plus one gradient-sized accumulator.
@@ -393,27 +400,12 @@ def microbatched(
       (per-example outputs, concatenated back in the original batch order)
       and ``"stack"`` (a new leading axis of ``k`` values, in micro-batch
       order); or an :class:`AuxRule` for anything else.
-    split: ``"strided"`` (default): micro-batch ``i`` holds rows ``i, i + k,
-      ...``; a reshape that keeps a batch-sharded input on its devices.
-      ``"contiguous"``: rows ``i * B/k`` to ``(i + 1) * B/k - 1`` (under a
-      sharded batch this moves data between devices). Split over devices
-      (``axis_name``, or plain ``jit`` below) each device splits its own
-      rows the same way: for ``"strided"`` the devices' micro-batch ``i``
-      together is the one-device micro-batch ``i``, for ``"contiguous"`` not.
     rng_argnums: position(s) of PRNG key arguments (e.g. dropout keys). Each
       micro-batch gets its own key, never the same one twice. The key passed
-      in is never given to ``fn`` itself, not even with ``k = 1``.
-    rng_mode: ``"fold_in"`` (default): micro-batch ``i`` gets
-      ``jax.random.fold_in(key, i)``; ``"split"``: it gets
-      ``jax.random.split(key, k)[i]``. With ``axis_name``, ``key`` is first
-      made per device: ``jax.random.fold_in(key, lax.axis_index(axis_name))``.
-    accumulator_dtype: dtype of the floating and complex accumulators (value,
-      gradients, the ``"weighted"`` denominator, aux ``"mean"``/``"sum"``).
-      ``None`` (default) never narrows: bfloat16 and float16 accumulate in
-      float32, float32 in float32, float64 in float64, complex64 and
-      complex128 in themselves. An explicit dtype is used as given, even if
-      narrower; a real one for complex values raises ``TypeError`` (it would
-      drop the imaginary part).
+      in is never given to ``fn`` itself, not even with ``k = 1``: micro-batch
+      ``i`` gets ``jax.random.fold_in(key, i)``. With ``axis_name``, ``key``
+      is first made per device: ``jax.random.fold_in(key,
+      lax.axis_index(axis_name))``.
     axis_name: the mesh axis name (or tuple of names) over which the batch is
       split across devices. Each device accumulates its local micro-batches,
       and the results are reduced **once, after the loop**: a mean for
@@ -426,7 +418,6 @@ def microbatched(
       below: Explicit axes need no ``axis_name``; Auto axes are named here.
       Aux rules ``mean``/``sum``/``max``/``min`` are reduced across devices
       too; ``last``, ``concat``, ``stack`` and custom rules stay per device.
-    unroll: passed to ``lax.scan``.
     return_noise_stats: also return the gradient noise statistics of this
       call's micro-batches, a :class:`~optax_accum.gradient_noise.WindowStats`
       (the same sums ``accumulate(k, opt, track_noise_scale=True)`` keeps for
@@ -441,6 +432,12 @@ def microbatched(
       micro-batches, and their scalars ride in the one reduction after the
       loop. Under plain ``jit`` they need ``fn`` to be a per-example mean or
       sum (as for the results).
+    **deprecated: ``split``, ``rng_mode``, ``accumulator_dtype`` and
+      ``unroll``, accepted with a ``DeprecationWarning`` until 0.4.
+      ``split="contiguous"`` and ``rng_mode="split"`` only reorder which rows
+      and keys a micro-batch gets (every normalisation is the same sum);
+      ``accumulator_dtype`` narrower than the default rule loses precision;
+      ``unroll`` is ``lax.scan``'s.
 
   Returns:
     A function with ``fn``'s signature returning ``(value, grads)`` (or
@@ -555,6 +552,20 @@ def microbatched(
     True
   """
   _check_fn(fn)
+  unknown = sorted(set(deprecated) - set(_DEPRECATED_OPTIONS))
+  if unknown:
+    raise TypeError(
+        f"`microbatched` got unexpected keyword argument(s) {unknown}; it takes"
+        " batch_argnums, has_aux, normalize, aux_rules, rng_argnums, axis_name and"
+        " return_noise_stats.")
+  if deprecated:
+    warnings.warn(
+        f"`microbatched`'s {', '.join(f'`{n}=`' for n in sorted(deprecated))} is deprecated"
+        " and goes in 0.4: micro-batches are strided rows with keys"
+        " `jax.random.fold_in(key, i)`, the accumulators follow the default dtype rule"
+        " (never narrower than the values) and `lax.scan` is not unrolled.",
+        DeprecationWarning, stacklevel=2)
+  options = {**_DEPRECATED_OPTIONS, **deprecated}
   batch_nums = _as_argnums(batch_argnums, "batch_argnums")
   if not batch_nums:
     raise ValueError("`batch_argnums` is empty; name at least one batch argument of `fn`.")
@@ -571,12 +582,13 @@ def microbatched(
           "Use 'mean' for a mean loss, 'sum' for a summed loss, or 'weighted' when"
           " `fn`'s value is (numerator, denominator)."),
       aux_rules=_check_aux_rules(aux_rules),
-      split=_check_choice(split, "split", SPLITS, "Use 'strided' (default) or 'contiguous'."),
-      rng_mode=_check_choice(rng_mode, "rng_mode", RNG_MODES,
+      split=_check_choice(options["split"], "split", SPLITS,
+                          "Use 'strided' (default) or 'contiguous'."),
+      rng_mode=_check_choice(options["rng_mode"], "rng_mode", RNG_MODES,
                              "Use 'fold_in' (default) or 'split'."),
-      acc_dtype=_validation.check_accumulator_dtype(accumulator_dtype),
+      acc_dtype=_validation.check_accumulator_dtype(options["accumulator_dtype"]),
       axis_name=axis_name,
-      unroll=unroll,
+      unroll=options["unroll"],
       return_noise_stats=return_noise_stats,
   )
 

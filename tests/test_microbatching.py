@@ -8,6 +8,7 @@ import contextlib
 import functools
 import math
 import re
+import warnings
 
 import jax
 import jax.extend
@@ -26,6 +27,11 @@ from optax_accum.debug import hlo_collectives
 from optax_accum.microbatching import AuxRule, microbatched, split_microbatches
 
 RTOL, ATOL = 2e-5, 1e-6
+
+# The 0.2.0 options (`split`, `rng_mode`, `accumulator_dtype`, `unroll`) keep working
+# for one release; their warning is tested below.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`microbatched`'s .* is deprecated:DeprecationWarning")
 
 
 def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
@@ -1015,6 +1021,29 @@ def test_bad_num_microbatches(k, exc, pattern):
 def test_bad_options(kwargs, exc, pattern):
   with pytest.raises(exc, match=re.compile(pattern)):
     microbatched(jax.value_and_grad(mean_loss), 2, **kwargs)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("split", "contiguous"), ("rng_mode", "split"), ("accumulator_dtype", jnp.float32),
+    ("unroll", 2)])
+def test_deprecated_options_warn_and_still_work(params, batch, option, value):
+  """One release of the 0.2.0 options: a DeprecationWarning naming the option,
+  and the full batch's numbers."""
+  fn = jax.value_and_grad(mean_loss)
+  with pytest.warns(DeprecationWarning, match=f"`{option}=` is deprecated"):
+    wrapped = microbatched(fn, 4, **{option: value})
+  assert_trees_close(wrapped(params, batch), fn(params, batch))
+
+
+def test_default_options_do_not_warn(params, batch):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    microbatched(jax.value_and_grad(mean_loss), 4)(params, batch)
+
+
+def test_unknown_keyword_is_an_error_naming_the_parameters():
+  with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['splt'\].*rng_argnums"):
+    microbatched(jax.value_and_grad(mean_loss), 2, splt="contiguous")
 
 
 def test_bad_fn():
