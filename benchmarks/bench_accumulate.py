@@ -87,7 +87,7 @@ import jax.numpy as jnp
 import optax
 
 import optax_accum as oa
-from optax_accum.debug import step_bytes
+from optax_accum.debug import conditionals, step_bytes
 
 Tree = Any
 LEAVES = 8
@@ -279,11 +279,6 @@ def make_tree(n_params: int, leaves: int = LEAVES, fill: float = 0.01) -> dict[s
           for i in range(leaves)}
 
 
-def count_conditionals(hlo_text: str) -> int:
-  """HLO ``conditional`` instructions in a compiled program's text."""
-  return hlo_text.count(" conditional(")
-
-
 # -------------------------------------------------------------------- timers
 @dataclasses.dataclass
 class Timer:
@@ -337,7 +332,7 @@ def compile_program(prog: Program, params: Tree, grads: Tree) -> Timer:
   info = {
       "temps_bytes": int(mem.temp_size_in_bytes),
       "alias_bytes": int(mem.alias_size_in_bytes),
-      "conditionals": count_conditionals(compiled.as_text()),
+      "conditionals": conditionals(compiled),
       "arg_leaves": len(jax.tree.leaves((params, state, grads))),
       "step_bytes": step_bytes(compiled),
   }

@@ -25,8 +25,8 @@ process, for this machine's CPU backend, and reports per compiled program:
   the bandwidth-bound ratio that backend allows. The two reference programs
   of ``bench_accumulate.py`` are compiled too.
 
-Counting uses ``optax_accum.debug`` (``conditionals``, ``copies``) when it is
-importable, and this file's own counters otherwise; the JSON says which. Only
+Counting uses ``optax_accum.debug`` (``conditionals``, ``copies``,
+``opcodes``, ``step_kernels``, ``step_bytes``), the package's one HLO reader. Only
 compilation happens here: nothing is timed, so the output is deterministic for
 given JAX/XLA builds and a given ``optax_accum``.
 
@@ -74,7 +74,6 @@ import argparse
 import datetime
 import importlib.metadata
 import json
-import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -92,10 +91,7 @@ import optax_accum as oa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_accumulate as ba
 
-try:
-  from optax_accum import debug as oa_debug
-except ImportError:  # an older optax_accum: count with this file's helpers
-  oa_debug = None
+from optax_accum import debug as oa_debug
 
 Tree = Any
 
@@ -223,60 +219,18 @@ def _source_revision() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ counting
-_FUSION_CALLS = re.compile(r"\bfusion\(.*?calls=%?([\w.\-]+)")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\w+\[([\d,]*)\]\S*\s+([\w\-]+)\((.*?)\)")
-
-
-def _own_copies(text: str, leaf_elems: int) -> list[dict[str, Any]]:
-  """Copies of exactly one leaf's elements outside fusion bodies (fallback counter)."""
-  fused = set(_FUSION_CALLS.findall(text))
-  comp: str = "?"
-  defs: dict[str, tuple[str, list[str]]] = {}
-  found: list[dict[str, Any]] = []
-  for line in text.splitlines():
-    h = _HEADER.match(line)
-    if h:
-      comp, defs = ("ENTRY" if h.group(1) else h.group(2)), {}
-      continue
-    m = _DEF.match(line)
-    if not m:
-      continue
-    name, dims, op, operands = m.groups()
-    names = [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
-    defs[name] = (op, names)
-    elems = 1
-    for d in filter(None, dims.split(",")):
-      elems *= int(d)
-    if op == "copy" and elems == leaf_elems and comp not in fused:
-      src_op, src_operands = defs.get(names[0] if names else "", ("?", []))
-      # A fill: a broadcast or constant, or a fusion of constants only (XLA:CPU
-      # wraps the zero broadcast in a fusion).
-      fill = src_op in ("broadcast", "constant") or (
-          src_op == "fusion" and all(defs.get(o, ("?",))[0] == "constant"
-                                     for o in src_operands))
-      found.append({"computation": comp, "fill": fill})
-  return found
-
-
 def analyse(compiled: Any, param_bytes: int, leaf_bytes: int) -> dict[str, Any]:
   """The per-program facts of the table."""
-  text = compiled.as_text()
   mem = compiled.memory_analysis()
-  if oa_debug is not None:
-    conds = oa_debug.conditionals(compiled)
-    cps = [{"computation": c.computation, "fill": c.fill}
-           for c in oa_debug.copies(compiled, min_bytes=leaf_bytes) if c.bytes == leaf_bytes]
-  else:
-    conds = text.count(" conditional(")
-    cps = _own_copies(text, leaf_bytes // 4)
+  conds = oa_debug.conditionals(compiled)
+  cps = [{"computation": c.computation, "fill": c.fill}
+         for c in oa_debug.copies(compiled, min_bytes=leaf_bytes) if c.bytes == leaf_bytes]
   where: dict[str, int] = {}
   for c in cps:
     key = f"{'fill' if c['fill'] else 'data'} in {c['computation']}"
     where[key] = where.get(key, 0) + 1
   return {
       "conditionals": conds,
-      "conditionals_text_count": text.count(" conditional("),
       "temps_bytes": int(mem.temp_size_in_bytes),
       "temps_ratio": mem.temp_size_in_bytes / param_bytes,
       "alias_bytes": int(mem.alias_size_in_bytes),
@@ -284,7 +238,7 @@ def analyse(compiled: Any, param_bytes: int, leaf_bytes: int) -> dict[str, Any]:
       "param_sized_copies_data": sum(not c["fill"] for c in cps),
       "param_sized_copies_fill": sum(c["fill"] for c in cps),
       "copies_where": ", ".join(f"{n} {k}" for k, n in sorted(where.items())) or "none",
-      "selects": len(re.findall(r"\bselect\(", text)),
+      "selects": oa_debug.opcodes(compiled).get("select", 0),
       **kernel_launches(compiled),
       **bytes_moved(compiled, param_bytes),
   }
@@ -294,11 +248,8 @@ def kernel_launches(compiled: Any) -> dict[str, int]:
   """Kernels a mid-step and an emitting step launch (``debug.step_kernels``).
 
   On a dispatch-bound small model every launch (and each conditional's
-  predicate, read on the host) is host time. Not counted (-1) without an
-  ``optax_accum.debug`` that has ``step_kernels``.
+  predicate, read on the host) is host time.
   """
-  if oa_debug is None or not hasattr(oa_debug, "step_kernels"):
-    return {"kernels_mid": -1, "kernels_emit": -1}
   count = oa_debug.step_kernels(compiled)
   return {"kernels_mid": count["mid"], "kernels_emit": count["emit"]}
 
@@ -310,8 +261,6 @@ def bytes_moved(compiled: Any, param_bytes: int) -> dict[str, float]:
   compiled program's own pass count (no cache reuse between kernels). NaN
   without an ``optax_accum.debug`` that has ``step_bytes``.
   """
-  if oa_debug is None or not hasattr(oa_debug, "step_bytes"):
-    return {"passes_mid": float("nan"), "passes_emit": float("nan")}
   moved = oa_debug.step_bytes(compiled)
   return {"passes_mid": moved["mid"] / param_bytes, "passes_emit": moved["emit"] / param_bytes}
 
@@ -474,8 +423,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "python": sys.executable, "params": n, "leaves": ba.LEAVES, "k": args.k,
           "optimizer": "adam",
-          "counter": ("optax_accum.debug.conditionals / copies" if oa_debug is not None
-                      else "gpu_hlo.py's own text counters"),
+          "counter": "optax_accum.debug",
           "versions": {d: _version(d) for d in ("jax", "jaxlib", "jax-cuda12-plugin",
                                                 "jax-cuda12-pjrt", "libtpu", "optax")},
           "source": _source_revision(),

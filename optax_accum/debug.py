@@ -33,8 +33,8 @@ from typing import Any, NamedTuple
 
 from optax_accum import _window
 
-__all__ = ["Collective", "Copy", "conditionals", "copies", "hlo_collectives", "step_bytes",
-           "step_kernels"]
+__all__ = ["Collective", "Copy", "conditionals", "copies", "hlo_collectives", "opcodes",
+           "step_bytes", "step_kernels"]
 
 Context = tuple[tuple[str, Any], ...]
 
@@ -322,6 +322,26 @@ def conditionals(compiled: Any) -> int:
   """
   return len({(s.computation, s.instruction.name) for s in _walk(compiled)
               if s.instruction.opcode == "conditional"})
+
+
+def opcodes(compiled: Any) -> dict[str, int]:
+  """How many instructions of each opcode a compiled step holds.
+
+  Fusion bodies and conditional branches included, each once per path that
+  reaches it from the entry. A ``select`` count near the parameter leaves'
+  is the sign of a conditional the compiler turned into selects.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from optax_accum.debug import opcodes
+    >>> f = jax.jit(lambda p, x: jnp.where(p, jnp.sin(x), x))
+    >>> opcodes(f.lower(True, jnp.ones(4)).compile())["select"]
+    1
+  """
+  counts: dict[str, int] = {}
+  for site in _walk(compiled):
+    counts[site.instruction.opcode] = counts.get(site.instruction.opcode, 0) + 1
+  return counts
 
 
 def copies(compiled: Any, min_bytes: int = 0) -> list[Copy]:
