@@ -71,7 +71,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import random
@@ -82,6 +81,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import harness
 import jax
 import jax.numpy as jnp
 import optax
@@ -787,12 +787,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "bars": evaluate_bars(records, bar_size) if "adam" in opts else [],
   }
   result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
-  args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "accumulate.json").write_text(json.dumps(result, indent=1))
-  (args.out / "accumulate.md").write_text(markdown(result))
-  plot(result, args.out / "accumulate.png")
-  print(f"copy bandwidth {result['bandwidth']['copy_GBps']:.1f} GB/s; wrote {args.out}/"
-        f"accumulate.{{json,md,png}} in {result['meta']['wall_s']} s")
+  harness.write(args.out, "accumulate", result, markdown(result), plot)
+  print(f"copy bandwidth {result['bandwidth']['copy_GBps']:.1f} GB/s;"
+        f" {result['meta']['wall_s']} s")
   print(f"\nBars ({size_label(bar_size)} params, adam):")
   print("\n".join(bars_table(result["bars"])))
   return result

@@ -33,12 +33,12 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import json
 import platform
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,10 +50,10 @@ from jax.sharding import PartitionSpec as P
 import optax_accum as oa
 from optax_accum.debug import hlo_collectives
 from optax_accum.sharding import (
-    broadcast_like,
-    defer_reduction,
-    per_device_state,
-    shard_map_specs,
+  broadcast_like,
+  defer_reduction,
+  per_device_state,
+  shard_map_specs,
 )
 
 K = 8
@@ -265,9 +265,6 @@ def main() -> dict[str, Any]:
       layout: by_name[f"naive: jax.grad(params), accumulate(k, opt), plain jit, {layout}"]
       / by_name[f"accumulate(k, opt, axis_name) + defer_reduction, plain jit (ours), {layout}"]
       for layout in LAYOUTS}
-  RESULTS.mkdir(parents=True, exist_ok=True)
-  (RESULTS / "communication.json").write_text(json.dumps(result, indent=2) + "\n")
-
   lines = [
       f"Bytes reduced across devices (all-reduce, reduce-scatter) per window, k = {K}"
       f" micro-batches, {N_DEV} devices, {param_bytes / 2**20:.2f} MiB of f32 gradients"
@@ -294,7 +291,7 @@ def main() -> dict[str, Any]:
   lines += ["", "FSDP all-gathers the params for the forward pass on every micro-step, in"
             " both paths (the last column)."]
   lines += [""] + [f"Note: {n}" for n in notes]
-  (RESULTS / "communication.md").write_text("\n".join(lines).rstrip() + "\n")
+  harness.write(RESULTS, "communication", result, "\n".join(lines).rstrip() + "\n")
 
   try:
     import matplotlib
@@ -317,7 +314,6 @@ def main() -> dict[str, Any]:
     fig.savefig(RESULTS / "communication.png", dpi=120)
   except ImportError:
     pass
-  print((RESULTS / "communication.md").read_text())
   return result
 
 

@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -351,9 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "params": int(n_params), "grad_buffer_bytes": int(grad_bytes),
                 "remat_policy": args.remat_policy, "layers_impl": args.layers_impl,
                 "rounds": args.rounds,
-                "iters": args.iters, "backend": jax.default_backend(),
-                "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-                "cpu_count": os.cpu_count(), "machine": platform.machine()},
+                "iters": args.iters, **harness.machine()},
       "rows": rows,
       "remat_placement": placement,
       "fit_budget_bytes": full_temp,
@@ -361,12 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
       "phase_seconds": phases,
       "wall_seconds": time.perf_counter() - t_start,
   }
-  out = Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "microbatched.json").write_text(json.dumps(result, indent=2) + "\n")
-  (out / "microbatched.md").write_text(markdown(result))
-  plot(result, out / "microbatched.png")
-  print(markdown(result))
+  harness.write(Path(args.out), "microbatched", result, markdown(result), plot)
   print(f"wall {result['wall_seconds']:.0f}s")
   return result
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -40,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -326,10 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "cost": cost,
       "closed_form": table,
   }
-  args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "noise_scale.json").write_text(json.dumps(result, indent=1))
-  (args.out / "noise_scale.md").write_text(markdown(result))
-  print(f"wrote {args.out}/noise_scale.{{json,md}} in {result['meta']['wall_s']} s")
+  harness.write(args.out, "noise_scale", result, markdown(result))
   return result
 
 

@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
-import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import harness
 import jax
 import jax.numpy as jnp
 import optax
@@ -265,19 +263,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            transformer_case(args, remat=True)]
   results = [run_case(case, mode, None) for case in cases for mode in case["modes"]]
   result = {
-      "setup": {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
-                "jax": jax.__version__, "cpu_count": os.cpu_count(),
-                "machine": platform.machine(), "optimizer": "adam",
+      "setup": {**harness.machine(), "optimizer": "adam",
                 "peak": "argument + output + temp - alias (memory_analysis, per device)"},
       "rows": results,
       "wall_seconds": time.perf_counter() - t_start,
   }
-  out = Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "plan_k.json").write_text(json.dumps(result, indent=2) + "\n")
-  (out / "plan_k.md").write_text(markdown(result))
-  plot(result, out / "plan_k.png")
-  print(markdown(result))
+  harness.write(Path(args.out), "plan_k", result, markdown(result), plot)
   print(f"wall {result['wall_seconds']:.0f}s")
   return result
 

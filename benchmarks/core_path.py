@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import pathlib
 import sys
@@ -30,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+import harness
 import jax
 import jax.numpy as jnp
 import optax
@@ -182,12 +182,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "public names": result["public_names"],
       "microbatched params": result["microbatched_params"],
   }
-  text = markdown(result)
-  print(text)
   if args.out is not None:
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "core_path.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "core_path.md").write_text(text)
+    harness.write(args.out, "core_path", result, markdown(result))
+  else:
+    print(markdown(result))
   return result
 
 

@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import math
 import os
 import platform
@@ -65,6 +64,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import harness
 import jax
 import jax.numpy as jnp
 import optax
@@ -525,13 +525,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
   out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_smoke_")) if smoke
                      else Path(__file__).parent / "results")
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "gpu.json").write_text(json.dumps(result, indent=1))
-  md = markdown(result)
-  (out / "gpu.md").write_text(md)
-  log(f"wrote {out}/gpu.{{json,md}}")
   print()
-  print(md)  # its last table is the summary
+  harness.write(out, "gpu", result, markdown(result))  # its last table is the summary
   return result
 
 

@@ -73,7 +73,6 @@ os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
 import argparse
 import datetime
 import importlib.metadata
-import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -90,6 +89,7 @@ import optax_accum as oa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_accumulate as ba
+import harness
 
 from optax_accum import debug as oa_debug
 
@@ -435,13 +435,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "cpu": cpu_rows,
       "expectations": expectations,
   }
-  args.out.mkdir(parents=True, exist_ok=True)
-  stem = target["stem"]
-  (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-  md = markdown(result)
-  (args.out / f"{stem}.md").write_text(md)
-  print(md)
-  print(f"wrote {args.out}/{stem}.{{json,md}}")
+  harness.write(args.out, target["stem"], result, markdown(result))
   return result
 
 

@@ -311,8 +311,8 @@ def emit(config: Config, ops: Operands, *, accept: Any, weight: jax.Array | None
   wide = jnp.result_type(jnp.float32, *(jnp.finfo(a.dtype).dtype
                                         for a in jax.tree.leaves(ops.acc)
                                         if jnp.issubdtype(a.dtype, jnp.inexact)))
-  if config.reduction == "weighted":
-    scale = 1.0 / jnp.where(total_weight == 0, 1.0, total_weight).astype(wide)
+  if config.reduction == "weighted":  # never 0 here: such a window does not emit
+    scale = 1.0 / total_weight.astype(wide)
   elif config.reduction == "mean" and not config.running_mean:
     scale = 1.0 / count.astype(wide)
   else:  # a sum, or a running mean already
