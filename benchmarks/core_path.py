@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "functions (worst)": max(r["functions"] for r in rows.values()),
       "file moves (worst)": max(r["file_moves"] for r in rows.values()),
       "inner traces": max(r["inner_traces"] for r in rows.values()),
-      "compile ratio": max(ratios.values(), default=0.0),
+      "compile ratio": round(max(ratios.values(), default=0.0), 2),
       "public names": result["public_names"],
       "microbatched params": result["microbatched_params"],
   }
