@@ -223,7 +223,7 @@ def micro_step(
       mini_step=jnp.where(closes, jnp.zeros_like(count), count),
       gradient_step=jnp.where(emits, optax.safe_increment(window.gradient_step),
                               window.gradient_step),
-      acc_grads=result.window_sum,
+      acc_grads=result.buffer,
       acc_weight=jnp.where(closes, jnp.zeros_like(total_weight), total_weight)
       if weighted else window.acc_weight,
       noise=result.noise)
@@ -353,7 +353,9 @@ class Emitted(NamedTuple):
   out: Any
   inner_state: Any
   noise: Any
-  window_sum: Any  # the buffer after the conditional (() where the layout keeps it out)
+  # From emit, the window's sum; once laid out (park, mid), the buffer the
+  # branch leaves: the sum, the parked updates, the buffer itself, or ().
+  buffer: Any
 
 
 def mid(ops: Operands, shapes: Any, parks: list[bool] | None, layout: Layout, apply: bool,
@@ -518,8 +520,8 @@ def park(emitted: Emitted, buffer: optax.Updates, parks: list[bool] | None,
     buffer = jax.tree.unflatten(treedef, [u.astype(b.dtype) if p else b
                                           for u, b, p in zip(leaves, bufs, parks, strict=True)])
   else:
-    buffer = emitted.window_sum if layout.writes_sum else ()
-  return emitted._replace(out=out, window_sum=buffer)
+    buffer = emitted.buffer if layout.writes_sum else ()
+  return emitted._replace(out=out, buffer=buffer)
 
 
 def unpark(out: Any, buffer: optax.Updates, parks: list[bool] | None, stepped: jax.Array,

@@ -126,7 +126,7 @@ def add_micro_batch(state: NoiseScaleState, grads: Any, accept: Any,
   sq = sq_norm(grads)
   counted = jnp.logical_and(accept, True if weight is None else weight != 0)
   if weight is not None:
-    sq = jnp.where(weight != 0, sq * weight, 0.0)
+    sq = sq * weight  # a NaN from a weight-0 micro-batch is dropped below: it does not count
   return state._replace(
       window_sq_norms=state.window_sq_norms + jnp.where(counted, sq, 0.0),
       window_count=state.window_count + jnp.asarray(counted, jnp.int32),
