@@ -488,11 +488,15 @@ def add_to_buffer(config: Config, ops: Operands, closes: jax.Array, accept: Any,
                   weight: jax.Array | None, layout: Layout) -> optax.Updates:
   """The buffer after this call: written in place, unless the window closes.
 
-  Which branch passes the buffer through decides whether the compiler copies
-  every buffer of the two conditionals: XLA:CPU needs it in the false slot
-  always; XLA:GPU in the true one when the emitting conditional writes the
-  buffer too. A conditional whose branch is cheap elementwise work becomes
-  selects on XLA:GPU (a pass on every step); a barrier is not elementwise.
+  On XLA:GPU and libtpu the add is a conditional of its own, so the closing
+  micro-step neither writes nor rereads the buffer (two passes fewer). Which
+  branch passes the buffer through decides whether XLA:GPU copies every
+  buffer of the two conditionals: the true one when the emitting conditional
+  writes the buffer too. A conditional whose branch is cheap elementwise work
+  becomes selects on XLA:GPU (a pass on every step); a barrier is not
+  elementwise. XLA:CPU gets a select instead: there a second conditional
+  costs more time than the two passes it saves (every row of
+  ``benchmarks/ab_cores.py`` 0.90-0.98x with the select, benchmarks/NOTES.md).
   """
   if accept is False:
     return ops.acc
@@ -502,11 +506,13 @@ def add_to_buffer(config: Config, ops: Operands, closes: jax.Array, accept: Any,
   write = jax.named_scope(SCOPES["add"])(lambda acc, g: buffer_after(
       config, acc, lax.optimization_barrier(ops.mini_step), g, True, weight))
   keep = lambda acc, _: acc
-  false_slot = lambda acc, g: lax.cond(writes, write, keep, acc, g)
-  if not layout.emit_writes:
-    return false_slot(ops.acc, ops.grads)
-  true_slot = lambda acc, g: lax.cond(jnp.logical_not(writes), keep, write, acc, g)
-  return lax.platform_dependent(ops.acc, ops.grads, cpu=false_slot, default=true_slot)
+  select = lambda acc, g: jax.tree.map(lambda new, old: jnp.where(writes, new, old),
+                                       write(acc, g), acc)
+  if layout.emit_writes:
+    conditional = lambda acc, g: lax.cond(jnp.logical_not(writes), keep, write, acc, g)
+  else:
+    conditional = lambda acc, g: lax.cond(writes, write, keep, acc, g)
+  return lax.platform_dependent(ops.acc, ops.grads, cpu=select, default=conditional)
 
 
 def park(emitted: Emitted, buffer: optax.Updates, parks: list[bool] | None,

@@ -10,6 +10,7 @@ types, index comments, nested calls) independently of the XLA version.
 from __future__ import annotations
 
 import math
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -254,16 +255,33 @@ def _uaa_program(leaves: int = 8) -> Any:
   return step.lower(params, tx.init(params), params).compile()
 
 
+def _default_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+  """Trace the core as XLA:GPU and libtpu get it (``platform_dependent``'s default)."""
+  monkeypatch.setattr(_window, "lax", types.SimpleNamespace(**{
+      **vars(lax), "platform_dependent": lambda *a, default, **_: default(*a)}))
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's fusion decisions")
-def test_step_kernels_puts_the_buffer_add_on_the_mid_step() -> None:
-  """XLA:CPU runs Adam as three loops per leaf and the buffer add as one: an
+def test_step_kernels_puts_the_buffer_add_on_the_mid_step(
+    monkeypatch: pytest.MonkeyPatch) -> None:
+  """XLA:CPU runs Adam as three loops per leaf and the buffer add as one. In
+  the GPU/TPU layout the add is a conditional of its own: an
   ``update_and_apply`` mid-step launches at least one kernel per leaf (the
   add, in the add conditional's *true* branch) and no Adam loop; the emitting
   step at least three per leaf and no add. Counting branch 1 as the emit
-  (the rule for one conditional) would give the mid-step almost nothing."""
-  k = step_kernels(_uaa_program(8))
+  (the rule for one conditional) would give the mid-step almost nothing. In
+  the CPU layout the add is a select outside the conditional: both steps
+  launch it."""
+  cpu = step_kernels(_uaa_program(8))
+  assert conditionals(_uaa_program(8)) == 1
+  assert 8 <= cpu["mid"] < 8 + 8, cpu
+  assert cpu["emit"] >= 3 * 8 + 8, cpu
+  _default_layout(monkeypatch)
+  program = _uaa_program(8)
+  assert conditionals(program) == 2
+  k = step_kernels(program)
   assert 8 <= k["mid"] < 8 + 8, k
-  assert k["emit"] >= 3 * 8, k
+  assert 3 * 8 <= k["emit"] < cpu["emit"], k
 
 
 def test_step_kernels_without_our_scopes_counts_both_steps(
