@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -343,7 +344,6 @@ def microbatched(
     rng_argnums: int | Sequence[int] = (),
     axis_name: Any = None,
     return_noise_stats: bool = False,
-    **deprecated: Any,
 ) -> Callable[..., Any]:
   r"""Runs a value-and-grad function over ``k`` micro-batches in one ``lax.scan``.
 
@@ -432,12 +432,13 @@ def microbatched(
       micro-batches, and their scalars ride in the one reduction after the
       loop. Under plain ``jit`` they need ``fn`` to be a per-example mean or
       sum (as for the results).
-    **deprecated: ``split``, ``rng_mode``, ``accumulator_dtype`` and
-      ``unroll``, accepted with a ``DeprecationWarning`` until 0.4.
-      ``split="contiguous"`` and ``rng_mode="split"`` only reorder which rows
-      and keys a micro-batch gets (every normalisation is the same sum);
-      ``accumulator_dtype`` narrower than the default rule loses precision;
-      ``unroll`` is ``lax.scan``'s.
+
+  0.2's ``split``, ``rng_mode``, ``accumulator_dtype`` and ``unroll`` are
+  still accepted, with a ``DeprecationWarning``, until 0.4.
+  ``split="contiguous"`` and ``rng_mode="split"`` only reorder which rows and
+  keys a micro-batch gets (every normalisation is the same sum);
+  ``accumulator_dtype`` narrower than the default rule loses precision;
+  ``unroll`` is ``lax.scan``'s.
 
   Returns:
     A function with ``fn``'s signature returning ``(value, grads)`` (or
@@ -551,21 +552,18 @@ def microbatched(
     >>> bool(jnp.allclose(grads, ref, atol=1e-6))
     True
   """
+  return _build(fn, num_microbatches, batch_argnums, has_aux, normalize, aux_rules,
+                rng_argnums, axis_name, return_noise_stats, **_DEPRECATED_OPTIONS)
+
+
+def _build(
+    fn: Callable[..., tuple[Any, Any]], num_microbatches: int, batch_argnums: Any,
+    has_aux: bool, normalize: str, aux_rules: Any, rng_argnums: Any, axis_name: Any,
+    return_noise_stats: bool, *, split: str, rng_mode: str, accumulator_dtype: Any,
+    unroll: int | bool,
+) -> Callable[..., Any]:
+  """:func:`microbatched` with every option, the deprecated ones included."""
   _check_fn(fn)
-  unknown = sorted(set(deprecated) - set(_DEPRECATED_OPTIONS))
-  if unknown:
-    raise TypeError(
-        f"`microbatched` got unexpected keyword argument(s) {unknown}; it takes"
-        " batch_argnums, has_aux, normalize, aux_rules, rng_argnums, axis_name and"
-        " return_noise_stats.")
-  if deprecated:
-    warnings.warn(
-        f"`microbatched`'s {', '.join(f'`{n}=`' for n in sorted(deprecated))} is deprecated"
-        " and goes in 0.4: micro-batches are strided rows with keys"
-        " `jax.random.fold_in(key, i)`, the accumulators follow the default dtype rule"
-        " (never narrower than the values) and `lax.scan` is not unrolled.",
-        DeprecationWarning, stacklevel=2)
-  options = {**_DEPRECATED_OPTIONS, **deprecated}
   batch_nums = _as_argnums(batch_argnums, "batch_argnums")
   if not batch_nums:
     raise ValueError("`batch_argnums` is empty; name at least one batch argument of `fn`.")
@@ -582,13 +580,12 @@ def microbatched(
           "Use 'mean' for a mean loss, 'sum' for a summed loss, or 'weighted' when"
           " `fn`'s value is (numerator, denominator)."),
       aux_rules=_check_aux_rules(aux_rules),
-      split=_check_choice(options["split"], "split", SPLITS,
-                          "Use 'strided' (default) or 'contiguous'."),
-      rng_mode=_check_choice(options["rng_mode"], "rng_mode", RNG_MODES,
+      split=_check_choice(split, "split", SPLITS, "Use 'strided' (default) or 'contiguous'."),
+      rng_mode=_check_choice(rng_mode, "rng_mode", RNG_MODES,
                              "Use 'fold_in' (default) or 'split'."),
-      acc_dtype=_validation.check_accumulator_dtype(options["accumulator_dtype"]),
+      acc_dtype=_validation.check_accumulator_dtype(accumulator_dtype),
       axis_name=axis_name,
-      unroll=options["unroll"],
+      unroll=unroll,
       return_noise_stats=return_noise_stats,
   )
 
@@ -606,6 +603,41 @@ def microbatched(
   # `filter_value_and_grad` wrapper has a bool): keep the name, not the link.
   del wrapped.__wrapped__
   return wrapped
+
+
+def _accepting_deprecated_options(public: Callable[..., Any]) -> Callable[..., Any]:
+  """``public`` that also takes 0.2's options, with a warning, until 0.4.
+
+  The signature (and ``help``) stay ``public``'s: the old keywords are taken
+  out before the call, so an unknown keyword is still an error.
+  """
+  signature = inspect.signature(public)
+
+  @functools.wraps(public)
+  def accepting(*args: Any, **kwargs: Any) -> Any:
+    old = {name: kwargs.pop(name) for name in _DEPRECATED_OPTIONS if name in kwargs}
+    unknown = sorted(set(kwargs) - set(signature.parameters))
+    if unknown:
+      raise TypeError(
+          f"`microbatched` got unexpected keyword argument(s) {unknown}; it takes"
+          " batch_argnums, has_aux, normalize, aux_rules, rng_argnums, axis_name and"
+          " return_noise_stats.")
+    if not old:
+      return public(*args, **kwargs)
+    warnings.warn(
+        f"`microbatched`'s {', '.join(f'`{n}=`' for n in sorted(old))} is deprecated"
+        " and goes in 0.4: micro-batches are strided rows with keys"
+        " `jax.random.fold_in(key, i)`, the accumulators follow the default dtype rule"
+        " (never narrower than the values) and `lax.scan` is not unrolled.",
+        DeprecationWarning, stacklevel=2)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return _build(*bound.arguments.values(), **{**_DEPRECATED_OPTIONS, **old})
+
+  return accepting
+
+
+microbatched = _accepting_deprecated_options(microbatched)
 
 
 # ------------------------------------------------- stage 1: split the batch
