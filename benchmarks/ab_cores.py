@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   for kind in PROGRAMS:
     for phase in ("mid", "emit"):
       now = timers[f"now {kind}"].samples[phase]
-      rows.append({"program": kind, "phase": phase, "ms": 1e3 * ba._median(now),
-                   "ratios": {r: ba.paired_ratio(now, timers[f"{r} {kind}"].samples[phase])
+      rows.append({"program": kind, "phase": phase, "ms": 1e3 * harness.median(now),
+                   "ratios": {r: harness.paired_ratio(now, timers[f"{r} {kind}"].samples[phase])
                               for r in args.against}})
   result = {"against": args.against, "params": n, "rounds": args.rounds,
             "machine": harness.machine(), "rows": rows}

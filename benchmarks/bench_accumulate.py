@@ -51,11 +51,12 @@ What is measured (all in one process; nothing here is a hard-coded result):
 * A PASS/FAIL table of the project's bars at 4M params, adam (or the middle
   size if 4M is not run).
 
-Timing protocol: every round runs every program (a few whole windows) and the
-copy once, in a fresh seeded random order (a fixed or rotating order would put
-the same program after the cache-evicting copy every round); medians over
-rounds. On a shared machine the per-round ratios are far steadier than ratios
-of medians.
+Timing protocol (``harness.interleaved``, which every benchmark script uses):
+every round runs every program (a few whole windows) and the copy once, in a
+fresh seeded random order (a fixed or rotating order would put the same
+program after the cache-evicting copy every round); medians over rounds. On a
+shared machine the per-round ratios (``harness.paired_ratio``) are far steadier
+than ratios of medians.
 
 Run::
 
@@ -71,9 +72,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import os
 import platform
-import random
 import statistics
 import sys
 import time
@@ -376,35 +377,27 @@ class CopyTimer:
 
 def run_rounds(timers: Sequence[Timer], copy: CopyTimer, rounds: int, windows: int,
                seed: int = 0) -> list[float]:
-  """Interleaved rounds; returns the copy's time of each round.
+  """Interleaved rounds (``harness.interleaved``); returns the copy's time of each round.
 
   Warm-up: one window per program (compiles are done; this allocates the
   donated carries and touches every page) and two copies. Then each round runs
-  every program and the copy once, in a fresh seeded random order.
+  every program (``windows`` whole windows) and the copy once, in a fresh
+  seeded random order; each records its own samples.
   """
-  rng = random.Random(seed)
   for t in timers:
     for _ in range(t.program.k or 1):
       t.call()
   copy.call()
   copy.call()
   start = len(copy.samples)
-  for _ in range(rounds):
-    order: list[Any] = [*timers, copy]
-    rng.shuffle(order)
-    for t in order:
-      t.run_round(windows)
+  # Keyed by position: a Timer (an eq dataclass) is not hashable.
+  runs = [*timers, copy]
+  harness.interleaved({i: functools.partial(t.run_round, windows) for i, t in enumerate(runs)},
+                      rounds, seed=seed, warmup=0)
   return copy.samples[start:]
 
 
 # ------------------------------------------------------------------ summary
-def _median(xs: Sequence[float]) -> float:
-  return statistics.median(xs) if xs else float("nan")
-
-
-def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
-  """Median over rounds of ``num[r] / den[r]`` (same round, seconds apart)."""
-  return _median([a / b for a, b in zip(num, den, strict=True)])
 
 
 def _quartiles(xs: Sequence[float]) -> tuple[float, float]:
@@ -449,14 +442,14 @@ def summarize(timers: Sequence[Timer], copy_samples: Sequence[float], copy_bytes
         "label": LABELS[row], "program": spec.program, "phase": spec.phase,
         "floor": spec.floor, "floor_passes": floor_passes(spec.floor, opt_name),
         "floor_bytes": floor_passes(spec.floor, opt_name) * pbytes,
-        "time_s": _median(s), "time_q1_s": q1, "time_q3_s": q3, "time_min_s": min(s),
-        "ratio_floor": paired_ratio(s, floor_s),
-        "ratio_floor_mid": paired_ratio(s, mid_floor_s),
-        "ratio_plain": paired_ratio(s, samples["plain"]) if "plain" in samples else None,
-        "ratio_optax_multisteps": (paired_ratio(s, samples[ms_ref[spec.phase]])
+        "time_s": harness.median(s), "time_q1_s": q1, "time_q3_s": q3, "time_min_s": min(s),
+        "ratio_floor": harness.paired_ratio(s, floor_s),
+        "ratio_floor_mid": harness.paired_ratio(s, mid_floor_s),
+        "ratio_plain": harness.paired_ratio(s, samples["plain"]) if "plain" in samples else None,
+        "ratio_optax_multisteps": (harness.paired_ratio(s, samples[ms_ref[spec.phase]])
                                    if ms_ref[spec.phase] in samples else None),
         "reference": spec.reference if spec.reference in samples else None,
-        "ratio_reference": (paired_ratio(s, samples[spec.reference])
+        "ratio_reference": (harness.paired_ratio(s, samples[spec.reference])
                             if spec.reference in samples else None),
         "rounds": len(s),
     }
@@ -467,7 +460,7 @@ def summarize(timers: Sequence[Timer], copy_samples: Sequence[float], copy_bytes
       moved = t.info["step_bytes"]["emit" if spec.phase == "emit" else "mid"]
       rec["compiled_passes"] = moved / pbytes
       rec["alias_ratio"] = t.info["alias_bytes"] / pbytes
-      rec["enqueue_s"] = _median(t.enqueue[spec.phase])
+      rec["enqueue_s"] = harness.median(t.enqueue[spec.phase])
     else:
       rec.update({"temps_bytes": None, "temps_ratio": None, "alias_bytes": None,
                   "alias_ratio": None, "conditionals": None, "arg_leaves": None,
@@ -478,26 +471,25 @@ def summarize(timers: Sequence[Timer], copy_samples: Sequence[float], copy_bytes
 
 def host_overhead(opt_name: str, rounds: int, windows: int, seed: int = 1,
                   keys: Sequence[str] | None = None) -> list[dict[str, Any]]:
-  """Per-call time of each program on a tiny model, where dispatch dominates."""
+  """Per-call time of each program on a tiny model, where dispatch dominates.
+
+  A warm-up window per program, then interleaved rounds of ``windows`` windows each.
+  """
   params = make_tree(TINY_PARAMS)
   grads = make_tree(TINY_PARAMS, fill=1e-3)
   timers = [compile_program(p, params, grads) for p in make_programs(opt_name, keys=keys)]
-  rng = random.Random(seed)
   for t in timers:
     for _ in range(t.program.k or 1):
       t.call()
-  for _ in range(rounds):
-    order = list(timers)
-    rng.shuffle(order)
-    for t in order:
-      t.run_round(windows)
+  harness.interleaved({i: functools.partial(t.run_round, windows) for i, t in enumerate(timers)},
+                      rounds, seed=seed, warmup=0)
   out = []
   for t in timers:
     rec: dict[str, Any] = {"optimizer": opt_name, "program": t.program.key,
                            "params": TINY_PARAMS, "arg_leaves": t.info["arg_leaves"]}
     for phase in t.samples:
-      rec[f"{phase}_call_s"] = _median(t.samples[phase])
-      rec[f"{phase}_enqueue_s"] = _median(t.enqueue[phase])
+      rec[f"{phase}_call_s"] = harness.median(t.samples[phase])
+      rec[f"{phase}_enqueue_s"] = harness.median(t.enqueue[phase])
     out.append(rec)
   return out
 
@@ -763,7 +755,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    and r["program"] is not None and r["phase"] in ("mid", "step")}
              for opt in opts}
   print(f"host overhead: {time.perf_counter() - t0:.1f} s", flush=True)
-  copy_s = _median(copy.samples)
+  copy_s = harness.median(copy.samples)
   result: dict[str, Any] = {
       "meta": {
           "argv": list(argv if argv is not None else sys.argv[1:]),

@@ -8,9 +8,9 @@ cross-entropy) at a fixed global batch. For each configuration it reports
   ``jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes``
   (deterministic for a given XLA build);
 * ``step_ratio``: step time relative to the full-batch step, measured in the
-  same process with interleaved rounds (every configuration once per round,
-  in an order that rotates by one each round, so the full batch does not
-  always run first), median over rounds of the per-round ratio;
+  same process with interleaved rounds (``harness.interleaved``: every
+  configuration once per round, in a fresh seeded random order, so the full
+  batch does not always run first), median over rounds of the per-round ratio;
 * the largest global batch whose temporaries fit a fixed budget (the
   full-batch temporaries at the default global batch), for each trick.
 
@@ -213,9 +213,12 @@ def largest_batch(cfg: dict, args: argparse.Namespace, params: Params, budget: i
 
 
 # ----------------------------------------------------------------------- run
-def rotated_order(n: int, r: int) -> list[int]:
-  """Round ``r``'s order of ``n`` configs: ``r mod n, r mod n + 1, ...`` cyclically."""
-  return [(r + i) % n for i in range(n)]
+def run_steps(fn: Callable, params: Params, batch: dict[str, jax.Array], n: int) -> None:
+  """``n`` calls of ``fn(params, batch)``, blocking on the last."""
+  out = None
+  for _ in range(n):
+    out = fn(params, batch)
+  jax.block_until_ready(out)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -280,24 +283,16 @@ def main(argv: list[str] | None = None) -> dict:
 
   phases["compile_and_first_run_s"] = time.perf_counter() - t_phase
   t_phase = time.perf_counter()
-  # Interleaved timing: one round times every config; ratios use the same round.
-  # The order rotates (round r starts at config r mod n), so no config always
-  # runs first (after the previous round's last) or right after the same one.
-  times: list[list[float]] = [[] for _ in configs]
-  for fn in fns:  # a second warm-up call (the first ran above), outside the rounds
-    jax.block_until_ready(fn(params, batch))
-  for r in range(args.rounds):
-    for i in rotated_order(len(fns), r):
-      fn = fns[i]
-      t0 = time.perf_counter()
-      for _ in range(args.iters):
-        out = fn(params, batch)
-      jax.block_until_ready(out)
-      times[i].append((time.perf_counter() - t0) / args.iters)
+  # Interleaved timing (harness.interleaved): one round times every config
+  # (``iters`` steps, blocking once at the end), in a fresh seeded random order,
+  # so no config always runs first or right after the same one; ratios pair the
+  # same round. A warm-up round (after the first calls above) is not recorded.
+  secs = harness.interleaved({i: functools.partial(run_steps, fn, params, batch, args.iters)
+                              for i, fn in enumerate(fns)}, args.rounds)
+  times = [[s / args.iters for s in secs[i]] for i in range(len(fns))]
   for i, row in enumerate(rows):
-    ratios = [t / b for t, b in zip(times[i], times[0], strict=True)]
     row["step_ms_median"] = 1e3 * statistics.median(times[i])
-    row["step_ratio"] = statistics.median(ratios)
+    row["step_ratio"] = harness.paired_ratio(times[i], times[0])
 
   phases["timing_s"] = time.perf_counter() - t_phase
   t_phase = time.perf_counter()

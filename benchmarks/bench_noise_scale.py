@@ -56,7 +56,6 @@ from bench_accumulate import (
     _standard_step,
     compile_program,
     make_tree,
-    paired_ratio,
     parse_size,
     run_rounds,
     size_label,
@@ -162,9 +161,10 @@ def measure_cost(size: int, rounds: int) -> dict[str, Any]:
   for base, tracked in PAIRS:
     pairs.append({
         "untracked": base, "tracked": tracked,
-        "mid_ratio": paired_ratio(timers[tracked].samples["mid"], timers[base].samples["mid"]),
-        "emit_ratio": paired_ratio(timers[tracked].samples["emit"],
-                                   timers[base].samples["emit"]),
+        "mid_ratio": harness.paired_ratio(timers[tracked].samples["mid"],
+                                          timers[base].samples["mid"]),
+        "emit_ratio": harness.paired_ratio(timers[tracked].samples["emit"],
+                                           timers[base].samples["emit"]),
         "extra_temps_ratio": (programs[tracked]["temps_bytes"]
                               - programs[base]["temps_bytes"]) / programs[base]["param_bytes"],
     })

@@ -1,9 +1,10 @@
 """What an emitting step costs on this backend, in toys (benchmarks/NOTES.md).
 
 Train steps on 4M f32 params in 8 leaves with Adam, params, state and a
-parameter-sized buffer donated, timed in interleaved rounds (fresh random
-order per round); each ratio is the median over rounds of the time over the
-plain Adam step's in the same round.
+parameter-sized buffer donated, timed in interleaved rounds
+(``harness.interleaved``: a fresh seeded random order per round); each ratio
+is the median over rounds of the time over the plain Adam step's in the same
+round.
 
 * ``plain``: ``adam.update`` + ``apply_updates`` (10P on XLA:CPU, whose Adam
   is three loops per leaf; 7P where it is one fused kernel);
@@ -26,13 +27,13 @@ front for one core.
 from __future__ import annotations
 
 import argparse
-import time
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import harness
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
@@ -100,20 +101,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
   grads, on = tree(1e-3), jnp.int32(1)
   fns = {k: jax.jit(f, donate_argnums=(0, 1, 2)) for k, f in TOYS.items()}
   states = {k: (tree(0.01), OPT.init(tree(0.0)), tree(0.0)) for k in fns}
-  times: dict[str, list[float]] = {k: [] for k in fns}
-  rng = np.random.default_rng(0)
-  for _ in range(args.rounds + 1):  # the first round compiles and warms up
-    for k in rng.permutation(list(fns)):
-      t0 = time.perf_counter()
-      states[k] = fns[k](*states[k], grads, on)
-      jax.block_until_ready(states[k])
-      times[k].append(time.perf_counter() - t0)
-  base = np.array(times["plain"][1:])
-  ratios = {k: float(np.median(np.array(t[1:]) / base)) for k, t in times.items()}
+
+  def step(k: str) -> None:
+    states[k] = jax.block_until_ready(fns[k](*states[k], grads, on))
+
+  # harness.interleaved; its warm-up round compiles.
+  times = harness.interleaved({k: functools.partial(step, k) for k in fns}, args.rounds)
+  ratios = {k: harness.paired_ratio(t, times["plain"]) for k, t in times.items()}
   print(f"| toy ({args.params} params, {jax.default_backend()}) | ms | x plain Adam |")
   print("|---|---:|---:|")
   for k, t in times.items():
-    print(f"| {k} | {np.median(t[1:]) * 1e3:.2f} | {ratios[k]:.2f}x |")
+    print(f"| {k} | {harness.median(t) * 1e3:.2f} | {ratios[k]:.2f}x |")
   return ratios
 
 

@@ -25,7 +25,7 @@ What is measured (one process; every number comes from this run):
    transformer (d_model 1024, 4 layers, 16 heads, seq 512, batch 64, vocab
    8192; k = 4 and 16) and an MLP (B = 8192, 1024 -> 3 x 4096 -> 1000; k = 16):
    compiled temporaries over the full batch's, step-time ratio to the full
-   batch (interleaved rounds, rotating order, median of per-round ratios),
+   batch (interleaved rounds, seeded random order, median of per-round ratios),
    loss and gradient differences to the full batch.
 3. **What a conditional costs** a dispatch-bound step: a tiny ``p + g``
    split over 0, 1 or 2 ``lax.cond``s, per-call time (does a
@@ -51,11 +51,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import math
 import os
 import platform
-import random
 import statistics
 import sys
 import tempfile
@@ -142,7 +142,9 @@ def conditional_cost(rounds: int, calls: int, log: Callable[[str], None]) -> lis
   What one more conditional costs a dispatch-bound step on this backend
   (on XLA:GPU a conditional's predicate may be read on the host): the open
   question of a one-conditional GPU layout (benchmarks/NOTES.md).
-  Interleaved rounds, a fresh random order per round, params donated.
+  Interleaved rounds (``harness.interleaved``, seed 2, one warm-up round), a
+  fresh random order per round, ``calls`` blocking calls per sample, params
+  donated.
   """
   params = list(ba.make_tree(ba.TINY_PARAMS).values())
   grads = list(ba.make_tree(ba.TINY_PARAMS, fill=1e-3).values())
@@ -152,19 +154,16 @@ def conditional_cost(rounds: int, calls: int, log: Callable[[str], None]) -> lis
     compiled = jax.jit(conditional_split(n), donate_argnums=(0,)).lower(
         params, grads, flags).compile()
     progs[n] = {"compiled": compiled, "flags": flags, "carry": jax.tree.map(jnp.copy, params),
-                "conditionals": oa.debug.conditionals(compiled), "samples": []}
-  rng = random.Random(2)
-  for r in range(rounds + 1):  # round 0 warms up
-    order = list(progs)
-    rng.shuffle(order)
-    for n in order:
-      prog = progs[n]
-      t0 = time.perf_counter()
-      for _ in range(calls):
-        prog["carry"] = jax.block_until_ready(
-            prog["compiled"](prog["carry"], grads, prog["flags"]))
-      if r:
-        prog["samples"].append((time.perf_counter() - t0) / calls)
+                "conditionals": oa.debug.conditionals(compiled)}
+
+  def run(prog: dict[str, Any]) -> None:
+    for _ in range(calls):
+      prog["carry"] = jax.block_until_ready(prog["compiled"](prog["carry"], grads, prog["flags"]))
+
+  secs = harness.interleaved({n: functools.partial(run, prog) for n, prog in progs.items()},
+                             rounds, seed=2)
+  for n, prog in progs.items():
+    prog["samples"] = [s / calls for s in secs[n]]
   base = progs[0]["samples"]
   rows = [{"conditionals_requested": n, "conditionals": p["conditionals"],
            "call_s": statistics.median(p["samples"]),
@@ -257,20 +256,15 @@ def microbatching(name: str, loss: Callable, params: Tree, batch: dict[str, jax.
   compile_s = time.perf_counter() - t0
   for c in compiled:  # second warm-up call
     jax.block_until_ready(c(params, batch))
-  times: list[list[float]] = [[] for _ in compiled]
-  n = len(compiled)
-  for r in range(rounds):
-    for i in bm.rotated_order(n, r):
-      t = time.perf_counter()
-      for _ in range(iters):
-        out = compiled[i](params, batch)
-      jax.block_until_ready(out)
-      times[i].append((time.perf_counter() - t) / iters)
+  # Interleaved rounds (harness.interleaved): a fresh seeded random order per
+  # round, ``iters`` steps per sample; ratios pair the same round.
+  secs = harness.interleaved({i: functools.partial(bm.run_steps, c, params, batch, iters)
+                              for i, c in enumerate(compiled)}, rounds, warmup=0)
+  times = [[s / iters for s in secs[i]] for i in range(len(compiled))]
   for i, row in enumerate(rows):
     row["temp_ratio_vs_full"] = row["temp_bytes"] / rows[0]["temp_bytes"]
     row["step_ms"] = 1e3 * statistics.median(times[i])
-    row["step_ratio_vs_full"] = statistics.median(
-        [a / b for a, b in zip(times[i], times[0], strict=True)])
+    row["step_ratio_vs_full"] = harness.paired_ratio(times[i], times[0])
     row["loss_rel_diff_vs_full"], row["grad_rel_diff_vs_full"] = _rel_diffs(outs[i], outs[0])
   log(f"{name}: compile + first calls {compile_s:.1f} s, timing"
       f" {time.perf_counter() - t0 - compile_s:.1f} s")

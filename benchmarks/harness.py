@@ -1,10 +1,12 @@
-"""What every benchmark script shares: the machine it ran on, and its results files.
+"""What every benchmark script shares: how it times, where it ran, its results files.
 
-Each script measures its own thing, then calls :func:`write` once: the
-result as JSON, its markdown (printed too), and a PNG where it plots. The
-timing loop (interleaved rounds, medians, paired ratios) is
-``bench_accumulate.run_rounds`` / ``paired_ratio``, used by the scripts that
-time a train step.
+A script that times programs against each other runs them in
+:func:`interleaved` rounds (every program once per round, in a fresh seeded
+random order) and compares them with :func:`paired_ratio` (the median over
+rounds of same-round ratios); ``bench_accumulate.run_rounds`` is
+:func:`interleaved` over its train-step timers and the bandwidth copy. Each
+script calls :func:`write` once: the result as JSON, its markdown (printed
+too), and a PNG where it plots.
 """
 
 from __future__ import annotations
@@ -13,11 +15,63 @@ import datetime
 import json
 import os
 import platform
-from collections.abc import Callable
+import random
+import statistics
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
+
+K = TypeVar("K", bound=Hashable)
+
+
+def interleaved(runs: Mapping[K, Callable[[], object]], rounds: int, *, seed: int = 0,
+                warmup: int = 1) -> dict[K, list[float]]:
+  """Seconds of each run in each round: ``{key: [round 0, round 1, ...]}``.
+
+  Every round calls every run once, in a fresh order drawn from
+  ``random.Random(seed)`` (a fixed or rotating order would put the same run
+  after the same neighbour, a cache-evicting copy say, round after round).
+  ``warmup`` rounds go first, shuffled the same way and not recorded. A run
+  that times itself (several calls, or per phase) ignores its entry; one
+  that makes ``n`` calls divides its seconds by ``n``. Same-round samples pair
+  up for :func:`paired_ratio`.
+
+  >>> log = []
+  >>> secs = interleaved({"a": lambda: log.append("a"), "b": lambda: log.append("b")},
+  ...                    rounds=3, seed=0)
+  >>> {key: len(s) for key, s in secs.items()}, len(log)  # 1 warm-up round + 3
+  ({'a': 3, 'b': 3}, 8)
+  >>> sorted(log[2:4]) == sorted(log[6:8]) == ["a", "b"]  # each round runs each once
+  True
+  """
+  rng = random.Random(seed)
+  samples: dict[K, list[float]] = {key: [] for key in runs}
+  for r in range(warmup + rounds):
+    order = list(runs)
+    rng.shuffle(order)
+    for key in order:
+      t0 = time.perf_counter()
+      runs[key]()
+      if r >= warmup:
+        samples[key].append(time.perf_counter() - t0)
+  return samples
+
+
+def median(xs: Sequence[float]) -> float:
+  """``statistics.median``, NaN for no samples."""
+  return statistics.median(xs) if xs else float("nan")
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+  """Median over rounds of ``num[r] / den[r]`` (same round, seconds apart).
+
+  >>> paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0])
+  2.0
+  """
+  return median([a / b for a, b in zip(num, den, strict=True)])
 
 
 def machine() -> dict[str, Any]:

@@ -27,13 +27,13 @@ ratio to the floor ``acc += g`` measured in the same process.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
-import random
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
+import harness
 import jax
 import jax.numpy as jnp
 import optax
@@ -241,23 +241,21 @@ def main() -> None:
     runners[name] = run
   for run in runners.values():  # warm up
     run()
-  samples: dict[str, list[float]] = {name: [] for name in runners}
+
+  def repeat(run: Callable[[], None]) -> None:
+    for _ in range(args.reps):
+      run()
+
+  # harness.interleaved: a random order per round (no fixed neighbour bias).
+  secs = harness.interleaved({name: functools.partial(repeat, run)
+                              for name, run in runners.items()}, args.rounds, warmup=0)
+  samples = {name: [s / args.reps for s in ss] for name, ss in secs.items()}
   names = list(runners)
-  rng = random.Random(0)
-  for _ in range(args.rounds):
-    order = list(names)
-    rng.shuffle(order)  # a random order per round: no fixed neighbour bias
-    for name in order:
-      t0 = time.perf_counter()
-      for _ in range(args.reps):
-        runners[name]()
-      samples[name].append((time.perf_counter() - t0) / args.reps)
   floor = samples["floor"]
   print(f"\nmid-step time / floor (median over {args.rounds} interleaved rounds of the"
         f" per-round ratio; floor median {statistics.median(floor) * 1e3:.2f} ms)")
   for name in names:
-    ratios = [a / b for a, b in zip(samples[name], floor, strict=True)]
-    print(f"  {name:6s} {statistics.median(ratios):5.2f}x")
+    print(f"  {name:6s} {harness.paired_ratio(samples[name], floor):5.2f}x")
 
 
 if __name__ == "__main__":
