@@ -15,9 +15,6 @@ import numpy as np
 
 from optax_accum import _window
 
-REDUCTIONS = ("mean", "sum", "weighted")
-
-
 _INT32_MAX = 2**31 - 1
 
 
@@ -227,9 +224,9 @@ def check_no_float0(grads: Any, where: str = "gradient") -> None:
 
 
 def check_reduction(reduction: Any) -> str:
-  if reduction not in REDUCTIONS:
+  if reduction not in _window.REDUCTIONS:
     raise ValueError(
-        f"`reduction` must be one of {REDUCTIONS}; got {reduction!r}. Use"
+        f"`reduction` must be one of {_window.REDUCTIONS}; got {reduction!r}. Use"
         " 'mean' for sum/k, 'sum' for the plain sum, or 'weighted' with"
         " `update(..., weight=w)` for sum(w_i g_i) / sum(w_i)."
     )

@@ -299,8 +299,9 @@ def emit(config: Config, ops: Operands, *, accept: Any, weight: jax.Array | None
   if config.axis_name is None:
     window_sum = None  # summed after the barrier, where the inner optimizer reads it
   elif explicit_axes(config.axis_name) is None:  # shard_map / pmap: the scalars are per device
-    window_sum = buffer_after(config, ops.acc, ops.mini_step, ops.grads, accept, weight)
-    window_sum, totals = lax.psum(window_sum, config.axis_name), lax.psum(totals, config.axis_name)
+    totals, window_sum = all_reduce(
+        config.axis_name, totals,
+        buffer_after(config, ops.acc, ops.mini_step, ops.grads, accept, weight))
   else:  # jit with unreduced buffers: an all-reduce, or a reduce-scatter to sharded params
     window_sum = jax.tree.map(
         lambda a, t: jax.reshard(a, jax.sharding.PartitionSpec(*array_type(t).spec.partitions)),
@@ -311,12 +312,9 @@ def emit(config: Config, ops: Operands, *, accept: Any, weight: jax.Array | None
   wide = jnp.result_type(jnp.float32, *(jnp.finfo(a.dtype).dtype
                                         for a in jax.tree.leaves(ops.acc)
                                         if jnp.issubdtype(a.dtype, jnp.inexact)))
-  if config.reduction == "weighted":  # never 0 here: such a window does not emit
-    scale = 1.0 / total_weight.astype(wide)
-  elif config.reduction == "mean" and not config.running_mean:
-    scale = 1.0 / count.astype(wide)
-  else:  # a sum, or a running mean already
-    scale = jnp.ones([], wide)
+  # (A window of total weight 0 does not emit; a running mean is a mean already.)
+  scale = reduction_scale("sum" if config.running_mean else config.reduction, count,
+                          total_weight, wide)
   # XLA's GPU compiler turns a conditional whose branches hold only cheap
   # elementwise work into selects, and then the inner optimizer would run on
   # every micro-step. A barrier is not elementwise: the conditional stays.
@@ -345,6 +343,45 @@ def emit(config: Config, ops: Operands, *, accept: Any, weight: jax.Array | None
         total_weight=total_weight if config.reduction == "weighted" else window_k,
         mean_sq_norm=noise_lib.sq_norm(window_sum) * mean**2), config.noise_decay)
   return Emitted(out, new_inner, noise, window_sum)
+
+
+REDUCTIONS = ("mean", "sum", "weighted")
+
+
+def reduction_scale(reduction: str, count: jax.Array, total_weight: jax.Array | None,
+                    dtype: Any) -> jax.Array:
+  """The factor that turns a window's sum into its reduction, in ``dtype``.
+
+  ``1 / count`` for ``"mean"``, ``1 / total_weight`` for ``"weighted"`` (0 for
+  a total weight of 0, a window of only padding), 1 for ``"sum"``. The one
+  rule behind ``accumulate``, ``MultiSteps`` and ``microbatched``.
+  """
+  if reduction == "weighted":
+    total = jnp.asarray(total_weight).astype(dtype)
+    return jnp.where(total == 0, jnp.zeros([], dtype), 1.0 / jnp.where(total == 0, 1, total))
+  if reduction == "mean":
+    return 1.0 / jnp.asarray(count).astype(dtype)
+  return jnp.ones([], dtype)
+
+
+def all_reduce(axis_name: Any, scalars: Any, tree: Any,
+               scatter: list[Any] | None = None) -> tuple[Any, Any]:
+  """``scalars`` and ``tree`` summed over the manual axes ``axis_name``: one ``psum``.
+
+  The cross-device reduction of ``accumulate``/``MultiSteps`` under
+  ``shard_map``/``pmap`` and of ``microbatched`` alike. ``scatter`` (one entry
+  per leaf of ``tree``, or None) names leaves to reduce-scatter instead,
+  ``(dim, axes)``: tiled onto that dimension, one ``psum_scatter`` each.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  scatter = scatter or [None] * len(leaves)
+  plain = [g for g, s in zip(leaves, scatter, strict=True) if s is None]
+  scalars, plain = lax.psum((scalars, plain), axis_name)
+  summed = iter(plain)
+  leaves = [next(summed) if s is None else
+            lax.psum_scatter(g, s[1], scatter_dimension=s[0], tiled=True)
+            for g, s in zip(leaves, scatter, strict=True)]
+  return scalars, jax.tree.unflatten(treedef, leaves)
 
 
 class Emitted(NamedTuple):

@@ -126,9 +126,20 @@ def add_micro_batch(state: NoiseScaleState, grads: Any, accept: Any,
   sq = sq_norm(grads)
   counted = jnp.logical_and(accept, True if weight is None else weight != 0)
   if weight is not None:
-    sq = sq * weight  # a NaN from a weight-0 micro-batch is dropped below: it does not count
+    sq = sq * weight
+  return count_micro_batch(state, sq, counted)
+
+
+def count_micro_batch(state: NoiseScaleState, weighted_sq_norm: jax.Array,
+                      counted: Any) -> NoiseScaleState:
+  r"""The open window with one micro-batch's :math:`w |g|^2` added, if it counts.
+
+  The rule ``accumulate``, ``MultiSteps`` and ``microbatched`` share: a
+  micro-batch that does not count (rejected, or of weight 0) adds nothing,
+  not even the NaN a weight-0 micro-batch's mean gradient may be.
+  """
   return state._replace(
-      window_sq_norms=state.window_sq_norms + jnp.where(counted, sq, 0.0),
+      window_sq_norms=state.window_sq_norms + jnp.where(counted, weighted_sq_norm, 0.0),
       window_count=state.window_count + jnp.asarray(counted, jnp.int32),
   )
 

@@ -48,7 +48,6 @@ __all__ = [
     "split_microbatches",
 ]
 
-NORMALIZATIONS = ("mean", "sum", "weighted")
 SPLITS = ("strided", "contiguous")
 RNG_MODES = ("fold_in", "split")
 AUX_RULES = ("mean", "sum", "max", "min", "last", "concat", "stack")
@@ -269,13 +268,6 @@ class _Out(NamedTuple):
   grads: Any
 
 
-class _NoiseSums(NamedTuple):
-  """The noise-scale sums over the micro-batches (``return_noise_stats=True``)."""
-
-  sq_norms: jax.Array  # sum of w_i |g_i|^2, float32 (w_i = 1 unless weighted)
-  count: jax.Array  # micro-batches of nonzero weight, float32
-
-
 class _Carry(NamedTuple):
   """The loop carry: running sums and the aux rules' states."""
 
@@ -283,7 +275,7 @@ class _Carry(NamedTuple):
   den: Any
   grads: Any
   aux: list[Any]  # one state per aux rule
-  noise: _NoiseSums | tuple[()] = ()
+  noise: gradient_noise.NoiseScaleState | tuple[()] = ()  # its open window's sums
 
 
 class _AuxPlan(NamedTuple):
@@ -576,7 +568,7 @@ def _build(
       rng_argnums=_as_argnums(rng_argnums, "rng_argnums") if rng_argnums != () else (),
       has_aux=has_aux,
       normalize=_check_choice(
-          normalize, "normalize", NORMALIZATIONS,
+          normalize, "normalize", _window.REDUCTIONS,
           "Use 'mean' for a mean loss, 'sum' for a summed loss, or 'weighted' when"
           " `fn`'s value is (numerator, denominator)."),
       aux_rules=_check_aux_rules(aux_rules),
@@ -812,7 +804,7 @@ def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _Out) -> _Carry:
       _aux_init(config, r, s) for r, s in zip(plan.rules, plan.shapes, strict=True)]
   noise = ()
   if config.return_noise_stats:
-    noise = _NoiseSums(jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
+    noise = gradient_noise.init()
   return _Carry(num, den, grads, aux, noise)
 
 
@@ -834,7 +826,8 @@ def _add(
   return _Carry(num, den, grads, aux, noise), ys
 
 
-def _add_noise(noise: _NoiseSums, out: _Out) -> _NoiseSums:
+def _add_noise(noise: gradient_noise.NoiseScaleState, out: _Out,
+               ) -> gradient_noise.NoiseScaleState:
   """One micro-batch's (weighted) squared gradient norm: a scalar, no gradient-sized buffer.
 
   Weighted: ``fn``'s grads are those of the numerator ``n``, the micro-batch's
@@ -843,11 +836,10 @@ def _add_noise(noise: _NoiseSums, out: _Out) -> _NoiseSums:
   """
   sq = gradient_noise.sq_norm(out.grads)
   if out.den is None:
-    return _NoiseSums(noise.sq_norms + sq, noise.count + 1.0)
+    return gradient_noise.count_micro_batch(noise, sq, True)
   den = jnp.asarray(out.den).astype(jnp.float32)
   counted = den != 0
-  sq = jnp.where(counted, sq / jnp.where(counted, den, 1.0), 0.0)
-  return _NoiseSums(noise.sq_norms + sq, noise.count + counted.astype(jnp.float32))
+  return gradient_noise.count_micro_batch(noise, sq / jnp.where(counted, den, 1.0), counted)
 
 
 def _loop(
@@ -875,50 +867,44 @@ def _loop(
 def _normalize(
     config: _Config, carry: _Carry, scatter: list[Any] | None,
 ) -> tuple[Any, Any, gradient_noise.WindowStats | None]:
-  """The sums to the outputs (before the cast back), and the window's noise statistics."""
-  num, grads = carry.num, carry.grads
-  if config.normalize == "mean":
-    num, grads = jax.tree.map(lambda x: x / config.k, (num, grads))
-  (num, den, noise), grads, devices = _cross_device(
-      config, (num, carry.den, carry.noise), grads, scatter)
-  if config.normalize == "mean" and devices > 1:
-    num, grads = jax.tree.map(lambda x: x / devices, (num, grads))
-  if config.normalize == "weighted":
-    num, grads = jax.tree.map(lambda x: _safe_div(x, den), (num, grads))
-  stats = _window_stats(config, noise, den, grads, scatter) if config.return_noise_stats else None
+  """The sums to the outputs (before the cast back), and the window's noise statistics.
+
+  One reduction over ``axis_name`` (``_window.all_reduce``: the value, the
+  denominator, the noise sums and every gradient leaf not reduce-scattered),
+  then the sums times ``_window.reduction_scale``, the rule ``accumulate``
+  uses: ``1 / (k * devices)``, ``1 / denominator`` (0 for a denominator of 0)
+  or 1.
+  """
+  noise = carry.noise
+  # The count rides as a float32 scalar: one dtype, one all-reduce with the gradients.
+  window = ((noise.window_sq_norms, noise.window_count.astype(jnp.float32))
+            if config.return_noise_stats else ())
+  (num, den, window), grads = (carry.num, carry.den, window), carry.grads
+  devices = 1
+  if config.axis_name is not None:
+    (num, den, window), grads = _window.all_reduce(config.axis_name, (num, den, window), grads,
+                                                   scatter)
+    devices = lax.axis_size(config.axis_name)
+
+  def scaled(x: jax.Array) -> jax.Array:
+    return x * _window.reduction_scale(config.normalize, config.k * devices, den, x.dtype)
+
+  num, grads = jax.tree.map(scaled, (num, grads))
+  stats = _window_stats(config, window, den, grads, scatter) if config.return_noise_stats else None
   return num, grads, stats
 
 
-def _cross_device(
-    config: _Config, scalars: Any, grads: Any, scatter: list[Any] | None,
-) -> tuple[Any, Any, int]:
-  """Sums over ``axis_name`` once, after the loop; also returns the number of devices.
-
-  One ``psum`` carries the value, the denominator, the noise sums and every
-  gradient leaf that is not reduce-scattered; each scattered leaf is one
-  ``psum_scatter`` (tiled) onto its dimension. A no-op without ``axis_name``.
-  """
-  if config.axis_name is None:
-    return scalars, grads, 1
-  leaves, treedef = jax.tree.flatten(grads)
-  scatter = scatter or [None] * len(leaves)
-  plain = [g for g, s in zip(leaves, scatter, strict=True) if s is None]
-  scalars, plain = lax.psum((scalars, plain), config.axis_name)
-  summed = iter(plain)
-  leaves = [next(summed) if s is None else
-            lax.psum_scatter(g, s[1], scatter_dimension=s[0], tiled=True)
-            for g, s in zip(leaves, scatter, strict=True)]
-  return scalars, jax.tree.unflatten(treedef, leaves), lax.axis_size(config.axis_name)
-
-
 def _window_stats(
-    config: _Config, noise: _NoiseSums, den: Any, grads: Any, scatter: list[Any] | None,
+    config: _Config, window: tuple[jax.Array, jax.Array], den: Any, grads: Any,
+    scatter: list[Any] | None,
 ) -> gradient_noise.WindowStats:
   """The micro-batches' noise statistics (over all devices), as ``accumulate`` keeps them.
 
-  The window's mean gradient is the weighted or plain mean output; for
-  ``normalize="sum"`` it is the summed output over the count of micro-batches.
+  ``window`` is the open window's ``(sum of w |g|^2, count as a float)``. The window's
+  mean gradient is the weighted or plain mean output; for ``normalize="sum"``
+  it is the summed output over the count of micro-batches.
   """
+  sq_norms, count = window
   leaves = jax.tree.leaves(grads)
   scatter = scatter or [None] * len(leaves)
   mean_sq = gradient_noise.sq_norm([g for g, s in zip(leaves, scatter, strict=True) if s is None])
@@ -926,19 +912,14 @@ def _window_stats(
   if scattered:  # each device holds a slice of these leaves
     mean_sq = mean_sq + lax.psum(gradient_noise.sq_norm(scattered), config.axis_name)
   if config.normalize == "sum":
-    mean_sq = mean_sq / jnp.maximum(noise.count, 1.0) ** 2
-  total = den.astype(jnp.float32) if config.normalize == "weighted" else noise.count
-  return gradient_noise.WindowStats(noise.sq_norms, noise.count.astype(jnp.int32), total, mean_sq)
+    mean_sq = mean_sq / jnp.maximum(count, 1.0) ** 2
+  total = den.astype(jnp.float32) if config.normalize == "weighted" else count
+  return gradient_noise.WindowStats(sq_norms, count.astype(jnp.int32), total, mean_sq)
 
 
 def _all_reduce(config: _Config, tree: Any, op: Callable[[Any, Any], Any]) -> Any:
   """``op`` (``lax.psum``, ``pmean``, ...) over ``axis_name``; a no-op without it."""
   return tree if config.axis_name is None else op(tree, config.axis_name)
-
-
-def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
-  den = den.astype(num.dtype)
-  return jnp.where(den == 0, jnp.zeros_like(num), num / jnp.where(den == 0, 1, den))
 
 
 # ----------------------------------------------------- stage 6: aux rules

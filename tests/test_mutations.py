@@ -18,7 +18,18 @@ import jax.numpy as jnp
 import pytest
 
 from optax_accum import _validation, _window
-from tests import test_accumulate, test_memory, test_parking, test_trust
+from tests import (
+  test_accumulate,
+  test_distributed,
+  test_memory,
+  test_microbatching,
+  test_parking,
+  test_trust,
+)
+
+# The microbatched detectors pass 0.2's `split=` (their own module filters the warning too).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`microbatched`'s .* is deprecated:DeprecationWarning")
 
 _real = types.SimpleNamespace(
     buffer_after=_window.buffer_after,
@@ -26,6 +37,8 @@ _real = types.SimpleNamespace(
     unpark=_window.unpark,
     parking=_window.parking,
     check_weight=_validation.check_weight,
+    reduction_scale=_window.reduction_scale,
+    all_reduce=_window.all_reduce,
 )
 
 
@@ -41,6 +54,31 @@ def _weighted_divides_by_count(config, operands, **kwargs):
     return _real.emit(config, operands, **kwargs)
   return _real.emit(config, operands._replace(
       total_weight=operands.count.astype(jnp.float32)), **kwargs)
+
+
+def _mean_over_one_more(reduction, count, total_weight, dtype):
+  """The shared scale of a mean off by one micro-batch."""
+  if reduction == "mean":
+    count = count + 1
+  return _real.reduction_scale(reduction, count, total_weight, dtype)
+
+
+def _weighted_scale_is_the_mean(reduction, count, total_weight, dtype):
+  """The shared scale of a weighted window 1 / count (a mean of means)."""
+  return _real.reduction_scale("mean" if reduction == "weighted" else reduction, count,
+                               total_weight, dtype)
+
+
+def _scalars_averaged(axis_name, scalars, tree, scatter=None):
+  """The cross-device reduction averages the scalars (counts, weights) instead of summing."""
+  _, tree = _real.all_reduce(axis_name, scalars, tree, scatter)
+  return jax.lax.pmean(scalars, axis_name), tree
+
+
+def _fixtures() -> tuple[Any, Any]:
+  """``test_microbatching``'s ``params`` and ``batch`` fixtures' values."""
+  return (test_microbatching.init_mlp(jax.random.key(0)),
+          test_microbatching.make_batch(jax.random.key(1), 16))
 
 
 def _weights_ignored(config, acc, mini_step, grads, accept, weight):
@@ -101,6 +139,25 @@ MUTANTS: dict[str, tuple[dict[str, Any], list[Callable[[], None]]]] = {
         {"emit": _weighted_divides_by_count},
         [test_accumulate.test_weighted_reduction_with_uneven_weights,
          test_accumulate.test_flush_weighted_window_and_bad_transform],
+    ),
+    "the shared mean scale is off by one (accumulate)": (
+        {"reduction_scale": _mean_over_one_more},
+        [lambda: test_accumulate.test_equals_large_batch_for_every_optimizer("sgd")],
+    ),
+    "the shared mean scale is off by one (microbatched)": (
+        {"reduction_scale": _mean_over_one_more},
+        [lambda: test_microbatching.test_mean_equals_full_batch(
+             *_fixtures(), k=4, split="strided", jit=True)],
+    ),
+    "the shared weighted scale is the mean's (microbatched)": (
+        {"reduction_scale": _weighted_scale_is_the_mean},
+        [lambda: test_microbatching.test_weighted_equals_full_batch_and_mean_of_means_does_not(
+            _fixtures()[0], split="strided", jit=True)],
+    ),
+    "the shared cross-device sum averages the scalars (accumulate, microbatched)": (
+        {"all_reduce": _scalars_averaged},
+        [lambda: test_microbatching.test_axis_name_shard_map_weighted_is_global(_fixtures()[0]),
+         test_distributed.test_shard_map_matches_large_batch_and_accumulates_locally],
     ),
     "weights ignored": (
         {"buffer_after": _weights_ignored},
