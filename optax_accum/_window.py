@@ -11,7 +11,7 @@
    noise estimate; the other returns zeros (or the params, when applying);
 4. **advance** the counters.
 
-:func:`emit` is traced once (:func:`trace_once`); its output shapes give the
+:func:`emit` is traced once (``jax.jit`` + ``jax.eval_shape``); its output shapes give the
 mid-step's zeros, and the conditional calls the traced function.
 
 What the compilers need (which conditional branch passes the buffer through,
@@ -181,15 +181,19 @@ def micro_step(
   emits = jnp.logical_and(closes, window_weight != 0) if weighted else closes
   noise = window.noise
   if config.noise_decay is not None:
-    noise = noise_lib.add_micro_batch(noise, grads, accept, weight)
+    noise = noise_lib.add_micro_batch(noise, noise_lib.sq_norm(grads), accept, weight)
 
   # The emitting branch, traced once: its outputs shape the mid-step's zeros
   # and decide where the updates live (the layout, below).
   ops = Operands(window.acc_grads, window.mini_step, grads, count, window_weight, noise,
                  inner_state, params, emits)
-  run_emit, shapes = trace_once(
-      lambda ops: emit(config, ops, accept=accept, weight=weight, apply=apply,
-                       extra_args=extra_args or {}), ops)
+  # Wrapped in jax.jit and traced here by eval_shape, each branch below binds
+  # the cached trace as one nested call, which XLA inlines: the inner
+  # optimizer's Python runs once per traced update, the program is the same.
+  # (Replaying the jaxpr eqn by eqn cost as much as tracing it.)
+  run_emit = jax.jit(lambda ops: emit(config, ops, accept=accept, weight=weight, apply=apply,
+                                      extra_args=extra_args or {}))
+  shapes = jax.eval_shape(run_emit, ops)
   layout = choose_layout(config, shapes.out, window.acc_grads, apply=apply)
 
   # 2. Add: the buffer takes this micro-batch unless the window closes (the
@@ -423,19 +427,6 @@ def mid(ops: Operands, shapes: Any, parks: list[bool] | None, layout: Layout, ap
     out = out if parks is not None else jax.tree.unflatten(treedef, out)
   buffer = ops.acc if layout.emit_writes else ()
   return Emitted(out, ops.inner_state, ops.noise, buffer)
-
-
-def trace_once(fn: Callable[[Any], Any], arg: Any) -> tuple[Callable[[Any], Any], Any]:
-  """``fn`` as a function traced once, at ``arg``'s types, and its output shapes.
-
-  ``fn`` is wrapped in ``jax.jit`` and traced here, by ``jax.eval_shape``; a
-  call with arguments of the same types (each branch a conditional traces)
-  binds the cached jaxpr as one nested call, which XLA inlines: the inner
-  optimizer's Python runs once per traced update and the compiled program is
-  the same. (Replaying the jaxpr eqn by eqn cost as much as tracing it.)
-  """
-  traced = jax.jit(fn)
-  return traced, jax.eval_shape(traced, arg)
 
 
 # ------------------------------------------------------------------- the layout

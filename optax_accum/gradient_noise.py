@@ -117,29 +117,21 @@ def sq_norm(tree: Any) -> jax.Array:
   return total
 
 
-def add_micro_batch(state: NoiseScaleState, grads: Any, accept: Any,
+def add_micro_batch(state: NoiseScaleState, sq_norm: jax.Array, accept: Any,
                     weight: jax.Array | None) -> NoiseScaleState:
-  """Adds one micro-batch's (weighted) squared norm to the open window.
-
-  It counts when ``accept`` and, with a ``weight``, when that is nonzero.
-  """
-  sq = sq_norm(grads)
-  counted = jnp.logical_and(accept, True if weight is None else weight != 0)
-  if weight is not None:
-    sq = sq * weight
-  return count_micro_batch(state, sq, counted)
-
-
-def count_micro_batch(state: NoiseScaleState, weighted_sq_norm: jax.Array,
-                      counted: Any) -> NoiseScaleState:
   r"""The open window with one micro-batch's :math:`w |g|^2` added, if it counts.
 
-  The rule ``accumulate``, ``MultiSteps`` and ``microbatched`` share: a
-  micro-batch that does not count (rejected, or of weight 0) adds nothing,
-  not even the NaN a weight-0 micro-batch's mean gradient may be.
+  ``sq_norm`` is :math:`|g|^2`, the squared norm of the micro-batch's mean
+  gradient. The rule ``accumulate``, ``MultiSteps`` and ``microbatched``
+  share: a micro-batch counts when ``accept`` and, with a ``weight``, when
+  that is nonzero; one that does not adds nothing, not even the NaN a weight-0
+  micro-batch's mean gradient may be.
   """
+  counted = jnp.logical_and(accept, True if weight is None else weight != 0)
+  if weight is not None:
+    sq_norm = sq_norm * weight
   return state._replace(
-      window_sq_norms=state.window_sq_norms + jnp.where(counted, weighted_sq_norm, 0.0),
+      window_sq_norms=state.window_sq_norms + jnp.where(counted, sq_norm, 0.0),
       window_count=state.window_count + jnp.asarray(counted, jnp.int32),
   )
 

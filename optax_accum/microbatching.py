@@ -836,10 +836,10 @@ def _add_noise(noise: gradient_noise.NoiseScaleState, out: _Out,
   """
   sq = gradient_noise.sq_norm(out.grads)
   if out.den is None:
-    return gradient_noise.count_micro_batch(noise, sq, True)
+    return gradient_noise.add_micro_batch(noise, sq, True, None)
   den = jnp.asarray(out.den).astype(jnp.float32)
-  counted = den != 0
-  return gradient_noise.count_micro_batch(noise, sq / jnp.where(counted, den, 1.0), counted)
+  # |g|^2 = |grad n|^2 / d^2 (NaN for d = 0, which does not count).
+  return gradient_noise.add_micro_batch(noise, sq / den / den, True, den)
 
 
 def _loop(
