@@ -531,10 +531,11 @@ def add_to_buffer(config: Config, ops: Operands, closes: jax.Array, accept: Any,
   writes = jnp.logical_not(closes)
   if accept is not True:
     writes = jnp.logical_and(writes, accept)
-  write = jax.named_scope(SCOPES["add"])(lambda acc, g: buffer_after(
-      config, acc, lax.optimization_barrier(ops.mini_step), g, True, weight))
+  # Traced once (jax.jit), called by whichever form the backend gets.
+  write = jax.jit(jax.named_scope(SCOPES["add"])(lambda acc, g: buffer_after(
+      config, acc, lax.optimization_barrier(ops.mini_step), g, True, weight)))
   keep = lambda acc, _: acc
-  select = lambda acc, g: jax.tree.map(lambda new, old: jnp.where(writes, new, old),
+  select = lambda acc, g: jax.tree.map(lambda new, old: lax.select(writes, new, old),
                                        write(acc, g), acc)
   if layout.emit_writes:
     conditional = lambda acc, g: lax.cond(jnp.logical_not(writes), keep, write, acc, g)
