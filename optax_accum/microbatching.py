@@ -624,7 +624,7 @@ def _accepting_deprecated_options(public: Callable[..., Any]) -> Callable[..., A
         DeprecationWarning, stacklevel=2)
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
-    return _build(*bound.arguments.values(), **{**_DEPRECATED_OPTIONS, **old})
+    return _build(**bound.arguments, **{**_DEPRECATED_OPTIONS, **old})
 
   return accepting
 
