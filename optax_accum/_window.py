@@ -266,21 +266,22 @@ def buffer_after(config: Config, acc: optax.Updates, mini_step: jax.Array, grads
   stale = mini_step == 0
   inv_next = 1.0 / (mini_step + 1).astype(jnp.float32)
 
+  # lax, not jnp: this runs on every leaf twice per traced step.
   def add(acc: jax.Array, g: jax.Array) -> jax.Array:
-    g = g.astype(acc.dtype)
-    zero = jnp.zeros_like(acc)  # (a scalar 0 is not allowed with unreduced types)
-    old = jnp.where(stale, zero, acc)
+    g = lax.convert_element_type(g, acc.dtype)
+    zero = lax.full_like(acc, 0)  # (a scalar 0 is not allowed with unreduced types)
+    old = lax.select(stale, zero, acc)
     if weight is not None:
-      w = weight.astype(acc.dtype)
+      w = lax.convert_element_type(weight, acc.dtype)
       unreduced = array_type(acc).unreduced
       if unreduced:  # an unreduced array multiplies by a *reduced* scalar
         w = jax.reshard(w, jax.sharding.PartitionSpec(reduced=set(unreduced)))
-      g = jnp.where(weight != 0, g * w, zero)
+      g = lax.select(weight != 0, g * w, zero)
     if config.running_mean:  # optax.MultiSteps' Welford update
       new = old + (g - old) * inv_next.astype(acc.dtype)
     else:
-      new = old + g
-    return new if accept is True else jnp.where(accept, new, acc)
+      new = lax.add(old, g)
+    return new if accept is True else lax.select(jnp.asarray(accept), new, acc)
 
   return jax.tree.map(add, acc, grads)
 
@@ -420,9 +421,8 @@ def mid(ops: Operands, shapes: Any, parks: list[bool] | None, layout: Layout, ap
         out.append(None)
         continue
       like = array_type(s)
-      z = jnp.broadcast_to(jnp.where(ops.emits, jnp.asarray(i + 1, s.dtype),
-                                     jnp.zeros((), s.dtype)), s.shape,
-                           out_sharding=like.explicit_spec)
+      value = lax.convert_element_type(ops.emits, s.dtype) * (i + 1)  # i + 1 if emits, else 0
+      z = lax.broadcast_in_dim(value, s.shape, (), out_sharding=like.explicit_spec)
       out.append(pcast_varying(z, tuple(sorted(like.varying - array_type(z).varying, key=str))))
     out = out if parks is not None else jax.tree.unflatten(treedef, out)
   buffer = ops.acc if layout.emit_writes else ()
@@ -566,7 +566,8 @@ def unpark(out: Any, buffer: optax.Updates, parks: list[bool] | None, stepped: j
     return out
   like, treedef = jax.tree.flatten(shapes)
   return jax.tree.unflatten(treedef, [
-      jnp.where(stepped, b.astype(s.dtype), jnp.zeros((), s.dtype)) if p else u
+      lax.select(stepped, lax.convert_element_type(b, s.dtype),
+                 lax.full_like(b, 0, s.dtype)) if p else u
       for u, b, p, s in zip(out, jax.tree.leaves(buffer), parks, like, strict=True)])
 
 
