@@ -4,10 +4,11 @@
 
 1. **decide**: does this micro-batch count (``accept``, from the caller), and
    does the window close (``k`` micro-batches, or ``emit_now``);
-2. **add**: write it into the buffer, unless the window closes;
+2. **add**: write it into the buffer, unless the window closes (then the
+   emitting branch sums it where the inner optimizer reads it; the layout
+   can add it first);
 3. **emit or not**: one ``lax.cond``. The emitting branch (:func:`emit`)
-   reduces the window (the buffer plus this micro-batch, summed where the
-   inner optimizer reads it), runs the inner optimizer once and folds the
+   reduces the window's sum, runs the inner optimizer once and folds the
    noise estimate; the other returns zeros (or the params, when applying);
 4. **advance** the counters.
 
@@ -15,7 +16,8 @@
 mid-step's zeros, and the conditional calls the traced function.
 
 What the compilers need (which conditional branch passes the buffer through,
-the barriers, the updates parked in the dead buffer, zeros XLA cannot merge)
+the barriers, the updates parked in the dead buffer, where the window's sum
+is made, zeros XLA cannot merge)
 is the *layout*, kept in its own section below with its HLO evidence in
 ``benchmarks/NOTES.md``. The array-type facts every module reads (shardings,
 unreduced and device-varying axes, the buffer dtype) close the file.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -191,36 +194,41 @@ def micro_step(
   # the cached trace as one nested call, which XLA inlines: the inner
   # optimizer's Python runs once per traced update, the program is the same.
   # (Replaying the jaxpr eqn by eqn cost as much as tracing it.)
-  run_emit = jax.jit(lambda ops: emit(config, ops, accept=accept, weight=weight, apply=apply,
-                                      extra_args=extra_args or {}))
-  shapes = jax.eval_shape(run_emit, ops)
+  run_emit = jax.jit(lambda ops, window_sum: emit(config, ops, window_sum, apply=apply,
+                                                  extra_args=extra_args or {}))
+  shapes = jax.eval_shape(run_emit, ops, ops.acc)
   layout = choose_layout(config, shapes.out, window.acc_grads, apply=apply)
+  # The window's sum made on the fly: the buffer plus the closing micro-batch.
+  summed = jax.jit(lambda ops: buffer_after(config, ops.acc, ops.mini_step, ops.grads, accept,
+                                            weight))
 
-  # 2. Add: the buffer takes this micro-batch unless the window closes (the
-  # emitting branch sums the closing one on the fly).
+  # 2. Add: the buffer takes this micro-batch unless the window closes.
   acc = add_to_buffer(config, ops, closes, accept, weight, layout)
   ops = ops._replace(acc=acc)
 
   # 3. Emit or not.
-  def conditional(parks: list[bool] | None) -> Emitted:
+  def conditional(parks: list[bool] | None, sum_in_buffer: bool = False) -> Emitted:
+    window_sum = (lambda ops: ops.acc) if sum_in_buffer else summed
     # "A step was taken" leaves the conditional as an output of each branch,
     # not as its predicate: libtpu then fuses the parked updates' read-back
     # with 12 fewer kernels in the chain form (the same passes either way).
     (out, new_inner, new_noise, buffer), stepped = lax.cond(
         emits,
-        jax.named_scope(SCOPES["emit"])(
-            lambda ops: (park(run_emit(ops), ops.acc, parks, layout), jnp.asarray(True))),
+        jax.named_scope(SCOPES["emit"])(lambda ops: (
+            park(run_emit(ops, window_sum(ops)), ops.acc, parks, layout), jnp.asarray(True))),
         jax.named_scope(SCOPES["mid"])(
             lambda ops: (mid(ops, shapes.out, parks, layout, apply), jnp.asarray(False))),
         ops)
     buffer = buffer if layout.emit_writes else acc
     return Emitted(unpark(out, buffer, parks, stepped, shapes.out), new_inner, new_noise, buffer)
 
-  if layout.parks_with_noise is None:
+  if not layout.writes_sum:
     result = conditional(layout.parks)
-  else:  # with the noise estimate, the TPU keeps the window's sum in the buffer (see parking)
-    result = lax.platform_dependent(tpu=lambda: conditional(None),
-                                    default=lambda: conditional(layout.parks_with_noise))
+  else:  # the noise estimate reads the window's sum too: where it is made is per backend
+    result = lax.platform_dependent(
+        tpu=lambda: conditional(None),
+        cpu=lambda: conditional(layout.parks_with_noise, sum_in_buffer=True),
+        default=lambda: conditional(layout.parks_with_noise))
 
   # 4. Advance.
   new_window = Window(
@@ -286,13 +294,13 @@ def buffer_after(config: Config, acc: optax.Updates, mini_step: jax.Array, grads
   return jax.tree.map(add, acc, grads)
 
 
-def emit(config: Config, ops: Operands, *, accept: Any, weight: jax.Array | None, apply: bool,
+def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: bool,
          extra_args: dict[str, Any]) -> Emitted:
   """The emitting branch: reduce the window, run the inner optimizer once.
 
-  The reduced gradient is the window's sum (the buffer plus this
-  micro-batch, reduced across devices with ``axis_name``) times
-  its scale (1 / count, 1 / total weight, or 1), in the wider of each gradient's and param's dtype.
+  The reduced gradient is the window's sum (this device's ``window_sum``,
+  reduced across devices with ``axis_name``) times its scale (1 / count,
+  1 / total weight, or 1), in the wider of each gradient's and param's dtype.
   The window's sum is returned too, for the layout that keeps it in the
   buffer.
   """
@@ -301,22 +309,18 @@ def emit(config: Config, ops: Operands, *, accept: Any, weight: jax.Array | None
   # Per device under shard_map / pmap (the total weight is global already).
   totals = jnp.stack([ops.count.astype(jnp.float32), window_k.astype(jnp.float32),
                       ops.noise.window_sq_norms if tracking else jnp.zeros([], jnp.float32)])
-  if config.axis_name is None:
-    window_sum = None  # summed after the barrier, where the inner optimizer reads it
-  elif explicit_axes(config.axis_name) is None:  # shard_map / pmap: the scalars are per device
-    totals, window_sum = all_reduce(
-        config.axis_name, totals,
-        buffer_after(config, ops.acc, ops.mini_step, ops.grads, accept, weight))
-  else:  # jit with unreduced buffers: an all-reduce, or a reduce-scatter to sharded params
+  if config.axis_name is not None and explicit_axes(config.axis_name) is None:
+    # shard_map / pmap: the scalars are per device
+    totals, window_sum = all_reduce(config.axis_name, totals, window_sum)
+  elif config.axis_name is not None:
+    # jit with unreduced buffers: an all-reduce, or a reduce-scatter to sharded params
     window_sum = jax.tree.map(
         lambda a, t: jax.reshard(a, jax.sharding.PartitionSpec(*array_type(t).spec.partitions)),
-        buffer_after(config, ops.acc, ops.mini_step, ops.grads, accept, weight),
-        ops.acc if ops.params is None else ops.params)
+        window_sum, ops.acc if ops.params is None else ops.params)
   total_weight, count, window_k, window_sq = ops.total_weight, totals[0], totals[1], totals[2]
   # In the buffer's precision (float64 buffers would lose digits to a float32 1/3).
-  wide = jnp.result_type(jnp.float32, *(jnp.finfo(a.dtype).dtype
-                                        for a in jax.tree.leaves(ops.acc)
-                                        if jnp.issubdtype(a.dtype, jnp.inexact)))
+  wide = jnp.finfo(jnp.result_type(jnp.float32, *filter(
+      lambda a: jnp.issubdtype(a.dtype, jnp.inexact), jax.tree.leaves(ops.acc)))).dtype
   # (A window of total weight 0 does not emit; a running mean is a mean already.)
   scale = reduction_scale("sum" if config.running_mean else config.reduction, count,
                           total_weight, wide)
@@ -324,13 +328,23 @@ def emit(config: Config, ops: Operands, *, accept: Any, weight: jax.Array | None
   # elementwise work into selects, and then the inner optimizer would run on
   # every micro-step. A barrier is not elementwise: the conditional stays.
   kept_scale = lax.optimization_barrier(scale)
-  if window_sum is None:  # after the barrier, as the previous core had it (benchmarks/NOTES.md)
-    window_sum = buffer_after(config, ops.acc, ops.mini_step, ops.grads, accept, weight)
+  scales = jax.tree.map(lambda _: kept_scale, window_sum)
+  noise = ops.noise
+  if tracking:
+    leaf_sq = jax.tree.map(noise_lib.sq_norm, window_sum)
+    mean = scale if config.reduction != "sum" else 1.0 / count
+    noise = noise_lib.fold_window(noise, noise_lib.WindowStats(
+        window_sq_norms=window_sq, window_count=window_k.astype(jnp.int32),
+        total_weight=total_weight if config.reduction == "weighted" else window_k,
+        mean_sq_norm=functools.reduce(lax.add, jax.tree.leaves(leaf_sq)) * mean**2),
+        config.noise_decay)
+    # Each leaf's norm reads the sum before that leaf's updates overwrite it.
+    scales = ordered_after(kept_scale, leaf_sq)
   dtypes = ops.grads if ops.params is None else ops.params
   reduced = jax.tree.map(
-      lambda a, g, d: (a * kept_scale.astype(a.dtype)).astype(
+      lambda a, scale, g, d: (a * scale.astype(a.dtype)).astype(
           jnp.promote_types(jnp.result_type(g), jnp.result_type(d))),
-      window_sum, ops.grads, dtypes)
+      window_sum, scales, ops.grads, dtypes)
 
   out, new_inner = reduced, ops.inner_state  # the chain form emits the reduced gradient
   if config.inner is not None:
@@ -339,14 +353,6 @@ def emit(config: Config, ops: Operands, *, accept: Any, weight: jax.Array | None
     # both branches of the cond, and lax.scan, need stable dtypes.
     new_inner = optax.tree.cast_like(new_inner, ops.inner_state)
     out = optax.apply_updates(ops.params, updates) if apply else updates
-
-  noise = ops.noise
-  if tracking:
-    mean = scale if config.reduction != "sum" else 1.0 / count
-    noise = noise_lib.fold_window(noise, noise_lib.WindowStats(
-        window_sq_norms=window_sq, window_count=window_k.astype(jnp.int32),
-        total_weight=total_weight if config.reduction == "weighted" else window_k,
-        mean_sq_norm=noise_lib.sq_norm(window_sum) * mean**2), config.noise_decay)
   return Emitted(out, new_inner, noise, window_sum)
 
 
@@ -435,7 +441,8 @@ def mid(ops: Operands, shapes: Any, parks: list[bool] | None, layout: Layout, ap
 # XLA:CPU, XLA:GPU and libtpu need to copy nothing and hold no temporaries
 # (benchmarks/NOTES.md has the HLO of each; tests/test_parking.py pins the
 # choices). Besides the barrier and the distinct zeros above, the algorithm
-# calls these names only: choose_layout, add_to_buffer, park, unpark.
+# calls these names only: choose_layout, add_to_buffer, park, unpark,
+# ordered_after.
 
 
 class Layout(NamedTuple):
@@ -446,8 +453,10 @@ class Layout(NamedTuple):
       buffer (None: none parks).
     parks_with_noise: the same with the noise estimate (None without it),
       except on a TPU, where the window's sum goes into the buffer instead.
-    writes_sum: with the noise estimate, the emitting branch writes the
-      window's sum into the buffer where its updates do not park.
+    writes_sum: with the noise estimate, the buffer holds the window's sum
+      where the updates do not park: XLA:CPU adds the closing micro-batch
+      into it before the conditional, the other backends' emitting branch
+      writes the sum it makes on the fly.
     emit_writes: the emitting branch writes the buffer at all, which decides
       the branch order of the buffer's conditional.
   """
@@ -482,10 +491,11 @@ def parking(config: Config, updates: Any, buffer: optax.Updates, *, noise_parks:
   reduction materialises the sum elsewhere).
 
   The noise estimate reads the window's sum too. Computed on the fly for both
-  readers, XLA:GPU fuses it (no temporaries) and XLA:CPU holds as much as with
-  the sum kept in the buffer (1.0x, one pass less per mid-step, half the
-  compile time); libtpu holds more (0.49x -> 0.79x on a v5e) than with the sum
-  kept in the buffer and the updates out of the conditional. So with the
+  readers, XLA:GPU fuses it (no temporaries), XLA:CPU materialises it (1.0x)
+  and libtpu holds more (0.49x -> 0.79x on a v5e) than with the sum kept in
+  the buffer and the updates out of the conditional. XLA:CPU holds nothing
+  when the buffer takes the closing micro-batch first and the updates
+  overwrite the sum once its norm is read (:func:`ordered_after`). So with the
   noise estimate the updates park only when ``noise_parks`` (every backend
   but the TPU). None when no leaf parks.
   """
@@ -525,23 +535,50 @@ def add_to_buffer(config: Config, ops: Operands, closes: jax.Array, accept: Any,
   elementwise. XLA:CPU gets a select instead: there a second conditional
   costs more time than the two passes it saves (every row of
   ``benchmarks/ab_cores.py`` 0.90-0.98x with the select, benchmarks/NOTES.md).
+  With the noise estimate (``layout.writes_sum``) XLA:CPU adds the closing
+  micro-batch too, and the emitting branch reads the window's sum from the
+  buffer (see :func:`parking`).
   """
   if accept is False:
     return ops.acc
   writes = jnp.logical_not(closes)
   if accept is not True:
     writes = jnp.logical_and(writes, accept)
+  cpu_writes = accept if layout.writes_sum else writes
   # Traced once (jax.jit), called by whichever form the backend gets.
   write = jax.jit(jax.named_scope(SCOPES["add"])(lambda acc, g: buffer_after(
       config, acc, lax.optimization_barrier(ops.mini_step), g, True, weight)))
   keep = lambda acc, _: acc
-  select = lambda acc, g: jax.tree.map(lambda new, old: lax.select(writes, new, old),
-                                       write(acc, g), acc)
+  select = lambda acc, g: write(acc, g) if cpu_writes is True else jax.tree.map(
+      lambda new, old: lax.select(jnp.asarray(cpu_writes), new, old), write(acc, g), acc)
   if layout.emit_writes:
     conditional = lambda acc, g: lax.cond(jnp.logical_not(writes), keep, write, acc, g)
   else:
     conditional = lambda acc, g: lax.cond(writes, write, keep, acc, g)
   return lax.platform_dependent(ops.acc, ops.grads, cpu=select, default=conditional)
+
+
+def ordered_after(scale: jax.Array, sq_norms: Any) -> Any:
+  """``scale`` per leaf of ``sq_norms``, each made to depend on that leaf's squared norm.
+
+  With the window's sum in the buffer and the updates parked there, the norm
+  and the inner optimizer both read the buffer that the updates overwrite.
+  Nothing orders the norm's reduction before that write, so XLA:CPU's copy
+  insertion copies every leaf of the buffer on every step (8 copies for 8
+  leaves); an ``optimization_barrier`` over the scale and the norms does not
+  help, XLA:CPU expands it first. A data dependency does: each leaf's updates
+  are scaled by a value that waits for that leaf's norm. The select never
+  picks ``2 * scale`` (a squared norm is never negative and NaN compares
+  False), but XLA cannot know it. Per leaf, because one scale waiting for
+  every norm made XLA:CPU's compile of a 300-leaf step 10x slower (64 s
+  against 6.6 s). XLA:CPU only: the other backends sum on the fly, and the
+  H200 compiler given that one scale launched 7 more kernels per emitting
+  step (62 against 55, 13 passes against 11).
+  """
+  return lax.platform_dependent(
+      scale, sq_norms, default=lambda scale, norms: jax.tree.map(lambda _: scale, norms),
+      cpu=lambda scale, norms: jax.tree.map(lambda n: lax.select(n < 0, scale * 2, scale),
+                                            norms))
 
 
 def park(emitted: Emitted, buffer: optax.Updates, parks: list[bool] | None,
@@ -649,7 +686,7 @@ def explicit_spec(like: Any) -> Any:
 
 def has_explicit_axes(mesh: Any) -> bool:
   """Whether ``mesh`` (a Mesh, an AbstractMesh or None) has an Explicit axis."""
-  return any(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ()) or ())
+  return jax.sharding.AxisType.Explicit in (getattr(mesh, "axis_types", ()) or ())
 
 
 def unreduced_axes(x: Any) -> frozenset[Any]:

@@ -72,6 +72,9 @@ CASES: dict[str, tuple[Callable[[int], optax.GradientTransformation], dict[str, 
         lambda k: oa.accumulate(k, optax.adam(1e-3), reduction="weighted"),
         {"weight": jnp.float32(3.0)}),
     "chain_form": (lambda k: oa.accumulate(k, None), {}),
+    # XLA:CPU's noise layout: the norm reads the sum before the parked updates
+    # overwrite it (held 1.0x, the sum made on the fly; 8 copies, unordered).
+    "adam_noise": (lambda k: oa.accumulate(k, optax.adam(1e-3), track_noise_scale=True), {}),
 }
 
 

@@ -34,6 +34,7 @@ pytestmark = pytest.mark.filterwarnings(
 _real = types.SimpleNamespace(
     buffer_after=_window.buffer_after,
     emit=_window.emit,
+    add_to_buffer=_window.add_to_buffer,
     unpark=_window.unpark,
     parking=_window.parking,
     check_weight=_validation.check_weight,
@@ -42,18 +43,18 @@ _real = types.SimpleNamespace(
 )
 
 
-def _mean_divides_by_k(config, operands, **kwargs):
+def _mean_divides_by_k(config, operands, window_sum, **kwargs):
   if config.reduction == "mean" and isinstance(config.k, int):
     operands = operands._replace(count=jnp.full_like(operands.count, config.k))
-  return _real.emit(config, operands, **kwargs)
+  return _real.emit(config, operands, window_sum, **kwargs)
 
 
-def _weighted_divides_by_count(config, operands, **kwargs):
+def _weighted_divides_by_count(config, operands, window_sum, **kwargs):
   """The weighted scale 1 / count."""
   if config.reduction != "weighted":
-    return _real.emit(config, operands, **kwargs)
+    return _real.emit(config, operands, window_sum, **kwargs)
   return _real.emit(config, operands._replace(
-      total_weight=operands.count.astype(jnp.float32)), **kwargs)
+      total_weight=operands.count.astype(jnp.float32)), window_sum, **kwargs)
 
 
 def _mean_over_one_more(reduction, count, total_weight, dtype):
@@ -96,9 +97,21 @@ def _reset_by_multiplying(config, acc, mini_step, grads, accept, weight):
   return _real.buffer_after(config, acc, jnp.maximum(mini_step, 1), grads, accept, weight)
 
 
-def _closing_micro_batch_dropped(config, operands, **kwargs):
+def _closing_micro_batch_dropped(config, operands, window_sum, **kwargs):
   """The emitting step reads the buffer but forgets to add its own micro-batch."""
-  return _real.emit(config, operands, **{**kwargs, "accept": False})
+  return _real.emit(config, operands, operands.acc, **kwargs)
+
+
+def _cpu_skips_the_closing_add(config, ops, closes, accept, weight, layout):
+  """XLA:CPU's noise layout reads the sum from a buffer that never took the closing micro-batch."""
+  return _real.add_to_buffer(config, ops, closes, accept, weight,
+                             layout._replace(writes_sum=False))
+
+
+def _cpu_adds_twice(config, ops, closes, accept, weight, layout):
+  """The closing micro-batch added into the buffer, then summed on the fly again."""
+  return _real.add_to_buffer(config, ops, closes, accept, weight,
+                             layout._replace(writes_sum=True))
 
 
 def _zero_weights_made_positive(weight, reduction):
@@ -173,6 +186,14 @@ MUTANTS: dict[str, tuple[dict[str, Any], list[Callable[[], None]]]] = {
     ),
     "the closing micro-batch never reaches the window": (
         {"emit": _closing_micro_batch_dropped},
+        [lambda: test_accumulate.test_equals_large_batch_for_every_optimizer("sgd")],
+    ),
+    "XLA:CPU's noise layout drops the closing micro-batch": (
+        {"add_to_buffer": _cpu_skips_the_closing_add},
+        [lambda: test_parking.test_noise_tracking_equals_large_batch_on_every_layout("cpu")],
+    ),
+    "the closing micro-batch counted twice (the buffer and on the fly)": (
+        {"add_to_buffer": _cpu_adds_twice},
         [lambda: test_accumulate.test_equals_large_batch_for_every_optimizer("sgd")],
     ),
     "a window of total weight 0 counts as a step": (

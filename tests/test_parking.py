@@ -149,7 +149,8 @@ def _lowered_for(platform: str, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
   """The core as ``platform``'s compiler gets it, traced and run on this CPU.
 
   ``lax.platform_dependent`` picks a branch when the program is lowered for
-  a platform: this makes it pick ``platform``'s (or the default).
+  a platform: this makes it pick ``platform``'s (or the default; ``"cpu"``
+  is what this machine gets anyway).
   """
   taken: list[bool] = []
 
@@ -183,6 +184,23 @@ def test_the_gpu_and_tpu_layouts_train_like_the_cpu_one(
   assert taken, "the core did not reach its per-backend choice"
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
+def test_noise_tracking_equals_large_batch_on_every_layout(platform: str) -> None:
+  """Where the window's sum is made differs per backend with the noise
+  estimate (XLA:CPU adds the closing micro-batch into the buffer first, the
+  others sum it on the fly): SGD, scale-sensitive, equals the large batch."""
+  params, windows = _acc.init_params(jax.random.key(5)), _acc._windows(seed=3)
+  ref = _acc.large_batch_run(optax.sgd(0.1), params, windows)
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    taken = _lowered_for(platform, monkeypatch)
+    got, state = _acc._run_accumulate(
+        oa.accumulate(_acc.K, optax.sgd(0.1), track_noise_scale=True), params, windows)
+  assert taken
+  for r, g in zip(ref, got, strict=True):
+    _acc.assert_trees_close(r, g)
+  assert int(state.noise_stats.num_windows) == _acc.NUM_WINDOWS
+
+
 def test_noise_tracking_parks_except_on_the_tpu(monkeypatch: pytest.MonkeyPatch) -> None:
   """With the noise estimate the updates park where that holds no more
   temporaries (XLA:GPU, XLA:CPU); on a TPU the window's sum stays in the
@@ -198,11 +216,13 @@ def test_noise_tracking_parks_except_on_the_tpu(monkeypatch: pytest.MonkeyPatch)
     np.testing.assert_array_equal(state.acc_grads["w"], want["w"], err_msg=platform)
 
 
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("use_multi_steps", [False, True], ids=["accumulate", "MultiSteps"])
 def test_noise_tracking_gives_the_same_updates_and_estimate_on_every_layout(
-    use_multi_steps: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-  """The GPU and CPU layout parks the updates and sums the window on the fly
-  for the norm; the TPU layout keeps the sum in the buffer. Same numbers."""
+    use_multi_steps: bool, platform: str, monkeypatch: pytest.MonkeyPatch) -> None:
+  """XLA:CPU parks the updates and reads the window's sum from the buffer
+  (its norm first); the GPU layout parks and sums the window on the fly; the
+  TPU layout sums on the fly and keeps the sum in the buffer. Same numbers."""
   params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.zeros(4)}
   grads = [jax.tree.map(lambda p, i=i: jnp.cos(p * (i + 2)) + 0.1 * i, params)
            for i in range(12)]
@@ -222,8 +242,8 @@ def test_noise_tracking_gives_the_same_updates_and_estimate_on_every_layout(
     return out, noise
 
   cpu_updates, cpu_noise = run()
-  taken = _lowered_for("tpu", monkeypatch)
-  tpu_updates, tpu_noise = run()
+  taken = _lowered_for(platform, monkeypatch)
+  other_updates, other_noise = run()
   assert taken
-  chex.assert_trees_all_close(tpu_updates, cpu_updates, rtol=1e-6, atol=1e-7)
-  chex.assert_trees_all_close(tpu_noise, cpu_noise, rtol=1e-6, atol=1e-9)
+  chex.assert_trees_all_close(other_updates, cpu_updates, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(other_noise, cpu_noise, rtol=1e-6, atol=1e-9)
