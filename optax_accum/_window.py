@@ -198,24 +198,22 @@ def micro_step(
                                                   extra_args=extra_args or {}))
   shapes = jax.eval_shape(run_emit, ops, ops.acc)
   layout = choose_layout(config, shapes.out, window.acc_grads, apply=apply)
-  # The window's sum made on the fly: the buffer plus the closing micro-batch.
-  summed = jax.jit(lambda ops: buffer_after(config, ops.acc, ops.mini_step, ops.grads, accept,
-                                            weight))
 
-  # 2. Add: the buffer takes this micro-batch unless the window closes.
-  acc = add_to_buffer(config, ops, closes, accept, weight, layout)
+  # 2. Add: the buffer takes this micro-batch unless the window closes (then
+  # the emitting branch gets the window's sum from `window_sum`).
+  acc, window_sum = add_to_buffer(config, ops, closes, accept, weight, layout)
   ops = ops._replace(acc=acc)
 
   # 3. Emit or not.
-  def conditional(parks: list[bool] | None, sum_in_buffer: bool = False) -> Emitted:
-    window_sum = (lambda ops: ops.acc) if sum_in_buffer else summed
+  def conditional(parks: list[bool] | None) -> Emitted:
     # "A step was taken" leaves the conditional as an output of each branch,
     # not as its predicate: libtpu then fuses the parked updates' read-back
     # with 12 fewer kernels in the chain form (the same passes either way).
     (out, new_inner, new_noise, buffer), stepped = lax.cond(
         emits,
-        jax.named_scope(SCOPES["emit"])(lambda ops: (
-            park(run_emit(ops, window_sum(ops)), ops.acc, parks, layout), jnp.asarray(True))),
+        jax.named_scope(SCOPES["emit"])(lambda ops: (park(
+            run_emit(ops, window_sum(ops.acc, ops.mini_step, ops.grads)), ops.acc, parks, layout),
+            jnp.asarray(True))),
         jax.named_scope(SCOPES["mid"])(
             lambda ops: (mid(ops, shapes.out, parks, layout, apply), jnp.asarray(False))),
         ops)
@@ -224,11 +222,9 @@ def micro_step(
 
   if not layout.writes_sum:
     result = conditional(layout.parks)
-  else:  # the noise estimate reads the window's sum too: where it is made is per backend
-    result = lax.platform_dependent(
-        tpu=lambda: conditional(None),
-        cpu=lambda: conditional(layout.parks_with_noise, sum_in_buffer=True),
-        default=lambda: conditional(layout.parks_with_noise))
+  else:  # with the noise estimate, the TPU keeps the window's sum in the buffer (see parking)
+    result = lax.platform_dependent(tpu=lambda: conditional(None),
+                                    default=lambda: conditional(layout.parks_with_noise))
 
   # 4. Advance.
   new_window = Window(
@@ -523,8 +519,14 @@ _EXACT_WIDENINGS = {
 
 
 def add_to_buffer(config: Config, ops: Operands, closes: jax.Array, accept: Any,
-                  weight: jax.Array | None, layout: Layout) -> optax.Updates:
-  """The buffer after this call: written in place, unless the window closes.
+                  weight: jax.Array | None, layout: Layout,
+                  ) -> tuple[optax.Updates, Callable[..., optax.Updates]]:
+  """The buffer after this call, and how the emitting branch gets the window's sum.
+
+  The buffer is written in place, unless the window closes; the window's sum
+  (``window_sum(buffer, mini_step, grads)``, called in the emitting branch)
+  is then made on the fly, the buffer plus the closing micro-batch, where the
+  inner optimizer reads it.
 
   On XLA:GPU and libtpu the add is a conditional of its own, so the closing
   micro-step neither writes nor rereads the buffer (two passes fewer). Which
@@ -539,8 +541,14 @@ def add_to_buffer(config: Config, ops: Operands, closes: jax.Array, accept: Any,
   micro-batch too, and the emitting branch reads the window's sum from the
   buffer (see :func:`parking`).
   """
+  summed = lambda acc, mini_step, g: buffer_after(config, acc, mini_step, g, accept, weight)
+  window_sum = summed
+  if layout.writes_sum:  # called by the noise program's two conditionals: traced once
+    summed = jax.jit(summed)
+    window_sum = lambda *operands: lax.platform_dependent(
+        *operands, cpu=lambda acc, *_: acc, default=summed)
   if accept is False:
-    return ops.acc
+    return ops.acc, window_sum
   writes = jnp.logical_not(closes)
   if accept is not True:
     writes = jnp.logical_and(writes, accept)
@@ -555,7 +563,7 @@ def add_to_buffer(config: Config, ops: Operands, closes: jax.Array, accept: Any,
     conditional = lambda acc, g: lax.cond(jnp.logical_not(writes), keep, write, acc, g)
   else:
     conditional = lambda acc, g: lax.cond(writes, write, keep, acc, g)
-  return lax.platform_dependent(ops.acc, ops.grads, cpu=select, default=conditional)
+  return lax.platform_dependent(ops.acc, ops.grads, cpu=select, default=conditional), window_sum
 
 
 def ordered_after(scale: jax.Array, sq_norms: Any) -> Any:
@@ -572,13 +580,13 @@ def ordered_after(scale: jax.Array, sq_norms: Any) -> Any:
   False), but XLA cannot know it. Per leaf, because one scale waiting for
   every norm made XLA:CPU's compile of a 300-leaf step 10x slower (64 s
   against 6.6 s). XLA:CPU only: the other backends sum on the fly, and the
-  H200 compiler given that one scale launched 7 more kernels per emitting
-  step (62 against 55, 13 passes against 11).
+  H200 compiler given the dependency launched 7 more kernels per emitting
+  step (62 against 55, 13 passes against 11). Elsewhere both choices are
+  ``scale``, XLA folds each select away, and the programs are as before.
   """
-  return lax.platform_dependent(
-      scale, sq_norms, default=lambda scale, norms: jax.tree.map(lambda _: scale, norms),
-      cpu=lambda scale, norms: jax.tree.map(lambda n: lax.select(n < 0, scale * 2, scale),
-                                            norms))
+  other = lax.platform_dependent(scale, cpu=lambda scale: scale * 2, default=lambda scale: scale)
+  zero = jnp.zeros([], jnp.float32)
+  return jax.tree.map(lambda n: lax.select(lax.lt(n, zero), other, scale), sq_norms)
 
 
 def park(emitted: Emitted, buffer: optax.Updates, parks: list[bool] | None,

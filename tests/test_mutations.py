@@ -102,16 +102,17 @@ def _closing_micro_batch_dropped(config, operands, window_sum, **kwargs):
   return _real.emit(config, operands, operands.acc, **kwargs)
 
 
-def _cpu_skips_the_closing_add(config, ops, closes, accept, weight, layout):
-  """XLA:CPU's noise layout reads the sum from a buffer that never took the closing micro-batch."""
-  return _real.add_to_buffer(config, ops, closes, accept, weight,
-                             layout._replace(writes_sum=False))
+def _summed_again(config, ops, closes, accept, weight, layout):
+  """XLA:CPU's noise layout adds the closing micro-batch, and the emitting branch adds it again."""
+  acc, _ = _real.add_to_buffer(config, ops, closes, accept, weight, layout)
+  return acc, lambda acc, mini_step, g: _real.buffer_after(config, acc, mini_step, g, accept,
+                                                           weight)
 
 
-def _cpu_adds_twice(config, ops, closes, accept, weight, layout):
-  """The closing micro-batch added into the buffer, then summed on the fly again."""
-  return _real.add_to_buffer(config, ops, closes, accept, weight,
-                             layout._replace(writes_sum=True))
+def _sum_read_from_the_buffer(config, ops, closes, accept, weight, layout):
+  """The emitting branch reads the window's sum from a buffer without the closing micro-batch."""
+  acc, _ = _real.add_to_buffer(config, ops, closes, accept, weight, layout)
+  return acc, lambda acc, *_: acc
 
 
 def _zero_weights_made_positive(weight, reduction):
@@ -188,12 +189,12 @@ MUTANTS: dict[str, tuple[dict[str, Any], list[Callable[[], None]]]] = {
         {"emit": _closing_micro_batch_dropped},
         [lambda: test_accumulate.test_equals_large_batch_for_every_optimizer("sgd")],
     ),
-    "XLA:CPU's noise layout drops the closing micro-batch": (
-        {"add_to_buffer": _cpu_skips_the_closing_add},
+    "XLA:CPU's noise layout counts the closing micro-batch twice": (
+        {"add_to_buffer": _summed_again},
         [lambda: test_parking.test_noise_tracking_equals_large_batch_on_every_layout("cpu")],
     ),
-    "the closing micro-batch counted twice (the buffer and on the fly)": (
-        {"add_to_buffer": _cpu_adds_twice},
+    "the window's sum read from a buffer without the closing micro-batch": (
+        {"add_to_buffer": _sum_read_from_the_buffer},
         [lambda: test_accumulate.test_equals_large_batch_for_every_optimizer("sgd")],
     ),
     "a window of total weight 0 counts as a step": (
