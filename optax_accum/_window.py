@@ -324,18 +324,19 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
   # elementwise work into selects, and then the inner optimizer would run on
   # every micro-step. A barrier is not elementwise: the conditional stays.
   kept_scale = lax.optimization_barrier(scale)
-  scales = jax.tree.map(lambda _: kept_scale, window_sum)
   noise = ops.noise
   if tracking:
     leaf_sq = jax.tree.map(noise_lib.sq_norm, window_sum)
+    total_sq = functools.reduce(lax.add, jax.tree.leaves(leaf_sq), jnp.zeros([], jnp.float32))
     mean = scale if config.reduction != "sum" else 1.0 / count
     noise = noise_lib.fold_window(noise, noise_lib.WindowStats(
         window_sq_norms=window_sq, window_count=window_k.astype(jnp.int32),
         total_weight=total_weight if config.reduction == "weighted" else window_k,
-        mean_sq_norm=functools.reduce(lax.add, jax.tree.leaves(leaf_sq)) * mean**2),
-        config.noise_decay)
+        mean_sq_norm=total_sq * mean**2), config.noise_decay)
     # Each leaf's norm reads the sum before that leaf's updates overwrite it.
     scales = ordered_after(kept_scale, leaf_sq)
+  else:
+    scales = jax.tree.map(lambda _: kept_scale, window_sum)
   dtypes = ops.grads if ops.params is None else ops.params
   reduced = jax.tree.map(
       lambda a, scale, g, d: (a * scale.astype(a.dtype)).astype(

@@ -155,6 +155,18 @@ def test_invariant_to_the_loss_scale() -> None:
   assert np.all(np.isfinite(oa.noise_scale(base)))
 
 
+@pytest.mark.parametrize("params", [{}, {"a": {}}], ids=["empty", "nested_empty"])
+def test_an_empty_tree_steps_and_keeps_an_empty_estimate(params: Any) -> None:
+  """No leaves: the windows still close (one step per k calls) and the norms are 0."""
+  tx = oa.accumulate(2, optax.sgd(0.1), track_noise_scale=True)
+  state, update = tx.init(params), jax.jit(tx.update)
+  for _ in range(4):
+    updates, state = update(params, state, params)
+    assert updates == params
+  assert int(state.gradient_step) == 2
+  assert float(state.noise_stats.signal) == 0.0
+
+
 # --- (c) weighted windows --------------------------------------------------------------------
 
 
