@@ -6,14 +6,16 @@ Every error names the argument at fault and says how to fix it.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _window
+from optax_accum import _arrays
+
+REDUCTIONS = ("mean", "sum", "weighted")
 
 _INT32_MAX = 2**31 - 1
 
@@ -58,10 +60,10 @@ def check_update(
   # Where the gradients live: their types say it.
   if config.axis_name is None:
     for g in g_leaves:
-      if _window.array_type(g).unreduced:
+      if _arrays.array_type(g).unreduced:
         check_grads_not_unreduced(grads)
     return weight, emit_now
-  axes = _window.explicit_axes(config.axis_name)
+  axes = _arrays.explicit_axes(config.axis_name)
   if axes is None:  # shard_map / pmap
     check_grads_are_local(grads, config.axis_name)
     return weight, emit_now
@@ -224,9 +226,9 @@ def check_no_float0(grads: Any, where: str = "gradient") -> None:
 
 
 def check_reduction(reduction: Any) -> str:
-  if reduction not in _window.REDUCTIONS:
+  if reduction not in REDUCTIONS:
     raise ValueError(
-        f"`reduction` must be one of {_window.REDUCTIONS}; got {reduction!r}. Use"
+        f"`reduction` must be one of {REDUCTIONS}; got {reduction!r}. Use"
         " 'mean' for sum/k, 'sum' for the plain sum, or 'weighted' with"
         " `update(..., weight=w)` for sum(w_i g_i) / sum(w_i)."
     )
@@ -301,15 +303,15 @@ def check_grads_are_local(grads: Any, axis_name: Any) -> None:
   again would scale it by the axis size. Where the types carry no manual-axis
   information (pmap, ``check_vma=False``) nothing can be checked.
   """
-  axes = set(_window.axis_names(axis_name))
+  axes = set(_arrays.axis_names(axis_name))
   try:
     probe = [jax.lax.axis_index(a) for a in axes]
   except NameError:
     return
-  if not all(axes & _window.varying_axes(p) for p in probe):
+  if not all(axes & _arrays.varying_axes(p) for p in probe):
     return  # no manual-axis types here: nothing to check
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    if not axes <= _window.varying_axes(g):
+    if not axes <= _arrays.varying_axes(g):
       raise ValueError(
           f"The gradient at {_path_str(path)} is already reduced over"
           f" {axis_name!r} (it is the same on every device): inside shard_map,"
@@ -321,40 +323,11 @@ def check_grads_are_local(grads: Any, axis_name: Any) -> None:
       )
 
 
-class ArrayLeaves(NamedTuple):
-  """A pytree's array leaves, and how to put the tree back around new ones.
-
-  What crosses ``jax.eval_shape`` or a ``shard_map`` is the arrays; every
-  other leaf (an Equinox module's activation function, a Python number)
-  stays static, passed through as it is, the way ``eqx.filter_jit`` does.
-  """
-
-  arrays: list[Any]
-  paths: list[Any]  # the key path of each array leaf
-  leaves: list[Any]  # every leaf
-  where: list[int]  # the positions of the array leaves among them
-  treedef: Any
-
-  @classmethod
-  def of(cls, tree: Any) -> ArrayLeaves:
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = [x for _, x in with_paths]
-    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
-    return cls([leaves[i] for i in where], [with_paths[i][0] for i in where], leaves, where,
-               treedef)
-
-  def rebuild(self, arrays: Sequence[Any]) -> Any:
-    leaves = list(self.leaves)
-    for i, x in zip(self.where, arrays, strict=True):
-      leaves[i] = x
-    return jax.tree.unflatten(self.treedef, leaves)
-
-
 def check_grads_unreduced(grads: Any, axes: tuple[Any, ...]) -> None:
   """Raises unless every gradient leaf is unreduced over exactly ``axes``."""
   want = frozenset(axes)
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    have = _window.unreduced_axes(g)
+    have = _arrays.unreduced_axes(g)
     if have == want:
       continue
     if not have:
@@ -377,7 +350,7 @@ def check_buffer_unreduced(buffer: Any, axes: tuple[Any, ...]) -> None:
   """Raises unless the accumulator was built (by ``init``) unreduced over ``axes``."""
   want = frozenset(axes)
   for path, b in jax.tree_util.tree_flatten_with_path(buffer)[0]:
-    if _window.unreduced_axes(b) != want:
+    if _arrays.unreduced_axes(b) != want:
       raise ValueError(
           f"The accumulator at {_path_str(path)} is {jax.typeof(b)}, not unreduced over"
           f" {sorted(want)}: `init` ran outside the mesh. Call `tx.init(params)` (or"
@@ -390,7 +363,7 @@ def check_buffer_unreduced(buffer: Any, axes: tuple[Any, ...]) -> None:
 def check_grads_not_unreduced(grads: Any) -> None:
   """Raises if a gradient is unreduced but the accumulator has no axis to reduce it."""
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    have = _window.unreduced_axes(g)
+    have = _arrays.unreduced_axes(g)
     if have:
       raise ValueError(
           f"The gradient at {_path_str(path)} is unreduced over {sorted(have)} (each"
@@ -427,8 +400,3 @@ def check_keywords(extra: dict[str, Any], strict: bool, where: str, own: tuple[s
           f"Unknown keyword `{name}=` for {where}: did you mean `{close[0]}=`? (Extra"
           " keywords go to the inner optimizer, which would silently ignore it.)"
       )
-
-
-def first_node(tree: Any, predicate: Callable[[Any], bool]) -> Any:
-  """The first node of ``tree`` (any pytree: a chain's tuple, a Flax state) matching, or None."""
-  return next((n for n in jax.tree.leaves(tree, is_leaf=predicate) if predicate(n)), None)

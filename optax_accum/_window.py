@@ -25,7 +25,6 @@ unreduced and device-varying axes, the buffer dtype) close the file.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from optax_accum import _arrays
 from optax_accum import gradient_noise as noise_lib
 
 KSchedule = Callable[[jax.Array], Any]
@@ -111,14 +111,14 @@ def init_window(config: Config, params: optax.Params) -> Window:
   Under ``jax.jit`` with explicit sharding and ``axis_name`` naming data axes,
   the buffer is typed *unreduced* over them: each device keeps its partial sum.
   """
-  unreduced = explicit_axes(config.axis_name, check=False)
+  unreduced = _arrays.explicit_axes(config.axis_name, check=False)
 
   def zeros(p: jax.Array) -> jax.Array:
-    dtype = accumulator_dtype(jnp.result_type(p), config.acc_dtype)
+    dtype = _arrays.accumulator_dtype(jnp.result_type(p), config.acc_dtype)
     if unreduced is None:
       return jnp.zeros_like(p, dtype=dtype)
     spec = jax.sharding.PartitionSpec(
-        *strip_axes(spec_of(p).partitions, unreduced), unreduced=set(unreduced))
+        *_arrays.strip_axes(_arrays.spec_of(p).partitions, unreduced), unreduced=set(unreduced))
     return jnp.zeros(jnp.shape(p), dtype, out_sharding=spec)
 
   return Window(
@@ -175,7 +175,7 @@ def micro_step(
   if weight is not None:
     total_weight = total_weight + jnp.where(accept, weight, 0.0)
   window_weight = total_weight
-  if weighted and config.axis_name is not None and explicit_axes(config.axis_name) is None:
+  if weighted and config.axis_name is not None and _arrays.explicit_axes(config.axis_name) is None:
     # Per-device weights (shard_map / pmap): the devices agree on the
     # window's total with one scalar all-reduce per micro-step.
     window_weight = lax.psum(total_weight, config.axis_name)
@@ -277,7 +277,7 @@ def buffer_after(config: Config, acc: optax.Updates, mini_step: jax.Array, grads
     old = lax.select(stale, zero, acc)
     if weight is not None:
       w = lax.convert_element_type(weight, acc.dtype)
-      unreduced = array_type(acc).unreduced
+      unreduced = _arrays.array_type(acc).unreduced
       if unreduced:  # an unreduced array multiplies by a *reduced* scalar
         w = jax.reshard(w, jax.sharding.PartitionSpec(reduced=set(unreduced)))
       g = lax.select(weight != 0, g * w, zero)
@@ -305,13 +305,13 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
   # Per device under shard_map / pmap (the total weight is global already).
   totals = jnp.stack([ops.count.astype(jnp.float32), window_k.astype(jnp.float32),
                       ops.noise.window_sq_norms if tracking else jnp.zeros([], jnp.float32)])
-  if config.axis_name is not None and explicit_axes(config.axis_name) is None:
+  if config.axis_name is not None and _arrays.explicit_axes(config.axis_name) is None:
     # shard_map / pmap: the scalars are per device
     totals, window_sum = all_reduce(config.axis_name, totals, window_sum)
   elif config.axis_name is not None:
     # jit with unreduced buffers: an all-reduce, or a reduce-scatter to sharded params
     window_sum = jax.tree.map(
-        lambda a, t: jax.reshard(a, jax.sharding.PartitionSpec(*array_type(t).spec.partitions)),
+        lambda a, t: jax.reshard(a, jax.sharding.PartitionSpec(*_arrays.spec_of(t).partitions)),
         window_sum, ops.acc if ops.params is None else ops.params)
   total_weight, count, window_k, window_sq = ops.total_weight, totals[0], totals[1], totals[2]
   # In the buffer's precision (float64 buffers would lose digits to a float32 1/3).
@@ -351,9 +351,6 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
     new_inner = optax.tree.cast_like(new_inner, ops.inner_state)
     out = optax.apply_updates(ops.params, updates) if apply else updates
   return Emitted(out, new_inner, noise, window_sum)
-
-
-REDUCTIONS = ("mean", "sum", "weighted")
 
 
 def reduction_scale(reduction: str, count: jax.Array, total_weight: jax.Array | None,
@@ -423,10 +420,10 @@ def mid(ops: Operands, shapes: Any, parks: list[bool] | None, layout: Layout, ap
       if parks is not None and parks[i]:
         out.append(None)
         continue
-      like = array_type(s)
+      like = _arrays.array_type(s)
       value = lax.convert_element_type(ops.emits, s.dtype) * (i + 1)  # i + 1 if emits, else 0
       z = lax.broadcast_in_dim(value, s.shape, (), out_sharding=like.explicit_spec)
-      out.append(pcast_varying(z, tuple(sorted(like.varying - array_type(z).varying, key=str))))
+      out.append(_arrays.match_varying(z, s))
     out = out if parks is not None else jax.tree.unflatten(treedef, out)
   buffer = ops.acc if layout.emit_writes else ()
   return Emitted(out, ops.inner_state, ops.noise, buffer)
@@ -503,7 +500,7 @@ def parking(config: Config, updates: Any, buffer: optax.Updates, *, noise_parks:
   parks = []
   for u, b in zip(jax.tree.leaves(updates), jax.tree.leaves(buffer), strict=True):
     u_dtype, b_dtype = jnp.dtype(u.dtype), jnp.dtype(b.dtype)
-    u_type, b_type = array_type(u), array_type(b)
+    u_type, b_type = _arrays.array_type(u), _arrays.array_type(b)
     parks.append((u_dtype == b_dtype or (u_dtype, b_dtype) in _EXACT_WIDENINGS)
                  and tuple(u.shape) == tuple(b.shape) and u_type.varying == b_type.varying
                  and u_type.explicit_spec == b_type.explicit_spec and not b_type.unreduced)
@@ -615,192 +612,3 @@ def unpark(out: Any, buffer: optax.Updates, parks: list[bool] | None, stepped: j
       lax.select(stepped, lax.convert_element_type(b, s.dtype),
                  lax.full_like(b, 0, s.dtype)) if p else u
       for u, b, p, s in zip(out, jax.tree.leaves(buffer), parks, like, strict=True)])
-
-
-# ------------------------------------------------------------ array-type facts
-
-
-def accumulator_dtype(dtype: Any, requested: jnp.dtype | None = None) -> jnp.dtype:
-  """The dtype of the buffer that sums values of ``dtype``.
-
-  The default rule (``requested=None``) never narrows: bfloat16 and float16
-  accumulate in float32, float32 in float32, float64 in float64, complex64 in
-  complex64 and complex128 in complex128. An explicit ``requested`` dtype is
-  used as given, even if narrower (the caller asked for it), except that a
-  real buffer for complex values raises: it would drop the imaginary part.
-  Non-floating dtypes (integer aux outputs, say) keep their own dtype.
-  """
-  dtype = jnp.dtype(dtype)
-  if requested is not None:
-    if jnp.issubdtype(dtype, jnp.complexfloating) and not jnp.issubdtype(
-        requested, jnp.complexfloating):
-      raise TypeError(
-          f"`accumulator_dtype={requested}` is real but the values are {dtype}:"
-          " the imaginary part would be dropped. Pass a complex dtype such as"
-          f" {jnp.promote_types(dtype, jnp.complex64)}, or None for the default rule."
-      )
-    return jnp.dtype(requested)
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return jnp.dtype(jnp.promote_types(dtype, jnp.complex64))
-  if jnp.issubdtype(dtype, jnp.floating):
-    return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
-  return dtype
-
-
-class ArrayType(NamedTuple):
-  """What an array's type says about where it lives."""
-
-  spec: jax.sharding.PartitionSpec  # its PartitionSpec (empty when none)
-  explicit_spec: Any  # the out_sharding a new array needs to have this type, or None
-  varying: frozenset[Any]  # the manual mesh axes it varies over inside shard_map
-  unreduced: frozenset[Any]  # the mesh axes over which it is an unreduced partial sum
-
-
-def array_type(x: Any) -> ArrayType:
-  """The type facts of an array, a tracer or a ``jax.ShapeDtypeStruct``.
-
-  Under explicit sharding the sharding is part of the type (both branches of
-  a cond, and a scan carry, must keep it). ``varying`` is empty under
-  ``pmap`` and ``shard_map(check_vma=False)``, whose types carry no such
-  information.
-  """
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  sharding = getattr(aval, "sharding", None)
-  spec = getattr(sharding, "spec", None) or jax.sharding.PartitionSpec()
-  explicit = spec if has_explicit_axes(getattr(sharding, "mesh", None)) else None
-  varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-  return ArrayType(spec, explicit, frozenset(varying or ()),
-                   frozenset(getattr(spec, "unreduced", None) or ()))
-
-
-def spec_of(x: Any) -> jax.sharding.PartitionSpec:
-  """The PartitionSpec in ``x``'s type."""
-  return array_type(x).spec
-
-
-def strip_axes(partitions: tuple[Any, ...], axes: tuple[Any, ...]) -> tuple[Any, ...]:
-  """A spec's partitions with ``axes`` removed (those dims all-gathered over them)."""
-  def one(entry: Any) -> Any:
-    if entry is None:
-      return None
-    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n not in axes)
-    return None if not names else names[0] if len(names) == 1 else names
-  return tuple(one(e) for e in partitions)
-
-
-def explicit_spec(like: Any) -> Any:
-  """The ``out_sharding`` a new array needs to have ``like``'s type (None if none)."""
-  return array_type(like).explicit_spec
-
-
-def has_explicit_axes(mesh: Any) -> bool:
-  """Whether ``mesh`` (a Mesh, an AbstractMesh or None) has an Explicit axis."""
-  return jax.sharding.AxisType.Explicit in (getattr(mesh, "axis_types", ()) or ())
-
-
-def unreduced_axes(x: Any) -> frozenset[Any]:
-  """The mesh axes over which ``x``'s type says it is an unreduced partial sum."""
-  return array_type(x).unreduced
-
-
-def varying_axes(x: Any) -> frozenset[Any]:
-  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere)."""
-  return array_type(x).varying
-
-
-def match_varying(x: jax.Array, target: Any) -> jax.Array:
-  """``x`` marked device-varying over the manual axes ``target`` varies over.
-
-  A no-op outside ``shard_map``. Inside it, both branches of a ``lax.cond``
-  (and a ``lax.scan`` carry and its update) must vary over the same axes.
-  """
-  return pcast_varying(x, tuple(sorted(array_type(target).varying - array_type(x).varying,
-                                       key=str)))
-
-
-def pcast_varying(x: jax.Array, names: tuple[Any, ...]) -> jax.Array:
-  """``x`` marked device-varying over the manual axes ``names`` (a no-op if none)."""
-  return lax.pcast(x, names, to="varying") if names else x
-
-
-def axis_names(axis_name: Any) -> tuple[Any, ...]:
-  """``axis_name`` (one name, or a tuple or list of them) as a tuple."""
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
-def axis_kinds(mesh: Any, axes: tuple[Any, ...]) -> set[str] | None:
-  """The kinds (``"Explicit"``, ``"Auto"``, ``"Manual"``) of ``axes`` in ``mesh``.
-
-  None if the mesh does not list every one of them (pmap, no mesh set).
-  """
-  names = tuple(getattr(mesh, "axis_names", ()) or ())
-  if not axes or not all(a in names for a in axes):
-    return None
-  return {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
-
-
-def bound(axes: tuple[Any, ...]) -> bool:
-  """Whether every axis is bound by an enclosing pmap / shard_map."""
-  try:
-    for a in axes:
-      lax.axis_index(a)
-  except NameError:
-    return False
-  return True
-
-
-def explicit_axes(axis_name: Any, *, check: bool = True) -> tuple[Any, ...] | None:
-  """The axes, if ``axis_name`` names Explicit axes of the current mesh (plain jit).
-
-  None when they are manual axes (``shard_map``, ``pmap``): there the
-  cross-device reduction is a ``psum``. Under ``jax.jit`` in explicit-sharding
-  mode the gradients arrive *unreduced* over these axes and the reduction is a
-  ``jax.reshard``. Auto axes carry no such types: that is an error, as is a
-  mix of kinds. With ``check=False`` (``init``, which ``jax.pmap`` maps
-  without naming the axis) an axis that is neither on the mesh nor bound is
-  not an error: it is checked where it is used.
-  """
-  if axis_name is None:
-    return None
-  axes = axis_names(axis_name)
-  mesh = jax.sharding.get_abstract_mesh()
-  kinds = axis_kinds(mesh, axes)
-  if kinds is None:
-    names = tuple(getattr(mesh, "axis_names", ()) or ())
-    if check and names and not bound(axes):
-      raise ValueError(
-          f"`axis_name={axis_name!r}` is not an axis of the current mesh (its axes are"
-          f" {names}) nor a bound pmap/shard_map axis. Pass one of the mesh's axes."
-      )
-    return None  # pmap, or a shard_map axis the abstract mesh does not list
-  if kinds == {"Manual"}:
-    return None
-  if kinds == {"Explicit"}:
-    return axes
-  raise ValueError(
-      f"`axis_name={axis_name!r}` names mesh axes of kinds {sorted(kinds)}. Use"
-      " Explicit axes (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))"
-      " and jax.set_mesh) for jit with unreduced gradients, or Manual ones"
-      " (inside shard_map) for psum: not Auto axes, and not a mix."
-  )
-
-
-def mesh_context(tree: Any) -> Any:
-  """A context that enters the mesh ``tree``'s arrays are placed on, when none is set.
-
-  The pjit idiom places arrays with ``NamedSharding(mesh, spec)`` and never
-  calls ``jax.set_mesh``; a new array typed with a ``PartitionSpec`` (the
-  unreduced buffer, a cond's zeros, a reshard) needs a mesh in context. Under
-  ``jax.jit`` the inputs' abstract mesh is entered, eagerly the concrete one.
-  A set mesh, or inputs on no Explicit mesh, leave everything as it is.
-  """
-  if jax.sharding.get_abstract_mesh().empty:
-    for x in jax.tree.leaves(tree):
-      # A tracer's sharding is in its type; an array's (or a ShapeDtypeStruct's) on it.
-      sharding = getattr(jax.typeof(x) if isinstance(x, jax.core.Tracer) else x, "sharding", None)
-      mesh = getattr(sharding, "mesh", None)
-      if has_explicit_axes(mesh):
-        if isinstance(mesh, jax.sharding.Mesh):
-          return jax.set_mesh(mesh)
-        return jax.sharding.use_abstract_mesh(mesh)
-  return contextlib.nullcontext()

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _validation, _window
+from optax_accum import _arrays, _validation, _window
 from optax_accum import gradient_noise as noise_lib
 from optax_accum._window import KSchedule
 
@@ -222,7 +222,7 @@ def accumulate(
 
   def init_fn(params: optax.Params) -> AccumulateState:
     """An empty window and the inner optimizer's initial state."""
-    with _window.mesh_context(params):
+    with _arrays.mesh_context(params):
       window = _window.init_window(config, params)
       inner_state = () if config.inner is None else config.inner.init(params)
     return AccumulateState(
@@ -263,7 +263,7 @@ def accumulate(
         config, updates, state.acc_grads, extra_args, strict=strict_kwargs,
         where="the update of `accumulate`", own=("weight", "emit_now"), weight=weight,
         emit_now=emit_now, flushing=flushing, skip_nonfinite=skip_nonfinite)
-    with _window.mesh_context((updates, params)):
+    with _arrays.mesh_context((updates, params)):
       accept = False if flushing else (
           _accept(updates, weight, config.axis_name) if skip_nonfinite else True)
       window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads,
@@ -350,7 +350,7 @@ def has_updated(state: Any) -> jax.Array:
 def _find_accumulation_state(state: Any) -> Any:
   is_window = lambda n: isinstance(n, (AccumulateState, optax.MultiStepsState)) or (
       hasattr(n, "mini_step") and hasattr(n, "gradient_step"))
-  return _validation.first_node(state, is_window)
+  return _arrays.first_node(state, is_window)
 
 
 def flush(

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _validation
+from optax_accum import _arrays
 
 __all__ = [
     "MIN_WINDOWS",
@@ -209,7 +209,7 @@ def fold(state: NoiseScaleState, stats: WindowStats, decay: float = DEFAULT_DECA
 
 def find(state: Any) -> NoiseScaleState | None:
   """The first :class:`NoiseScaleState` inside ``state``, or None."""
-  return _validation.first_node(state, lambda n: isinstance(n, NoiseScaleState))
+  return _arrays.first_node(state, lambda n: isinstance(n, NoiseScaleState))
 
 
 def noise_scale(state: Any, min_windows: int = MIN_WINDOWS) -> jax.Array:

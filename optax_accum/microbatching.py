@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum import _validation, _window, gradient_noise
+from optax_accum import _arrays, _validation, _window, gradient_noise
 
 __all__ = [
     "AUX_RULES",
@@ -229,7 +229,7 @@ def _acc_dtype(dtype: Any, requested: jnp.dtype | None) -> Any:
   sums) keep their own, which is exact.
   """
   if _is_float(dtype):
-    return _window.accumulator_dtype(dtype, requested)
+    return _arrays.accumulator_dtype(dtype, requested)
   return dtype
 
 
@@ -568,7 +568,7 @@ def _build(
       rng_argnums=_as_argnums(rng_argnums, "rng_argnums") if rng_argnums != () else (),
       has_aux=has_aux,
       normalize=_check_choice(
-          normalize, "normalize", _window.REDUCTIONS,
+          normalize, "normalize", _validation.REDUCTIONS,
           "Use 'mean' for a mean loss, 'sum' for a summed loss, or 'weighted' when"
           " `fn`'s value is (numerator, denominator)."),
       aux_rules=_check_aux_rules(aux_rules),
@@ -584,7 +584,7 @@ def _build(
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
     call = functools.partial(fn, **kwargs)
-    with _window.mesh_context(args):
+    with _arrays.mesh_context(args):
       place = _place(config, args)
       if place is not None:
         return _run_on_mesh(call, config, place, args)
@@ -663,13 +663,13 @@ def _split_inputs(config: _Config, args: tuple[Any, ...]) -> _Inputs:
 
 def _make_varying(tree: Any, axis_name: Any) -> Any:
   """Marks a replicated input device-varying (a no-op outside shard_map)."""
-  names = _window.axis_names(axis_name)
+  names = _arrays.axis_names(axis_name)
 
   def one(leaf: Any) -> Any:
     if not isinstance(leaf, (jax.Array, np.ndarray)):
       return leaf
-    have = _window.varying_axes(leaf)
-    return _window.pcast_varying(leaf, tuple(n for n in names if n not in have))
+    have = _arrays.varying_axes(leaf)
+    return _arrays.pcast_varying(leaf, tuple(n for n in names if n not in have))
   return jax.tree.map(one, tree)
 
 
@@ -776,7 +776,7 @@ def _run(
 
 def _eval_shape(f: Callable[..., Any], *args: Any) -> Any:
   """``jax.eval_shape(f, *args)`` where only the array leaves of ``args`` are abstract."""
-  inputs = _validation.ArrayLeaves.of(args)
+  inputs = _arrays.ArrayLeaves.of(args)
   return jax.eval_shape(lambda *arrays: f(*inputs.rebuild(arrays)), *inputs.arrays)
 
 
@@ -786,7 +786,7 @@ def _filled(s: jax.ShapeDtypeStruct, dtype: Any, fill: Any = 0) -> jax.Array:
   A ``lax.scan`` carry must keep its type, and under explicit sharding the
   type includes the sharding (a gradient sharded over a ``"model"`` axis).
   """
-  return jnp.full(s.shape, fill, dtype, out_sharding=_window.explicit_spec(s))
+  return jnp.full(s.shape, fill, dtype, out_sharding=_arrays.explicit_spec(s))
 
 
 def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _Out) -> _Carry:
@@ -859,7 +859,7 @@ def _loop(
       # Inside shard_map the carry must vary over the same mesh axes as what
       # the body adds to it; match the zeros to one abstract step.
       out_carry = jax.eval_shape(lambda c: body(c, jnp.zeros([], jnp.int32))[0], init)
-      init = jax.tree.map(_window.match_varying, init, out_carry)
+      init = jax.tree.map(_arrays.match_varying, init, out_carry)
     return lax.scan(body, init, jnp.arange(config.k, dtype=jnp.int32), unroll=config.unroll)
 
 
@@ -1025,7 +1025,7 @@ def _aux_finalize(
 
 # ------------------------------------------------------------- shard_map
 def _any_varying(tree: Any) -> bool:
-  return any(_window.varying_axes(x) for x in jax.tree.leaves(tree)
+  return any(_arrays.varying_axes(x) for x in jax.tree.leaves(tree)
              if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)))
 
 
@@ -1077,9 +1077,9 @@ def _place(config: _Config, args: tuple[Any, ...]) -> _Placement | None:
       return _Placement(axes, mesh, explicit=True)
     _check_no_hidden_split(args, b_nums)
     return None
-  named = _window.axis_names(config.axis_name)
+  named = _arrays.axis_names(config.axis_name)
   current = jax.sharding.get_abstract_mesh()
-  kinds = _window.axis_kinds(current, named)
+  kinds = _arrays.axis_kinds(current, named)
   if kinds is None or kinds == {"Manual"}:  # inside shard_map, or pmap
     if axes:
       raise ValueError(
@@ -1106,13 +1106,13 @@ def _check_no_hidden_split(args: tuple[Any, ...], b_nums: tuple[int, ...]) -> No
   """
   mesh = jax.sharding.get_abstract_mesh()
   names = tuple(getattr(mesh, "axis_names", ()) or ())
-  if not {"Auto", "Explicit"} <= (_window.axis_kinds(mesh, names) or set()):
+  if not {"Auto", "Explicit"} <= (_arrays.axis_kinds(mesh, names) or set()):
     return
   for i, arg in enumerate(args):
     if i in b_nums:
       continue
     for leaf in jax.tree.leaves(arg):
-      if isinstance(leaf, (jax.Array, np.ndarray)) and any(_window.spec_of(leaf)):
+      if isinstance(leaf, (jax.Array, np.ndarray)) and any(_arrays.spec_of(leaf)):
         auto = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                      if str(t).endswith("Auto"))
         raise ValueError(
@@ -1143,7 +1143,7 @@ def _run_on_mesh(call: Callable[..., Any], config: _Config, place: _Placement,
         f" {devices * config.k} examples: each device splits its own rows. Use a"
         f" num_microbatches that divides {size // devices or 1}, or pad the batch.")
   inner = dataclasses.replace(config, axis_name=_spec_entry(place.axes))
-  arrays = _validation.ArrayLeaves.of(tuple(args))
+  arrays = _arrays.ArrayLeaves.of(tuple(args))
   is_batch = [path[0].idx in b_nums for path in arrays.paths]  # path[0]: fn's argnum
   shapes = _abstract_outputs(call, config, arrays, is_batch, size // devices // config.k)
   targets, scatter = _grad_targets(place, args, (*b_nums, *r_nums), shapes.grads)
@@ -1169,8 +1169,8 @@ def _gather_data_axes(x: Any, place: _Placement) -> Any:
   """
   if not place.explicit:
     return x
-  spec = _window.spec_of(x)
-  names = _window.axis_names
+  spec = _arrays.spec_of(x)
+  names = _arrays.axis_names
   entries = [None if e is None else tuple(n for n in names(e) if n not in place.axes)
              for e in spec]
   if all(e is None or len(e) == len(names(o)) for e, o in zip(entries, spec, strict=True)):
@@ -1180,7 +1180,7 @@ def _gather_data_axes(x: Any, place: _Placement) -> Any:
 
 
 def _abstract_outputs(call: Callable[..., Any], config: _Config,
-                      arrays: _validation.ArrayLeaves, is_batch: list[bool], rows: int) -> _Out:
+                      arrays: _arrays.ArrayLeaves, is_batch: list[bool], rows: int) -> _Out:
   """``fn``'s output shapes on one device's micro-batch of ``rows`` examples (for out_specs)."""
   def plain(x: Any, batch: bool) -> jax.ShapeDtypeStruct:
     shape = (rows, *jnp.shape(x)[1:]) if batch else jnp.shape(x)
@@ -1209,7 +1209,7 @@ def _grad_targets(place: _Placement, args: tuple[Any, ...], skip: tuple[int, ...
     if i in skip or treedef != g_def or any(
         jnp.shape(p) != g.shape for p, g in zip(leaves, g_leaves, strict=True)):
       continue
-    specs = [_window.spec_of(p) for p in leaves]
+    specs = [_arrays.spec_of(p) for p in leaves]
     return specs, [_scatter_dim(spec, place.axes) for spec in specs]
   return None, None
 
@@ -1221,7 +1221,7 @@ def _scatter_dim(spec: jax.sharding.PartitionSpec, axes: tuple[Any, ...]) -> Any
   lower an operand that is also sharded over an Explicit axis inside a
   partial-manual ``shard_map``. Such a gradient is all-reduced, then sliced.
   """
-  entries = [() if e is None else _window.axis_names(e) for e in spec]
+  entries = [() if e is None else _arrays.axis_names(e) for e in spec]
   hits = [dim for dim, names in enumerate(entries) if set(names) == set(axes)]
   if len(hits) != 1 or sum(bool(names) for names in entries) != 1:
     return None

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 from optax.transforms import ShouldSkipUpdateFunction
 
-from optax_accum import _validation, _window
+from optax_accum import _arrays, _validation, _window
 from optax_accum import gradient_noise as noise_lib
 from optax_accum.accumulation import _APPLY, _FLUSH, MODE, _Applied
 
@@ -152,7 +152,7 @@ class MultiSteps:
       should_skip, skip_state = self._should_skip(updates, state.gradient_step, params)
       accept = jnp.logical_not(_check_skip(should_skip))
     window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads, (), noise)
-    with _window.mesh_context((updates, params)):
+    with _arrays.mesh_context((updates, params)):
       out = _window.micro_step(
           self._config, updates, window, state.inner_opt_state, params, accept=accept,
           emit_now=mode == _FLUSH, apply=mode == _APPLY, extra_args=extra_args)

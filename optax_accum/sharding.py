@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from optax_accum import _validation, _window, debug
+from optax_accum import _arrays, debug
+from optax_accum._arrays import spec_of, strip_axes
 from optax_accum._validation import axis_name_repr
-from optax_accum._window import spec_of, strip_axes
 from optax_accum.accumulation import AccumulateState
 from optax_accum.gradient_noise import NoiseScaleState
 
@@ -68,7 +68,7 @@ def _leaf_layout(value: Any, target: Any, param: Any, other: Any) -> Any:
   """
   if _is_masked(value):
     return value
-  unreduced = _window.unreduced_axes(value)
+  unreduced = _arrays.unreduced_axes(value)
   if unreduced and isinstance(target, NamedSharding):  # the plain-jit buffer: a partial sum
     axes = tuple(sorted(unreduced, key=str))
     spec = PartitionSpec(*strip_axes(target.spec.partitions, axes), unreduced=set(unreduced))
@@ -392,7 +392,7 @@ def shard_map_specs(
         f" {jax.tree.structure(params)}.")
   state, specs = _lay_out_like_params(tx, params, param_specs, PartitionSpec())
   _check_has_accumulate_state(state, "shard_map_specs")
-  axes = _window.axis_names(axis_name)
+  axes = _arrays.axis_names(axis_name)
 
   def per_device(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(axes if len(axes) > 1 else axes[0], *spec)
@@ -483,7 +483,7 @@ def local_value_and_grad(
   """
   if not callable(fn):
     raise TypeError(f"`fn` must be callable (the loss of the model); got {fn!r}.")
-  axes = _window.axis_names(axis_name)
+  axes = _arrays.axis_names(axis_name)
   b_nums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
   if not b_nums or 0 in b_nums or not all(isinstance(i, int) and i > 0 for i in b_nums):
     raise ValueError(
@@ -498,9 +498,9 @@ def local_value_and_grad(
         f" its share of the global loss); got {combine!r}.")
 
   def value_and_grad(params: Any, *args: Any) -> Any:
-    with _window.mesh_context((params, args)):
+    with _arrays.mesh_context((params, args)):
       mesh = jax.sharding.get_abstract_mesh()
-      if _window.axis_kinds(mesh, axes) != {"Explicit"}:
+      if _arrays.axis_kinds(mesh, axes) != {"Explicit"}:
         raise ValueError(
             f"`local_value_and_grad` needs `axis_name={axis_name!r}` to name Explicit axes"
             " of the mesh the params and batch are placed on (jax.make_mesh gives"
@@ -524,11 +524,11 @@ def _local_value_and_grad(fn: Callable[..., Any], axes: tuple[Any, ...], b_nums:
         f"`batch_argnums={b_nums}` names argument {max(b_nums)} but `fn` got"
         f" {len(args) + 1} arguments.")
   entry = axes[0] if len(axes) == 1 else axes
-  inputs = _validation.ArrayLeaves.of((params, *args))
+  inputs = _arrays.ArrayLeaves.of((params, *args))
   is_batch = [path[0].idx in b_nums for path in inputs.paths]  # path[0]: fn's argnum
   for path, x, batch in zip(inputs.paths, inputs.arrays, is_batch, strict=True):
     other = {a for e in spec_of(x).partitions[1 if batch else 0:] if e is not None
-             for a in _window.axis_names(e)} - set(axes)
+             for a in _arrays.axis_names(e)} - set(axes)
     if other:
       raise ValueError(
           f"`local_value_and_grad`: argument {path[0].idx}{jax.tree_util.keystr(path[1:])} of"
@@ -551,7 +551,7 @@ def _local_value_and_grad(fn: Callable[..., Any], axes: tuple[Any, ...], b_nums:
       loss, aux = out if has_aux else (out, None)
       return loss * share, aux  # this device's share of the global loss
 
-    local = jax.tree.map(lambda x: _window.pcast_varying(x, axes), params)
+    local = jax.tree.map(lambda x: _arrays.pcast_varying(x, axes), params)
     (loss, aux), grads = jax.value_and_grad(scaled, has_aux=True)(local)
     loss = jax.lax.psum(loss, axes)
     aux = jax.tree.map(lambda a: jax.lax.pmean(a, axes), aux)
@@ -613,8 +613,8 @@ def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
     >>> params["w"]  # one SGD step on the mean gradient (1, 1, 1)
     Array([0.9, 0.9, 0.9], dtype=float32)
   """
-  axes = _window.axis_names(axis_name)
-  if _window.explicit_axes(axis_name) is None:
+  axes = _arrays.axis_names(axis_name)
+  if _arrays.explicit_axes(axis_name) is None:
     raise ValueError(
         f"`defer_reduction` needs `axis_name={axis_name!r}` to name Explicit axes of"
         " the current mesh: build it with jax.make_mesh(..., axis_types="

@@ -1,0 +1,239 @@
+"""Array-type facts and tree helpers: where an array lives, and how to walk a pytree.
+
+A leaf module: it imports nothing of the package. Under explicit sharding the
+sharding is part of an array's type; inside ``shard_map`` so is the set of
+manual axes it varies over; under ``jax.jit`` with Explicit axes a gradient can
+be typed *unreduced* (a per-device partial sum). Every module reads these
+facts from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+def accumulator_dtype(dtype: Any, requested: jnp.dtype | None = None) -> jnp.dtype:
+  """The dtype of the buffer that sums values of ``dtype``.
+
+  The default rule (``requested=None``) never narrows: bfloat16 and float16
+  accumulate in float32, float32 in float32, float64 in float64, complex64 in
+  complex64 and complex128 in complex128. An explicit ``requested`` dtype is
+  used as given, even if narrower (the caller asked for it), except that a
+  real buffer for complex values raises: it would drop the imaginary part.
+  Non-floating dtypes (integer aux outputs, say) keep their own dtype.
+  """
+  dtype = jnp.dtype(dtype)
+  if requested is not None:
+    if jnp.issubdtype(dtype, jnp.complexfloating) and not jnp.issubdtype(
+        requested, jnp.complexfloating):
+      raise TypeError(
+          f"`accumulator_dtype={requested}` is real but the values are {dtype}:"
+          " the imaginary part would be dropped. Pass a complex dtype such as"
+          f" {jnp.promote_types(dtype, jnp.complex64)}, or None for the default rule."
+      )
+    return jnp.dtype(requested)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return jnp.dtype(jnp.promote_types(dtype, jnp.complex64))
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
+  return dtype
+
+
+class ArrayType(NamedTuple):
+  """What an array's type says about where it lives."""
+
+  spec: jax.sharding.PartitionSpec  # its PartitionSpec (empty when none)
+  explicit_spec: Any  # the out_sharding a new array needs to have this type, or None
+  varying: frozenset[Any]  # the manual mesh axes it varies over inside shard_map
+  unreduced: frozenset[Any]  # the mesh axes over which it is an unreduced partial sum
+
+
+def array_type(x: Any) -> ArrayType:
+  """The type facts of an array, a tracer or a ``jax.ShapeDtypeStruct``.
+
+  Under explicit sharding the sharding is part of the type (both branches of
+  a cond, and a scan carry, must keep it). ``varying`` is empty under
+  ``pmap`` and ``shard_map(check_vma=False)``, whose types carry no such
+  information.
+  """
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  sharding = getattr(aval, "sharding", None)
+  spec = getattr(sharding, "spec", None) or jax.sharding.PartitionSpec()
+  explicit = spec if has_explicit_axes(getattr(sharding, "mesh", None)) else None
+  varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+  return ArrayType(spec, explicit, frozenset(varying or ()),
+                   frozenset(getattr(spec, "unreduced", None) or ()))
+
+
+def spec_of(x: Any) -> jax.sharding.PartitionSpec:
+  """The PartitionSpec in ``x``'s type."""
+  return array_type(x).spec
+
+
+def strip_axes(partitions: tuple[Any, ...], axes: tuple[Any, ...]) -> tuple[Any, ...]:
+  """A spec's partitions with ``axes`` removed (those dims all-gathered over them)."""
+  def one(entry: Any) -> Any:
+    if entry is None:
+      return None
+    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n not in axes)
+    return None if not names else names[0] if len(names) == 1 else names
+  return tuple(one(e) for e in partitions)
+
+
+def explicit_spec(like: Any) -> Any:
+  """The ``out_sharding`` a new array needs to have ``like``'s type (None if none)."""
+  return array_type(like).explicit_spec
+
+
+def has_explicit_axes(mesh: Any) -> bool:
+  """Whether ``mesh`` (a Mesh, an AbstractMesh or None) has an Explicit axis."""
+  return jax.sharding.AxisType.Explicit in (getattr(mesh, "axis_types", ()) or ())
+
+
+def unreduced_axes(x: Any) -> frozenset[Any]:
+  """The mesh axes over which ``x``'s type says it is an unreduced partial sum."""
+  return array_type(x).unreduced
+
+
+def varying_axes(x: Any) -> frozenset[Any]:
+  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere)."""
+  return array_type(x).varying
+
+
+def match_varying(x: jax.Array, target: Any) -> jax.Array:
+  """``x`` marked device-varying over the manual axes ``target`` varies over.
+
+  A no-op outside ``shard_map``. Inside it, both branches of a ``lax.cond``
+  (and a ``lax.scan`` carry and its update) must vary over the same axes.
+  """
+  return pcast_varying(x, tuple(sorted(array_type(target).varying - array_type(x).varying,
+                                       key=str)))
+
+
+def pcast_varying(x: jax.Array, names: tuple[Any, ...]) -> jax.Array:
+  """``x`` marked device-varying over the manual axes ``names`` (a no-op if none)."""
+  return lax.pcast(x, names, to="varying") if names else x
+
+
+def axis_names(axis_name: Any) -> tuple[Any, ...]:
+  """``axis_name`` (one name, or a tuple or list of them) as a tuple."""
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def axis_kinds(mesh: Any, axes: tuple[Any, ...]) -> set[str] | None:
+  """The kinds (``"Explicit"``, ``"Auto"``, ``"Manual"``) of ``axes`` in ``mesh``.
+
+  None if the mesh does not list every one of them (pmap, no mesh set).
+  """
+  names = tuple(getattr(mesh, "axis_names", ()) or ())
+  if not axes or not all(a in names for a in axes):
+    return None
+  return {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
+
+
+def bound(axes: tuple[Any, ...]) -> bool:
+  """Whether every axis is bound by an enclosing pmap / shard_map."""
+  try:
+    for a in axes:
+      lax.axis_index(a)
+  except NameError:
+    return False
+  return True
+
+
+def explicit_axes(axis_name: Any, *, check: bool = True) -> tuple[Any, ...] | None:
+  """The axes, if ``axis_name`` names Explicit axes of the current mesh (plain jit).
+
+  None when they are manual axes (``shard_map``, ``pmap``): there the
+  cross-device reduction is a ``psum``. Under ``jax.jit`` in explicit-sharding
+  mode the gradients arrive *unreduced* over these axes and the reduction is a
+  ``jax.reshard``. Auto axes carry no such types: that is an error, as is a
+  mix of kinds. With ``check=False`` (``init``, which ``jax.pmap`` maps
+  without naming the axis) an axis that is neither on the mesh nor bound is
+  not an error: it is checked where it is used.
+  """
+  if axis_name is None:
+    return None
+  axes = axis_names(axis_name)
+  mesh = jax.sharding.get_abstract_mesh()
+  kinds = axis_kinds(mesh, axes)
+  if kinds is None:
+    names = tuple(getattr(mesh, "axis_names", ()) or ())
+    if check and names and not bound(axes):
+      raise ValueError(
+          f"`axis_name={axis_name!r}` is not an axis of the current mesh (its axes are"
+          f" {names}) nor a bound pmap/shard_map axis. Pass one of the mesh's axes."
+      )
+    return None  # pmap, or a shard_map axis the abstract mesh does not list
+  if kinds == {"Manual"}:
+    return None
+  if kinds == {"Explicit"}:
+    return axes
+  raise ValueError(
+      f"`axis_name={axis_name!r}` names mesh axes of kinds {sorted(kinds)}. Use"
+      " Explicit axes (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))"
+      " and jax.set_mesh) for jit with unreduced gradients, or Manual ones"
+      " (inside shard_map) for psum: not Auto axes, and not a mix."
+  )
+
+
+def mesh_context(tree: Any) -> Any:
+  """A context that enters the mesh ``tree``'s arrays are placed on, when none is set.
+
+  The pjit idiom places arrays with ``NamedSharding(mesh, spec)`` and never
+  calls ``jax.set_mesh``; a new array typed with a ``PartitionSpec`` (the
+  unreduced buffer, a cond's zeros, a reshard) needs a mesh in context. Under
+  ``jax.jit`` the inputs' abstract mesh is entered, eagerly the concrete one.
+  A set mesh, or inputs on no Explicit mesh, leave everything as it is.
+  """
+  if jax.sharding.get_abstract_mesh().empty:
+    for x in jax.tree.leaves(tree):
+      # A tracer's sharding is in its type; an array's (or a ShapeDtypeStruct's) on it.
+      sharding = getattr(jax.typeof(x) if isinstance(x, jax.core.Tracer) else x, "sharding", None)
+      mesh = getattr(sharding, "mesh", None)
+      if has_explicit_axes(mesh):
+        if isinstance(mesh, jax.sharding.Mesh):
+          return jax.set_mesh(mesh)
+        return jax.sharding.use_abstract_mesh(mesh)
+  return contextlib.nullcontext()
+
+
+class ArrayLeaves(NamedTuple):
+  """A pytree's array leaves, and how to put the tree back around new ones.
+
+  What crosses ``jax.eval_shape`` or a ``shard_map`` is the arrays; every
+  other leaf (an Equinox module's activation function, a Python number)
+  stays static, passed through as it is, the way ``eqx.filter_jit`` does.
+  """
+
+  arrays: list[Any]
+  paths: list[Any]  # the key path of each array leaf
+  leaves: list[Any]  # every leaf
+  where: list[int]  # the positions of the array leaves among them
+  treedef: Any
+
+  @classmethod
+  def of(cls, tree: Any) -> ArrayLeaves:
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [x for _, x in with_paths]
+    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+    return cls([leaves[i] for i in where], [with_paths[i][0] for i in where], leaves, where,
+               treedef)
+
+  def rebuild(self, arrays: Sequence[Any]) -> Any:
+    leaves = list(self.leaves)
+    for i, x in zip(self.where, arrays, strict=True):
+      leaves[i] = x
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
+def first_node(tree: Any, predicate: Callable[[Any], bool]) -> Any:
+  """The first node of ``tree`` (any pytree: a chain's tuple, a Flax state) matching, or None."""
+  return next((n for n in jax.tree.leaves(tree, is_leaf=predicate) if predicate(n)), None)
