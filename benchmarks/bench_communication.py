@@ -1,30 +1,23 @@
 """Bytes reduced across devices per accumulation window, read from the compiled HLO.
 
 For k = 8 micro-batches on 8 data-parallel devices, each variant's train step
-is lowered and compiled (nothing is run), its reductions (all-reduce,
-reduce-scatter) and all-gathers are listed with
-:func:`optax_accum.debug.hlo_collectives`, and each is weighted by how many
-times it runs per window:
+is compiled (nothing runs), its reductions and all-gathers are listed with
+``optax_accum.debug.hlo_collectives``, and each is weighted by how often it runs
+per window: once per call on the straight-line path (k calls across steps, one
+in step), once per window in the conditional's emitting branch (branch 1),
+k - 1 times in the mid-step branch, k times per call in a ``while`` body.
 
-* on the step's straight-line path: once per call (k calls per window for
-  across-step accumulation, 1 call for in-step ``microbatched``);
-* in the ``lax.cond``'s emitting branch (branch 1): once per window;
-  in the mid-step branch (branch 0): k - 1 times;
-* in a ``while`` body (the micro-batch loop): k times per call.
-
-The variants: ``shard_map`` with ``axis_name``; plain ``jit`` with
-auto-sharding; plain ``jit`` on an ``AxisType.Explicit`` mesh, where ours
-differentiates with respect to ``defer_reduction(params, "data")`` (unreduced
-gradients) and builds ``accumulate(k, opt, axis_name="data")``, and the naive
-path takes ``jax.grad`` of the params as they are (FSDP ones all-gathered with
-``jax.reshard(p, P())``) into ``accumulate(k, opt)``; the params are replicated
-or FSDP-sharded (ZeRO-3 over "data", all-gathered for every forward pass).
+Variants: ``shard_map`` with ``axis_name``; plain ``jit`` with auto-sharding;
+plain ``jit`` on an ``AxisType.Explicit`` mesh, ours differentiating with
+respect to ``defer_reduction(params, "data")`` into ``accumulate(k, opt,
+axis_name="data")``, the naive path ``jax.grad`` of the params as they are;
+params replicated or FSDP-sharded (all-gathered for every forward pass); and
+``microbatched`` under ``shard_map`` and plain ``jit``.
 
 Run (8 host CPU devices are forced; a few seconds)::
 
-    python benchmarks/bench_communication.py
-
-writes ``benchmarks/results/communication.{json,md,png}``.
+    python benchmarks/bench_communication.py        # results/communication.{json,md,png}
+    python benchmarks/bench_communication.py --out /tmp/comm
 """
 
 from __future__ import annotations
@@ -33,6 +26,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import argparse
 import platform
 from functools import partial
 from pathlib import Path
@@ -140,7 +134,31 @@ def plain_jit_rows(params: Any, x: jax.Array, y: jax.Array,
   return rows
 
 
-def main() -> dict[str, Any]:
+def plot(result: dict[str, Any], path: Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  names = [r["variant"] for r in result["rows"]]
+  values = [r["bytes_per_window"] / 2**20 for r in result["rows"]]
+  fig, ax = plt.subplots(figsize=(9, 0.6 * len(names) + 1.2))
+  ax.barh(range(len(names)), values,
+          color=["tab:green" if "(ours)" in n else "tab:red" for n in names])
+  ax.set_yticks(range(len(names)), names, fontsize=8)
+  ax.invert_yaxis()
+  ax.set_xlim(0, 1.15 * max(values))
+  ax.set_xlabel(f"MiB reduced across devices per window (k={K}, {N_DEV} devices)")
+  for i, v in enumerate(values):
+    ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", type=Path, default=RESULTS)
+  args = ap.parse_args(argv)
   assert jax.device_count() >= N_DEV, "set XLA_FLAGS before jax is imported"
   mesh = Mesh(np.array(jax.devices()[:N_DEV]), ("data",))
   params = init_params()
@@ -198,58 +216,39 @@ def main() -> dict[str, Any]:
 
   rows += plain_jit_rows(params, x, y, opt)
 
-  notes = []
-  try:
-    from optax_accum.microbatching import microbatched
-  except ImportError:
-    microbatched = None
-    notes.append("optax_accum.microbatching not present: in-step rows skipped.")
-  if microbatched is not None:
-    xs = jnp.zeros((N_DEV * PER_DEV * K, WIDTH), jnp.float32)
-    ys = jnp.zeros_like(xs)
+  xs = jnp.zeros((N_DEV * PER_DEV * K, WIDTH), jnp.float32)
+  ys = jnp.zeros_like(xs)
 
-    def batch_loss(p: Any, b: Any) -> jax.Array:
-      return loss_fn(p, b[0], b[1])
+  def batch_loss(p: Any, b: Any) -> jax.Array:
+    return loss_fn(p, b[0], b[1])
 
-    # 4. microbatched(axis_name) under shard_map: one reduction after the loop.
-    grad_fn = microbatched(jax.value_and_grad(batch_loss), K, axis_name="data")
-    compiled = None
-    for check_vma in (True, False):
-      try:
-        mb_step = jax.jit(jax.shard_map(
-            grad_fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
-            check_vma=check_vma))
-        compiled = mb_step.lower(params, (xs, ys)).compile()
-        if not check_vma:
-          notes.append("microbatched + shard_map needed check_vma=False (see report).")
-        break
-      except TypeError as e:
-        error = e
-    if compiled is None:
-      raise error
-    rows.append(("microbatched(fn, k, axis_name) + shard_map (ours)", "in step",
-                 bytes_per_window(compiled, 1)))
-    # 5. microbatched under plain jit, Auto axes, no axis_name: the all-reduce
-    # lands in the loop. With axis_name="data" it moves after the loop.
-    placed_batch = (jax.device_put(xs, batch), jax.device_put(ys, batch))
-    for name, kw in (("microbatched(fn, k) under plain jit, Auto axes (naive)", {}),
-                     ("microbatched(fn, k, axis_name) under plain jit, Auto axes (ours)",
-                      {"axis_name": "data"})):
-      with jax.set_mesh(mesh):
-        mb_jit = jax.jit(microbatched(jax.value_and_grad(batch_loss), K, **kw))
-        compiled = mb_jit.lower(jit_params, placed_batch).compile()
-      rows.append((name, "in step", bytes_per_window(compiled, 1)))
-    # 6. microbatched under plain jit on an Explicit mesh: the batch's type
-    # says where it is split; one reduction after the loop, no argument.
-    explicit = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Explicit,),
-                             devices=jax.devices()[:N_DEV])
-    with jax.set_mesh(explicit):
-      mb_jit = jax.jit(microbatched(jax.value_and_grad(batch_loss), K))
-      compiled = mb_jit.lower(jax.device_put(params, P()),
-                              (jax.device_put(xs, P("data")), jax.device_put(ys, P("data")))
-                              ).compile()
-    rows.append(("microbatched(fn, k) under plain jit, Explicit axes (ours)", "in step",
-                 bytes_per_window(compiled, 1)))
+  # 4. microbatched(axis_name) under shard_map: one reduction after the loop.
+  mb_step = jax.jit(jax.shard_map(
+      oa.microbatched(jax.value_and_grad(batch_loss), K, axis_name="data"), mesh=mesh,
+      in_specs=(P(), P("data")), out_specs=P()))
+  rows.append(("microbatched(fn, k, axis_name) + shard_map (ours)", "in step",
+               bytes_per_window(mb_step.lower(params, (xs, ys)).compile(), 1)))
+  # 5. microbatched under plain jit, Auto axes: without axis_name the all-reduce
+  # lands in the loop; with axis_name="data" it moves after the loop.
+  placed_batch = (jax.device_put(xs, batch), jax.device_put(ys, batch))
+  for name, kw in (("microbatched(fn, k) under plain jit, Auto axes (naive)", {}),
+                   ("microbatched(fn, k, axis_name) under plain jit, Auto axes (ours)",
+                    {"axis_name": "data"})):
+    with jax.set_mesh(mesh):
+      mb_jit = jax.jit(oa.microbatched(jax.value_and_grad(batch_loss), K, **kw))
+      compiled = mb_jit.lower(jit_params, placed_batch).compile()
+    rows.append((name, "in step", bytes_per_window(compiled, 1)))
+  # 6. microbatched under plain jit on an Explicit mesh: the batch's type says
+  # where it is split; one reduction after the loop, no argument.
+  explicit = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Explicit,),
+                           devices=jax.devices()[:N_DEV])
+  with jax.set_mesh(explicit):
+    mb_jit = jax.jit(oa.microbatched(jax.value_and_grad(batch_loss), K))
+    compiled = mb_jit.lower(jax.device_put(params, P()),
+                            (jax.device_put(xs, P("data")), jax.device_put(ys, P("data")))
+                            ).compile()
+  rows.append(("microbatched(fn, k) under plain jit, Explicit axes (ours)", "in step",
+               bytes_per_window(compiled, 1)))
 
   result = {
       "k": K,
@@ -257,7 +256,6 @@ def main() -> dict[str, Any]:
       "param_bytes": param_bytes,
       "jax": jax.__version__,
       "platform": f"{platform.machine()} {jax.default_backend()} (compiled HLO only)",
-      "notes": notes,
       "rows": [{"variant": name, "accumulation": kind, **data} for name, kind, data in rows],
   }
   by_name = {r["variant"]: r["bytes_per_window"] for r in result["rows"]}
@@ -290,30 +288,8 @@ def main() -> dict[str, Any]:
                   " all-reduce of the whole buffer (then a slice).")
   lines += ["", "FSDP all-gathers the params for the forward pass on every micro-step, in"
             " both paths (the last column)."]
-  lines += [""] + [f"Note: {n}" for n in notes]
-  harness.write(RESULTS, "communication", result, "\n".join(lines).rstrip() + "\n")
+  harness.write(args.out, "communication", result, "\n".join(lines).rstrip() + "\n", plot)
 
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["variant"] for r in result["rows"]]
-    values = [r["bytes_per_window"] / 2**20 for r in result["rows"]]
-    colors = ["tab:green" if "(ours)" in n else "tab:red" for n in names]
-    fig, ax = plt.subplots(figsize=(9, 0.6 * len(names) + 1.2))
-    ax.barh(range(len(names)), values, color=colors)
-    ax.set_yticks(range(len(names)), names, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 1.15 * max(values))
-    ax.set_xlabel(f"MiB reduced across devices per window (k={K}, {N_DEV} devices)")
-    for i, v in enumerate(values):
-      ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "communication.png", dpi=120)
-  except ImportError:
-    pass
   return result
 
 

@@ -1,20 +1,14 @@
 """Benchmark: the k that ``plan_k`` plans, against the compiled peak of every candidate.
 
-For three models (an MLP, the demo's character transformer, the same
-transformer with ``jax.checkpoint`` around each block, the blocks in a
-``lax.scan``) and two modes (in-step:
-``microbatched`` over ``k`` micro-batches of the global batch; across steps:
-one ``accumulate`` call on a micro-batch of ``global / k`` rows), it
-
-* compiles every candidate ``k`` (the divisors of the global batch) itself and
-  records the peak per device, ``argument + output + temp - alias`` of
-  ``memory_analysis()``, and XLA's own ``peak_memory_in_bytes`` beside it;
-* picks a limit halfway between the peaks of two neighbouring candidates near
-  the middle, so the search has something to find;
-* runs ``plan_k`` under that limit (fresh steps, nothing cached) and records
-  the planned ``k`` and peak, the compiles it used (against its bound
-  ``ceil(log2(n)) + 1``) and its wall time, and the brute-force answer from
-  the sweep (the smallest candidate within the limit).
+For an MLP, the demo's character transformer and the same with
+``jax.checkpoint`` around each block (in a ``lax.scan``), in two modes (in step:
+``microbatched`` over k micro-batches of the global batch; across steps: one
+``accumulate`` call on ``global / k`` rows), it compiles every candidate k itself
+and records the peak per device (``argument + output + temp - alias``, beside
+XLA's ``peak_memory_in_bytes``), sets a limit halfway between two neighbouring
+peaks near the middle, and runs ``plan_k`` under it: the planned k and peak, the
+compiles used (against ``ceil(log2(n)) + 1``), its wall time, and the brute-force
+answer (the smallest candidate within the limit).
 
 Nothing runs on a device: every program is compiled from
 ``jax.ShapeDtypeStruct`` arguments. Run (about 3 minutes on 2 CPU cores; the
@@ -105,12 +99,8 @@ def transformer_case(args: argparse.Namespace, remat: bool) -> dict[str, Any]:
                     layers=args.tf_layers, heads=args.tf_heads)
 
   class Checkpointed(demo.CharTransformer):
-    """The demo's model, its blocks run by a ``lax.scan`` with ``jax.checkpoint`` around each.
-
-    Same parameters, same outputs and gradients (to float rounding). The scan
-    matters: XLA:CPU saves nothing from ``jax.checkpoint`` around unrolled
-    blocks (``results/microbatched.md``), and neither did ``nnx.remat`` here.
-    """
+    """The demo's model with ``jax.checkpoint`` around each block in a ``lax.scan``
+    (XLA:CPU saved nothing from it around unrolled blocks, nor from ``nnx.remat``)."""
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
       x = self.embed(tokens) + self.pos[...][: tokens.shape[1]]
@@ -316,41 +306,26 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
+  """Per model and mode: every candidate's compiled peak, the limit and the planned k."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   rows = result["rows"]
-  models = list(dict.fromkeys(r["model"] for r in rows))
-  modes = list(dict.fromkeys(r["mode"] for r in rows))
-  fig, axes = plt.subplots(len(modes), len(models), figsize=(5 * len(models), 4 * len(modes)),
-                           squeeze=False)
-  for r in rows:
-    ax = axes[modes.index(r["mode"])][models.index(r["model"])]
+  fig, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 3.6), squeeze=False)
+  for ax, r in zip(axes[0], rows, strict=True):
     ks = [row["k"] for row in r["sweep"]]
-    peaks = [row["peak_bytes"] / 2**20 for row in r["sweep"]]
-    ax.plot(ks, peaks, "o-", color="tab:blue", ms=4, label="compiled peak (every candidate)")
-    ax.plot(ks, [row["xla_peak_memory_in_bytes"] / 2**20 for row in r["sweep"]], ":",
-            color="tab:gray", lw=1, label="XLA peak_memory_in_bytes")
-    searched = [(row["k"], row["peak_bytes"] / 2**20) for row in r["sweep"]
-                if row["k"] in r["compiled_ks"]]
-    ax.plot(*zip(*searched, strict=True), "s", mfc="none", mec="tab:orange", ms=9,
-            label=f"compiled by the search ({r['compiles']})")
+    ax.plot(ks, [row["peak_bytes"] / 2**20 for row in r["sweep"]], "o-", ms=4, label="peak")
     ax.plot([r["planned_k"]], [r["planned_peak_bytes"] / 2**20], "*", color="tab:green",
-            ms=15, label=f"planned k = {r['planned_k']}")
-    ax.axhline(r["memory_limit"] / 2**20, color="tab:red", ls="--", lw=1,
-               label=f"limit {_mib(r['memory_limit'])} MiB")
+            ms=14, label=f"planned k = {r['planned_k']} ({r['compiles']} compiles)")
+    ax.axhline(r["memory_limit"] / 2**20, color="tab:red", ls="--", lw=1, label="limit")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("k (micro-batches)")
+    ax.set_xlabel("k")
     ax.set_ylabel("peak per device (MiB)")
-    ax.set_title(f"{r['model']}\n{r['mode']}, global batch {r['global_batch']:,}", fontsize=9)
-    ax.grid(alpha=0.3, which="both")
+    ax.set_title(f"{r['model']}\n{r['mode']}", fontsize=8)
     ax.legend(fontsize=7)
-  s = result["setup"]
-  fig.suptitle(f"plan_k: planned k against the compiled peak of every candidate"
-               f" ({s['backend']}, jax {s['jax']})")
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=100)
   plt.close(fig)
 
 
