@@ -5,8 +5,11 @@ reference from the docstrings (autodoc + autosummary + napoleon) and a
 coverage check that fails the build when a public name has no entry
 (``_ext/coverage_check.py``). Every Python code block on a page is a
 ``sphinx.ext.doctest`` block, run by ``sphinx-build -b doctest``, and
-``_ext/executed_code.py`` fails the build on any that is not. See
-``development.md`` for the commands.
+``_ext/executed_code.py`` fails the build on any that is not, and on any
+hidden setup: each page defines what its code uses, so that a reader can copy
+it into a fresh interpreter. ``_ext/api_links.py`` keeps the API pages in
+public names and links types into JAX's, optax's and Flax's docs. See
+``development/index.md`` for the commands.
 """
 
 import os
@@ -36,8 +39,10 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.doctest",
     "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",
     "coverage_check",
     "executed_code",
+    "api_links",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
@@ -53,6 +58,22 @@ myst_heading_anchors = 3
 autosummary_generate = False  # the API pages are written by hand, as in optax
 autodoc_default_options = {"member-order": "bysource"}
 autodoc_typehints = "signature"
+# Annotations by the names a user writes (the modules use
+# `from __future__ import annotations`, so these are the source's strings),
+# not by where the classes happen to live (jaxlib._jax.Array, optax._src...).
+autodoc_type_aliases = {
+    name: name for name in (
+        "jax.Array",
+        "optax.GradientTransformation",
+        "optax.GradientTransformationExtraArgs",
+        "optax.MultiStepsState",
+        "optax.OptState",
+        "optax.Params",
+        "optax.Schedule",
+        "optax.Updates",
+    )
+}
+autodoc_type_aliases["ShouldSkipUpdateFunction"] = "optax.ShouldSkipUpdateFunction"
 autodoc_member_order = "bysource"
 add_module_names = False
 napoleon_google_docstring = True
@@ -61,14 +82,14 @@ napoleon_use_rtype = False
 napoleon_attr_annotations = True
 
 # -- doctest: every Python block on a page runs --------------------------------
-# Each page is one namespace (the default group), run top to bottom. The toy
-# problem of "Getting started" is defined for every page; it is shown there.
-with open(os.path.join(HERE, "_toy.py"), encoding="utf-8") as _f:
-  doctest_global_setup = _f.read()
+# Each page is one namespace (the default group), run top to bottom in a fresh
+# interpreter state, with no global or hidden setup: a page that continues the
+# toy problem of "Getting started" shows its setup itself (executed_code.py
+# fails the build on doctest_global_setup and on {testsetup} blocks).
 # Docstring examples (reST doctest blocks pulled in by autodoc) already run in
 # the test suite (pytest --doctest-modules); here only the pages' blocks run.
 doctest_test_doctest_blocks = ""
-executed_code_includes = ["_toy.py"]  # literalincludes that run as the global setup
+executed_code_includes = []  # no literalinclude of Python: a page shows the code it runs
 
 # -- html ----------------------------------------------------------------------
 html_theme = "sphinx_book_theme"
@@ -81,6 +102,9 @@ html_theme_options = {
     "use_download_button": False,
     "use_fullscreen_button": False,
     "navigation_with_keys": False,
+    # One search box (the sidebar's): the pydata theme this version of
+    # sphinx-book-theme runs on would add a second one in a top bar.
+    "navbar_persistent": [],
 }
 html_show_sourcelink = False
 pygments_style = "default"
