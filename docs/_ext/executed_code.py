@@ -10,6 +10,11 @@ block in a page under ``docs/`` must name its language. A
 ``literalinclude`` of Python is allowed only for the files named in
 ``executed_code_includes`` (files the doctest run executes itself).
 
+No code runs that a reader does not see: ``doctest_global_setup`` must be
+empty, and a ```` ```{testsetup} ````, ```` ```{testcleanup} ```` or a block
+with ``:hide:`` fails the build. So each page runs, top to bottom, on what it
+shows: copied into a fresh interpreter, its code runs too.
+
 Docstrings pulled in by autodoc are not checked here: their examples are
 doctests that the test suite runs (``pytest --doctest-modules``).
 """
@@ -31,6 +36,12 @@ PYTHON = frozenset({"python", "py", "python3", "py3", "pycon", "ipython", "ipyth
 def _check(app: Sphinx, doctree: nodes.document) -> None:
   srcdir = os.path.abspath(app.srcdir)
   allowed = {os.path.abspath(os.path.join(srcdir, p)) for p in app.config.executed_code_includes}
+  for node in doctree.findall(nodes.comment):
+    if node.get("testnodetype"):  # a doctest block that runs but is not shown
+      logger.warning(
+          "executed_code: a hidden %s block; show the setup on the page (a reader who copies"
+          " the page's code needs it)", node["testnodetype"], location=node,
+          type="executed_code", subtype="hidden")
   for node in doctree.findall(nodes.literal_block):
     source = node.source or doctree.get("source") or ""
     if ":docstring of " in source:  # autodoc: the test suite runs these
@@ -53,7 +64,16 @@ def _check(app: Sphinx, doctree: nodes.document) -> None:
           subtype="language")
 
 
+def _no_global_setup(app: Sphinx, config: Any) -> None:
+  for name in ("doctest_global_setup", "doctest_global_cleanup"):
+    if (getattr(config, name, "") or "").strip():
+      logger.warning(
+          "executed_code: %s is set; every page must define what its code uses (show the"
+          " setup on the page)", name, type="executed_code", subtype="global_setup")
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
   app.add_config_value("executed_code_includes", [], "env")
+  app.connect("config-inited", _no_global_setup, priority=900)
   app.connect("doctree-read", _check)
   return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}
