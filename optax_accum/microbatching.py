@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -38,8 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from optax_accum import _arrays, _validation, _window, gradient_noise
+from optax_accum import _arrays, _per_device, _validation, _window, gradient_noise
 
 __all__ = [
     "AUX_RULES",
@@ -101,42 +101,30 @@ def _check_choice(value: Any, name: str, choices: tuple[str, ...], hint: str) ->
 
 
 def _as_argnums(argnums: Any, name: str) -> tuple[int, ...]:
-  if isinstance(argnums, (int, np.integer)) and not isinstance(argnums, bool):
-    return (int(argnums),)
-  if isinstance(argnums, Sequence) and not isinstance(argnums, str) and all(
-      isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in argnums):
-    return tuple(int(a) for a in argnums)
-  raise TypeError(
-      f"`{name}` must be an int or a sequence of ints (positions of `fn`'s"
-      f" arguments); got {argnums!r}. Pass e.g. `{name}=1`."
-  )
+  nums = argnums if isinstance(argnums, Sequence) and not isinstance(argnums, str) else (argnums,)
+  if not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in nums):
+    raise TypeError(
+        f"`{name}` must be an int or a sequence of ints (positions of `fn`'s"
+        f" arguments); got {argnums!r}. Pass e.g. `{name}=1`."
+    )
+  return tuple(int(a) for a in nums)
 
 
-def _resolve_argnums(argnums: tuple[int, ...], nargs: int, name: str) -> tuple[int, ...]:
-  out = []
-  for a in argnums:
-    if not -nargs <= a < nargs:
-      raise ValueError(
-          f"`{name}` contains {a}, but the wrapped function was called with"
-          f" {nargs} positional argument(s). Pass the batch (and keys)"
-          f" positionally, or set `{name}` to their positions."
-      )
-    out.append(a % nargs)
-  return tuple(out)
+def _check_batch(batches: dict[int, Any], k: int) -> tuple[int, tuple[Any, ...]]:
+  """The batch size and the mesh axes the batch is split over per its type (``()`` if none).
 
-
-def _batch_size(batches: dict[int, Any], k: int) -> int:
-  """The common leading dim of every leaf of the batch arguments."""
-  sizes: list[tuple[str, int]] = []
+  Both are the same for every leaf of the batch arguments ``batches``.
+  """
+  leaves = []
   for argnum, tree in batches.items():
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    if not leaves:
+    found = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if not found:
       raise ValueError(
           f"The batch argument {argnum} of `fn` has no array leaves, so it"
           " cannot be split. Pass a pytree of arrays with a leading batch"
           " dimension, or fix `batch_argnums`."
       )
-    for path, leaf in leaves:
+    for path, leaf in found:
       where = f"argument {argnum}{jax.tree_util.keystr(path)}"
       if jnp.ndim(leaf) == 0:
         raise ValueError(
@@ -144,15 +132,22 @@ def _batch_size(batches: dict[int, Any], k: int) -> int:
             " leading batch dimension. Add one, or pass this value outside the"
             " batch (it is then given to every micro-batch unchanged)."
         )
-      sizes.append((where, int(jnp.shape(leaf)[0])))
-  first_where, size = sizes[0]
-  for where, s in sizes[1:]:
+      lead = (*_arrays.spec_of(leaf), None)[0]  # the leading dim's entry, if any
+      leaves.append((where, int(jnp.shape(leaf)[0]), _arrays.axis_names(lead) if lead else ()))
+  (first, size, axes), *others = leaves
+  for where, s, a in others:
     if s != size:
       raise ValueError(
-          f"The batch leaves disagree on the batch size: {first_where} has"
+          f"The batch leaves disagree on the batch size: {first} has"
           f" {size} rows but {where} has {s}. Every batch leaf must share its"
           " leading dimension."
       )
+    if a != axes:
+      raise ValueError(
+          f"The batch leaves are split differently over the mesh: {first} has its"
+          f" leading dim sharded over {axes or 'no axis'} but {where} over"
+          f" {a or 'no axis'}. Place every batch leaf the same way, e.g."
+          f" jax.device_put(batch, P({_per_device.spec_entry(axes or a)!r})).")
   if size % k != 0:
     divisors = [d for d in range(1, size + 1) if size % d == 0]
     raise ValueError(
@@ -161,7 +156,7 @@ def _batch_size(batches: dict[int, Any], k: int) -> int:
         f" num_microbatches that divides {size} (one of {divisors}), or pad the"
         " batch to a multiple of it and mask the padding (normalize='weighted')."
     )
-  return size
+  return size, axes
 
 
 def split_microbatches(tree: Any, num_microbatches: int, split: str = "strided") -> Any:
@@ -183,7 +178,7 @@ def split_microbatches(tree: Any, num_microbatches: int, split: str = "strided")
   """
   k = _validation.check_k(num_microbatches, "num_microbatches")
   _check_choice(split, "split", SPLITS, "Use 'strided' (default) or 'contiguous'.")
-  _batch_size({0: tree}, k)
+  _check_batch({0: tree}, k)
   return jax.tree.map(lambda x: _index(_reshape(x, k, split), slice(None), split), tree)
 
 
@@ -281,32 +276,22 @@ class _Carry(NamedTuple):
 class _AuxPlan(NamedTuple):
   """``aux_rules`` matched against the aux of one micro-batch."""
 
-  rules: list[str | AuxRule]
+  rules: list[str | AuxRule]  # as given
+  programs: list[AuxRule]  # what each rule runs (a built-in rule's own program)
   shapes: list[Any]  # the aux subtree (of ShapeDtypeStructs) under each rule
   where: list[str]  # each rule's position in the aux, for error messages
   treedef: Any  # the structure of `aux_rules`
 
 
 # ---------------------------------------------------------------- options
-def _check_fn(fn: Any) -> None:
-  if not callable(fn):
-    raise TypeError(f"`fn` must be callable (e.g. jax.value_and_grad(loss)); got {fn!r}.")
-
-
 def _check_num_microbatches(num_microbatches: Any) -> int:
-  if isinstance(num_microbatches, (float, np.floating)):
+  if isinstance(num_microbatches, (float, np.floating)) or callable(num_microbatches):
     raise TypeError(
-        "`num_microbatches` must be a positive int (it fixes the micro-batch"
-        f" shapes); got {num_microbatches!r} of type {type(num_microbatches).__name__}."
-        " Pass e.g. `num_microbatches=4`."
+        "`num_microbatches` must be a positive int: it fixes the micro-batch shapes, so"
+        " floats and schedules are not supported inside one step; got"
+        f" {num_microbatches!r}. Pass e.g. `num_microbatches=4`."
     )
-  k = _validation.check_k(num_microbatches, "num_microbatches")
-  if callable(k):
-    raise TypeError(
-        "`num_microbatches` must be a positive int; schedules are not supported"
-        " inside one step (shapes must be static). Pass e.g. `num_microbatches=4`."
-    )
-  return k
+  return _validation.check_k(num_microbatches, "num_microbatches")
 
 
 def _check_aux_rules(aux_rules: Any) -> Any:
@@ -336,6 +321,7 @@ def microbatched(
     rng_argnums: int | Sequence[int] = (),
     axis_name: Any = None,
     return_noise_stats: bool = False,
+    **deprecated_options: Any,
 ) -> Callable[..., Any]:
   r"""Runs a value-and-grad function over ``k`` micro-batches in one ``lax.scan``.
 
@@ -544,18 +530,22 @@ def microbatched(
     >>> bool(jnp.allclose(grads, ref, atol=1e-6))
     True
   """
-  return _build(fn, num_microbatches, batch_argnums, has_aux, normalize, aux_rules,
-                rng_argnums, axis_name, return_noise_stats, **_DEPRECATED_OPTIONS)
-
-
-def _build(
-    fn: Callable[..., tuple[Any, Any]], num_microbatches: int, batch_argnums: Any,
-    has_aux: bool, normalize: str, aux_rules: Any, rng_argnums: Any, axis_name: Any,
-    return_noise_stats: bool, *, split: str, rng_mode: str, accumulator_dtype: Any,
-    unroll: int | bool,
-) -> Callable[..., Any]:
-  """:func:`microbatched` with every option, the deprecated ones included."""
-  _check_fn(fn)
+  unknown = sorted(set(deprecated_options) - set(_DEPRECATED_OPTIONS))
+  if unknown:
+    raise TypeError(
+        f"`microbatched` got unexpected keyword argument(s) {unknown}; it takes"
+        " batch_argnums, has_aux, normalize, aux_rules, rng_argnums, axis_name and"
+        " return_noise_stats.")
+  if deprecated_options:
+    warnings.warn(
+        f"`microbatched`'s {', '.join(f'`{n}=`' for n in sorted(deprecated_options))} is"
+        " deprecated and goes in 0.4: micro-batches are strided rows with keys"
+        " `jax.random.fold_in(key, i)`, the accumulators follow the default dtype rule"
+        " (never narrower than the values) and `lax.scan` is not unrolled.",
+        DeprecationWarning, stacklevel=2)
+  old = {**_DEPRECATED_OPTIONS, **deprecated_options}
+  if not callable(fn):
+    raise TypeError(f"`fn` must be callable (e.g. jax.value_and_grad(loss)); got {fn!r}.")
   batch_nums = _as_argnums(batch_argnums, "batch_argnums")
   if not batch_nums:
     raise ValueError("`batch_argnums` is empty; name at least one batch argument of `fn`.")
@@ -565,30 +555,33 @@ def _build(
   config = _Config(
       k=_check_num_microbatches(num_microbatches),
       batch_argnums=batch_nums,
-      rng_argnums=_as_argnums(rng_argnums, "rng_argnums") if rng_argnums != () else (),
+      rng_argnums=_as_argnums(rng_argnums, "rng_argnums"),
       has_aux=has_aux,
       normalize=_check_choice(
           normalize, "normalize", _validation.REDUCTIONS,
           "Use 'mean' for a mean loss, 'sum' for a summed loss, or 'weighted' when"
           " `fn`'s value is (numerator, denominator)."),
       aux_rules=_check_aux_rules(aux_rules),
-      split=_check_choice(split, "split", SPLITS, "Use 'strided' (default) or 'contiguous'."),
-      rng_mode=_check_choice(rng_mode, "rng_mode", RNG_MODES,
+      split=_check_choice(old["split"], "split", SPLITS,
+                          "Use 'strided' (default) or 'contiguous'."),
+      rng_mode=_check_choice(old["rng_mode"], "rng_mode", RNG_MODES,
                              "Use 'fold_in' (default) or 'split'."),
-      acc_dtype=_validation.check_accumulator_dtype(accumulator_dtype),
+      acc_dtype=_validation.check_accumulator_dtype(old["accumulator_dtype"]),
       axis_name=axis_name,
-      unroll=unroll,
+      unroll=old["unroll"],
       return_noise_stats=return_noise_stats,
   )
 
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
     call = functools.partial(fn, **kwargs)
+    nums = _positions(config, len(args))
+    size, split = _check_batch({i: args[i] for i in nums[0]}, config.k)  # the one check
     with _arrays.mesh_context(args):
-      place = _place(config, args)
-      if place is not None:
-        return _run_on_mesh(call, config, place, args)
-      return _run(call, config, _split_inputs(config, args))
+      axes = _per_device.data_axes(config.axis_name, split, args, nums[0])
+      if axes is None:
+        return _run(call, config, _split_inputs(config, args, nums))
+      return _run_on_mesh(call, config, args, nums, axes, size)
 
   # Equinox warns of a "JAX-transformed callable" when a function's
   # `__wrapped__` chain reaches a module with array-like fields (its
@@ -597,46 +590,19 @@ def _build(
   return wrapped
 
 
-def _accepting_deprecated_options(public: Callable[..., Any]) -> Callable[..., Any]:
-  """``public`` that also takes 0.2's options, with a warning, until 0.4.
-
-  The signature (and ``help``) stay ``public``'s: the old keywords are taken
-  out before the call, so an unknown keyword is still an error.
-  """
-  signature = inspect.signature(public)
-
-  @functools.wraps(public)
-  def accepting(*args: Any, **kwargs: Any) -> Any:
-    old = {name: kwargs.pop(name) for name in _DEPRECATED_OPTIONS if name in kwargs}
-    unknown = sorted(set(kwargs) - set(signature.parameters))
-    if unknown:
-      raise TypeError(
-          f"`microbatched` got unexpected keyword argument(s) {unknown}; it takes"
-          " batch_argnums, has_aux, normalize, aux_rules, rng_argnums, axis_name and"
-          " return_noise_stats.")
-    if not old:
-      return public(*args, **kwargs)
-    warnings.warn(
-        f"`microbatched`'s {', '.join(f'`{n}=`' for n in sorted(old))} is deprecated"
-        " and goes in 0.4: micro-batches are strided rows with keys"
-        " `jax.random.fold_in(key, i)`, the accumulators follow the default dtype rule"
-        " (never narrower than the values) and `lax.scan` is not unrolled.",
-        DeprecationWarning, stacklevel=2)
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return _build(**bound.arguments, **{**_DEPRECATED_OPTIONS, **old})
-
-  return accepting
-
-
-microbatched = _accepting_deprecated_options(microbatched)
-
-
 # ------------------------------------------------- stage 1: split the batch
 def _positions(config: _Config, nargs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """The positions of the batch arguments and of the keys, for ``nargs`` arguments."""
-  b_nums = _resolve_argnums(config.batch_argnums, nargs, "batch_argnums")
-  r_nums = _resolve_argnums(config.rng_argnums, nargs, "rng_argnums")
+  for name, nums in (("batch_argnums", config.batch_argnums), ("rng_argnums", config.rng_argnums)):
+    for a in nums:
+      if not -nargs <= a < nargs:
+        raise ValueError(
+            f"`{name}` contains {a}, but the wrapped function was called with"
+            f" {nargs} positional argument(s). Pass the batch (and keys)"
+            f" positionally, or set `{name}` to their positions."
+        )
+  b_nums, r_nums = (tuple(a % nargs for a in nums)
+                    for nums in (config.batch_argnums, config.rng_argnums))
   if set(b_nums) & set(r_nums):
     raise ValueError(
         f"`batch_argnums` {b_nums} and `rng_argnums` {r_nums} overlap; an"
@@ -645,32 +611,24 @@ def _positions(config: _Config, nargs: int) -> tuple[tuple[int, ...], tuple[int,
   return b_nums, r_nums
 
 
-def _split_inputs(config: _Config, args: tuple[Any, ...]) -> _Inputs:
-  """Checks the batch arguments and reshapes them for ``_index``; prepares the keys."""
-  nargs = len(args)
-  b_nums, r_nums = _positions(config, nargs)
-  _batch_size({i: args[i] for i in b_nums}, config.k)
+def _split_inputs(config: _Config, args: tuple[Any, ...],
+                  nums: tuple[tuple[int, ...], tuple[int, ...]]) -> _Inputs:
+  """The batch arguments reshaped for ``_index``, the keys prepared, the rest device-varying.
+
+  Inside ``shard_map``/``pmap`` the other arguments are cast to device-varying:
+  else the transpose of a replicated input would all-reduce its gradient on
+  every micro-batch.
+  """
+  b_nums, r_nums = nums
   rest = list(args)
   if config.axis_name is not None:
-    for i in range(nargs):
-      if i not in b_nums and i not in r_nums:
-        rest[i] = _make_varying(rest[i], config.axis_name)
+    axes = _arrays.axis_names(config.axis_name)
+    rest = [x if i in b_nums or i in r_nums else _per_device.make_varying(x, axes)
+            for i, x in enumerate(args)]
   splits = {i: jax.tree.map(lambda x: _reshape(x, config.k, config.split), args[i])
             for i in b_nums}
   keys = {i: _device_key(config, args[i]) for i in r_nums}
   return _Inputs(rest, splits, keys)
-
-
-def _make_varying(tree: Any, axis_name: Any) -> Any:
-  """Marks a replicated input device-varying (a no-op outside shard_map)."""
-  names = _arrays.axis_names(axis_name)
-
-  def one(leaf: Any) -> Any:
-    if not isinstance(leaf, (jax.Array, np.ndarray)):
-      return leaf
-    have = _arrays.varying_axes(leaf)
-    return _arrays.pcast_varying(leaf, tuple(n for n in names if n not in have))
-  return jax.tree.map(one, tree)
 
 
 # --------------------------------- stage 2: one micro-batch with its own key
@@ -701,50 +659,30 @@ def _call_microbatch(
 
 def _unpack(config: _Config, out: Any) -> _Out:
   """``fn``'s output to ``(numerator, denominator, aux, grads)``."""
-  if not (isinstance(out, (tuple, list)) and len(out) == 2):
-    raise TypeError(
-        "`fn` must return `(value, grads)` like `jax.value_and_grad`; got"
-        f" {jax.tree.structure(out)}."
-    )
-  value, grads = out
+  def pair(x: Any, needs: str) -> Any:
+    if not (isinstance(x, (tuple, list)) and len(x) == 2):
+      raise TypeError(f"{needs}; got a value with structure {jax.tree.structure(x)}.")
+    return x
+
+  value, grads = pair(out, "`fn` must return `(value, grads)` like `jax.value_and_grad`")
+  den = aux = None
   if config.normalize == "weighted":
-    return _Out(*_unpack_weighted(value, config.has_aux), grads)
-  if not config.has_aux:
-    return _Out(value, None, None, grads)
-  if not (isinstance(value, (tuple, list)) and len(value) == 2):
-    raise TypeError(
-        "has_aux=True needs `fn` to return ((value, aux), grads), like"
-        " jax.value_and_grad(loss, has_aux=True); got a value with structure"
-        f" {jax.tree.structure(value)}."
-    )
-  return _Out(value[0], None, value[1], grads)
-
-
-def _unpack_weighted(value: Any, has_aux: bool) -> tuple[Any, Any, Any]:
-  """``fn``'s value under ``normalize="weighted"`` to ``(numerator, denominator, aux)``."""
-  if not (isinstance(value, (tuple, list)) and len(value) == 2):
-    raise TypeError(
-        "normalize='weighted' needs `fn`'s value to be (numerator,"
-        " denominator) — e.g. jax.value_and_grad(loss_fn, has_aux=True) with"
-        " loss_fn returning (sum of token losses, number of real tokens) —"
-        f" got a value with structure {jax.tree.structure(value)}."
-    )
-  num, den = value
-  aux = None
-  if has_aux:
-    if not (isinstance(den, (tuple, list)) and len(den) == 2):
-      raise TypeError(
-          "normalize='weighted' with has_aux=True needs `fn`'s value to be"
-          " (numerator, (denominator, aux)); got a value with structure"
-          f" {jax.tree.structure(value)}."
+    value, den = pair(value, (
+        "normalize='weighted' needs `fn`'s value to be (numerator, denominator) — e.g."
+        " jax.value_and_grad(loss_fn, has_aux=True) with loss_fn returning (sum of token"
+        " losses, number of real tokens)"))
+    if config.has_aux:
+      den, aux = pair(den, "normalize='weighted' with has_aux=True needs `fn`'s value to be"
+                           " (numerator, (denominator, aux))")
+    if jnp.ndim(den) != 0:
+      raise ValueError(
+          "normalize='weighted' needs a scalar denominator (e.g. the count of"
+          f" real tokens); got shape {jnp.shape(den)}. Sum it before returning."
       )
-    den, aux = den
-  if jnp.ndim(den) != 0:
-    raise ValueError(
-        "normalize='weighted' needs a scalar denominator (e.g. the count of"
-        f" real tokens); got shape {jnp.shape(den)}. Sum it before returning."
-    )
-  return num, den, aux
+  elif config.has_aux:
+    value, aux = pair(value, "has_aux=True needs `fn` to return ((value, aux), grads), like"
+                             " jax.value_and_grad(loss, has_aux=True)")
+  return _Out(value, den, aux, grads)
 
 
 # ------------------------------------------------------ stage 3: the loop
@@ -761,15 +699,15 @@ def _run(
   _validation.check_no_float0(shapes.grads, where="gradient `fn` returns")
   plan = _resolve_aux_rules(config, shapes.aux) if config.has_aux else None
 
-  def body(carry: _Carry, idx: jax.Array) -> tuple[_Carry, list[Any]]:
+  def body(carry: _Carry, idx: jax.Array) -> _Carry:
     return _add(config, plan, carry, _unpack(config, step(inputs, idx)), idx)
 
-  init = _init_carry(config, plan, shapes)
-  carry, stacked = _loop(config, body, init, _any_varying(inputs))
+  carry = _loop(config, body, _init_carry(config, plan, shapes), _any_varying(inputs))
   num, grads, stats = _normalize(config, carry, scatter)
   num = jax.tree.map(lambda x, s: x.astype(s.dtype), num, shapes.num)
   grads = jax.tree.map(lambda x, s: x.astype(s.dtype), grads, shapes.grads)
-  aux = None if plan is None else _aux_outputs(config, plan, carry.aux, stacked)
+  aux = None if plan is None else jax.tree.unflatten(plan.treedef, [
+      rule.finalize(c) for rule, c in zip(plan.programs, carry.aux, strict=True)])
   out = ((num, aux) if config.has_aux else num), grads
   return (out, stats) if config.return_noise_stats else out
 
@@ -798,32 +736,28 @@ def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _Out) -> _Carry:
   den = None
   if shapes.den is not None:
     # An integer token count is summed as a float, like the value it divides.
-    den_dtype = shapes.den.dtype if _is_float(shapes.den.dtype) else jnp.float32
-    den = jnp.zeros([], _acc_dtype(den_dtype, config.acc_dtype))
+    den = zeros(jax.ShapeDtypeStruct((), shapes.den.dtype if _is_float(shapes.den.dtype)
+                                     else jnp.float32))
   aux = [] if plan is None else [
-      _aux_init(config, r, s) for r, s in zip(plan.rules, plan.shapes, strict=True)]
-  noise = ()
-  if config.return_noise_stats:
-    noise = gradient_noise.init()
+      rule.init(s) for rule, s in zip(plan.programs, plan.shapes, strict=True)]
+  noise = gradient_noise.init() if config.return_noise_stats else ()
   return _Carry(num, den, grads, aux, noise)
 
 
 def _add(
     config: _Config, plan: _AuxPlan | None, carry: _Carry, out: _Out, idx: jax.Array,
-) -> tuple[_Carry, list[Any]]:
-  """One loop step: ``out`` added to the carry; the outputs the loop stacks."""
+) -> _Carry:
+  """One loop step: micro-batch ``idx``'s outputs ``out`` added to the carry."""
   num, grads = jax.tree.map(
       lambda c, x: c + x.astype(c.dtype), (carry.num, carry.grads), (out.num, out.grads))
   den = None
   if carry.den is not None:
     den = carry.den + jnp.asarray(out.den).astype(carry.den.dtype)
   noise = _add_noise(carry.noise, out) if config.return_noise_stats else ()
-  if plan is None:
-    return _Carry(num, den, grads, [], noise), []
-  parts = plan.treedef.flatten_up_to(out.aux)
-  aux = [_aux_update(r, c, v, idx) for r, c, v in zip(plan.rules, carry.aux, parts, strict=True)]
-  ys = [v if _collects(r) else () for r, v in zip(plan.rules, parts, strict=True)]
-  return _Carry(num, den, grads, aux, noise), ys
+  aux = [] if plan is None else [
+      rule.update(c, v, idx) for rule, c, v in
+      zip(plan.programs, carry.aux, plan.treedef.flatten_up_to(out.aux), strict=True)]
+  return _Carry(num, den, grads, aux, noise)
 
 
 def _add_noise(noise: gradient_noise.NoiseScaleState, out: _Out,
@@ -842,25 +776,22 @@ def _add_noise(noise: gradient_noise.NoiseScaleState, out: _Out,
   return gradient_noise.add_micro_batch(noise, sq / den / den, True, den)
 
 
-def _loop(
-    config: _Config,
-    body: Callable[[_Carry, jax.Array], tuple[_Carry, list[Any]]],
-    init: _Carry,
-    varying: bool,
-) -> tuple[_Carry, list[Any]]:
-  """Runs ``body`` for micro-batches ``0 .. k - 1``; stacks its outputs on a new axis."""
+def _loop(config: _Config, body: Callable[[_Carry, jax.Array], _Carry], init: _Carry,
+          varying: bool) -> _Carry:
+  """Runs ``body`` for micro-batches ``0 .. k - 1``."""
   with jax.named_scope("microbatched"):
     if config.k == 1:
       # One step needs no loop. A scan would compile `fn` as one program whose
       # fusions round differently from calling it: k = 1 stays bitwise `fn`.
-      carry, ys = body(init, jnp.zeros([], jnp.int32))
-      return carry, jax.tree.map(lambda y: jnp.asarray(y)[None], ys)
+      return body(init, jnp.zeros([], jnp.int32))
     if varying:
       # Inside shard_map the carry must vary over the same mesh axes as what
       # the body adds to it; match the zeros to one abstract step.
-      out_carry = jax.eval_shape(lambda c: body(c, jnp.zeros([], jnp.int32))[0], init)
+      out_carry = jax.eval_shape(lambda c: body(c, jnp.zeros([], jnp.int32)), init)
       init = jax.tree.map(_arrays.match_varying, init, out_carry)
-    return lax.scan(body, init, jnp.arange(config.k, dtype=jnp.int32), unroll=config.unroll)
+    carry, _ = lax.scan(lambda c, i: (body(c, i), None), init,
+                        jnp.arange(config.k, dtype=jnp.int32), unroll=config.unroll)
+    return carry
 
 
 # ------------------------------------------- stages 4 and 5: reduce, normalise
@@ -917,14 +848,8 @@ def _window_stats(
   return gradient_noise.WindowStats(sq_norms, count.astype(jnp.int32), total, mean_sq)
 
 
-def _all_reduce(config: _Config, tree: Any, op: Callable[[Any, Any], Any]) -> Any:
-  """``op`` (``lax.psum``, ``pmean``, ...) over ``axis_name``; a no-op without it."""
-  return tree if config.axis_name is None else op(tree, config.axis_name)
-
-
 # ----------------------------------------------------- stage 6: aux rules
-_COLLECTED = ("concat", "stack")  # rules whose values the loop stacks, not carries
-_CROSS_DEVICE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+_CROSS_DEVICE = {"mean": lax.pmean, "sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
 _LEAF_UPDATES = {
     "mean": lambda c, v: c + v.astype(c.dtype),
     "sum": lambda c, v: c + v.astype(c.dtype),
@@ -932,10 +857,6 @@ _LEAF_UPDATES = {
     "min": jnp.minimum,
     "last": lambda c, v: v,
 }
-
-
-def _collects(rule: str | AuxRule) -> bool:
-  return isinstance(rule, str) and rule in _COLLECTED
 
 
 def _resolve_aux_rules(config: _Config, aux_shapes: Any) -> _AuxPlan:
@@ -949,21 +870,44 @@ def _resolve_aux_rules(config: _Config, aux_shapes: Any) -> _AuxPlan:
         f" the aux returned by `fn`; rules have structure {treedef} but the aux"
         f" is {jax.tree.structure(aux_shapes)}. ({e})"
     ) from e
-  return _AuxPlan(rules=[r for _, r in leaves], shapes=subtrees,
-                  where=["aux" + jax.tree_util.keystr(p) for p, _ in leaves],
-                  treedef=treedef)
+  rules = [r for _, r in leaves]
+  where = ["aux" + jax.tree_util.keystr(p) for p, _ in leaves]
+  programs = [_program(config, r, s, w) for r, s, w in zip(rules, subtrees, where, strict=True)]
+  return _AuxPlan(rules, programs, subtrees, where, treedef)
 
 
-def _aux_init(config: _Config, rule: str | AuxRule, shapes: Any) -> Any:
-  """The state of one rule before the first micro-batch."""
+def _program(config: _Config, rule: str | AuxRule, shapes: Any, where: str) -> AuxRule:
+  """What ``rule`` runs over the micro-batches: a built-in rule as an :class:`AuxRule`."""
   if isinstance(rule, AuxRule):
-    return rule.init(shapes)
-  if _collects(rule):
-    return ()
-  return jax.tree.map(lambda s: _leaf_init(config, rule, s), shapes)
+    return rule
+
+  def init(shapes: Any) -> Any:
+    return jax.tree.map(lambda s: _leaf_init(config, rule, s), shapes)
+
+  def update(carry: Any, value: Any, idx: jax.Array) -> Any:
+    if rule in ("stack", "concat"):  # micro-batch idx's values, into a [k, ...] buffer
+      return jax.tree.map(lambda c, v: lax.dynamic_update_index_in_dim(c, v, idx, 0),
+                          carry, value)
+    return jax.tree.map(_LEAF_UPDATES[rule], carry, value)
+
+  def finalize(carry: Any) -> Any:
+    if rule == "stack":
+      return carry
+    if rule == "concat":
+      leaves, treedef = jax.tree_util.tree_flatten_with_path(carry)
+      return jax.tree.unflatten(treedef, [
+          _unstack_concat(x, config.split, where + jax.tree_util.keystr(p)) for p, x in leaves])
+    return jax.tree.map(lambda c, s: _leaf_finalize(config, rule, c, s), carry, shapes)
+
+  return AuxRule(init, update, finalize)
 
 
 def _leaf_init(config: _Config, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array:
+  """A built-in rule's state for one aux leaf before the first micro-batch."""
+  if rule in ("stack", "concat"):
+    spec = _arrays.explicit_spec(s)
+    return jnp.zeros((config.k, *s.shape), s.dtype,
+                     out_sharding=None if spec is None else P(None, *spec))
   if rule in ("mean", "sum"):
     dtype = _acc_dtype(s.dtype, config.acc_dtype)
     if rule == "mean" and not _is_float(dtype):
@@ -981,281 +925,93 @@ def _leaf_init(config: _Config, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array
   return _filled(s, s.dtype, start)
 
 
-def _aux_update(rule: str | AuxRule, carry: Any, value: Any, idx: jax.Array) -> Any:
-  """One rule's state after micro-batch ``idx``, whose aux subtree is ``value``."""
-  if isinstance(rule, AuxRule):
-    return rule.update(carry, value, idx)
-  if _collects(rule):
-    return carry
-  return jax.tree.map(_LEAF_UPDATES[rule], carry, value)
+def _leaf_finalize(config: _Config, rule: str, c: jax.Array, s: jax.ShapeDtypeStruct) -> Any:
+  """A carried built-in rule's output for one aux leaf, reduced across devices."""
+  if rule == "mean":
+    c = c / config.k
+  if rule in _CROSS_DEVICE and config.axis_name is not None:
+    c = _CROSS_DEVICE[rule](c, config.axis_name)
+  return c if rule == "mean" and not _is_float(s.dtype) else c.astype(s.dtype)
 
 
-def _aux_outputs(config: _Config, plan: _AuxPlan, carries: list[Any], stacked: list[Any]) -> Any:
-  """The aux output: each rule's final state (or stacked values) in the aux structure."""
-  parts = [
-      _aux_finalize(config, r, c, y, s, w)
-      for r, c, y, s, w in zip(plan.rules, carries, stacked, plan.shapes, plan.where,
-                               strict=True)
-  ]
-  return jax.tree.unflatten(plan.treedef, parts)
-
-
-def _aux_finalize(
-    config: _Config, rule: str | AuxRule, carry: Any, stacked: Any, shapes: Any, where: str,
-) -> Any:
-  """One rule's output from its state, or from its values stacked ``[k, ...]``."""
-  if isinstance(rule, AuxRule):
-    return rule.finalize(carry)
-  if rule == "stack":
-    return stacked
-  if rule == "concat":
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(stacked)
-    return jax.tree.unflatten(treedef, [
-        _unstack_concat(x, config.split, where + jax.tree_util.keystr(p)) for p, x in leaves])
-
-  def one(c: jax.Array, s: jax.ShapeDtypeStruct) -> jax.Array:
-    if rule == "mean":
-      c = _all_reduce(config, c / config.k, lax.pmean)
-      return c.astype(s.dtype) if _is_float(s.dtype) else c
-    if rule in _CROSS_DEVICE:
-      c = _all_reduce(config, c, _CROSS_DEVICE[rule])
-    return c.astype(s.dtype)
-  return jax.tree.map(one, carry, shapes)
-
-
-# ------------------------------------------------------------- shard_map
 def _any_varying(tree: Any) -> bool:
   return any(_arrays.varying_axes(x) for x in jax.tree.leaves(tree)
              if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)))
 
 
 # ---------------------------------------------- plain jit: the batch on a mesh
-class _Placement(NamedTuple):
-  """A batch split over mesh axes under plain ``jit``: the loop runs inside ``shard_map``."""
-
-  axes: tuple[Any, ...]  # the data axes
-  mesh: Any  # the mesh to ``shard_map`` over
-  explicit: bool  # shardings are in the types: gradients go back to their params' shardings
-
-
-def _leading_axes(leaf: Any) -> tuple[tuple[Any, ...], Any]:
-  """The mesh axes the leading dim of ``leaf`` is sharded over per its type, and its mesh."""
-  sharding = getattr(jax.typeof(leaf), "sharding", None)
-  spec = getattr(sharding, "spec", None)
-  lead = spec[0] if spec is not None and len(spec) else None
-  names = () if lead is None else tuple(lead) if isinstance(lead, tuple) else (lead,)
-  return names, getattr(sharding, "mesh", None)
-
-
-def _batch_axes(args: tuple[Any, ...], b_nums: tuple[int, ...]) -> tuple[tuple[Any, ...], Any]:
-  """The Explicit axes the batch is split over (``()`` if none), the same for every leaf."""
-  found = [(f"argument {i}{jax.tree_util.keystr(path)}", *_leading_axes(leaf))
-           for i in b_nums for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]]
-  where, axes, mesh = found[0]
-  for other, other_axes, _ in found[1:]:
-    if other_axes != axes:
-      raise ValueError(
-          f"The batch leaves are split differently over the mesh: {where} has its"
-          f" leading dim sharded over {axes or 'no axis'} but {other} over"
-          f" {other_axes or 'no axis'}. Place every batch leaf the same way, e.g."
-          f" jax.device_put(batch, P({_spec_entry(axes or other_axes)!r}))."
-      )
-  return axes, mesh
-
-
-def _spec_entry(axes: tuple[Any, ...]) -> Any:
-  return axes[0] if len(axes) == 1 else axes
-
-
-def _place(config: _Config, args: tuple[Any, ...]) -> _Placement | None:
-  """Where the batch lives: None to run as written (one device, or inside shard_map/pmap)."""
-  b_nums, _ = _positions(config, len(args))
-  _batch_size({i: args[i] for i in b_nums}, config.k)
-  axes, mesh = _batch_axes(args, b_nums)
-  if config.axis_name is None:
-    if axes:
-      return _Placement(axes, mesh, explicit=True)
-    _check_no_hidden_split(args, b_nums)
-    return None
-  named = _arrays.axis_names(config.axis_name)
-  current = jax.sharding.get_abstract_mesh()
-  kinds = _arrays.axis_kinds(current, named)
-  if kinds is None or kinds == {"Manual"}:  # inside shard_map, or pmap
-    if axes:
-      raise ValueError(
-          f"The batch is sharded over the Explicit mesh axes {axes} while"
-          f" `axis_name={config.axis_name!r}` names shard_map/pmap axes: both would"
-          f" split it. Drop `axis_name` (microbatched reads the split from the"
-          " batch's type), or replicate the batch over the Explicit axes.")
-    return None
-  if len(kinds) > 1 or (axes and set(axes) != set(named)):
-    raise ValueError(
-        f"`axis_name={config.axis_name!r}` names mesh axes of kinds {sorted(kinds)}"
-        f" and the batch's type shows it sharded over {axes or 'no Explicit axis'}."
-        " Name the axes the batch is split over, all of one kind: Explicit ones"
-        " (then `axis_name` may be dropped) or Auto ones.")
-  return _Placement(named, current, explicit=kinds == {"Explicit"})
-
-
-def _check_no_hidden_split(args: tuple[Any, ...], b_nums: tuple[int, ...]) -> None:
-  """Raises on a mesh that mixes Auto and Explicit axes with params in explicit types.
-
-  An Auto axis does not appear in the batch's type: a batch split over it
-  would go undetected, and the partitioner would reduce the gradients on
-  every micro-batch.
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  names = tuple(getattr(mesh, "axis_names", ()) or ())
-  if not {"Auto", "Explicit"} <= (_arrays.axis_kinds(mesh, names) or set()):
-    return
-  for i, arg in enumerate(args):
-    if i in b_nums:
-      continue
-    for leaf in jax.tree.leaves(arg):
-      if isinstance(leaf, (jax.Array, np.ndarray)) and any(_arrays.spec_of(leaf)):
-        auto = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-                     if str(t).endswith("Auto"))
-        raise ValueError(
-            f"The mesh mixes Auto axes {auto} with Explicit ones, argument {i} of"
-            " `fn` is sharded in its type, and the batch's type shows no split of"
-            " its leading dim: a split over an Auto axis cannot be seen, and the"
-            " gradients would be reduced on every micro-batch. Make the data axes"
-            " Explicit and shard the batch over them, or name them:"
-            f" `microbatched(..., axis_name={_spec_entry(auto)!r})`.")
-
-
-def _run_on_mesh(call: Callable[..., Any], config: _Config, place: _Placement,
-                 args: tuple[Any, ...]) -> Any:
-  """Plain ``jit``: the loop inside a ``shard_map`` over the data axes, reduced once after it.
+def _run_on_mesh(call: Callable[..., Any], config: _Config, args: tuple[Any, ...],
+                 nums: tuple[tuple[int, ...], tuple[int, ...]], axes: tuple[Any, ...],
+                 size: int) -> Any:
+  """Plain ``jit``: the loop run per device over the data ``axes``, reduced once after it.
 
   Each device scans over its own rows with ``axis_name`` set to the data axes
-  (the tested ``shard_map`` path); outside, each gradient takes the sharding
-  of the parameter it belongs to.
+  (the ``shard_map`` path); outside, each gradient takes the sharding of the
+  parameter it belongs to, reduce-scattered onto it inside when that param is
+  sharded over the data axes alone. Under Auto axes the types hold no
+  shardings: everything is all-reduced, and the partitioner places the result.
   """
-  b_nums, r_nums = _positions(config, len(args))
-  size = _batch_size({i: args[i] for i in b_nums}, config.k)
-  sizes = dict(zip(place.mesh.axis_names, place.mesh.axis_sizes, strict=True))
-  devices = math.prod(sizes[a] for a in place.axes)
+  mesh = jax.sharding.get_abstract_mesh()
+  devices = math.prod(mesh.shape[a] for a in axes)
   if size % (devices * config.k):
     raise ValueError(
         f"A batch of {size} examples split over {devices} devices (mesh axes"
-        f" {place.axes}) and num_microbatches={config.k} needs a multiple of"
+        f" {axes}) and num_microbatches={config.k} needs a multiple of"
         f" {devices * config.k} examples: each device splits its own rows. Use a"
         f" num_microbatches that divides {size // devices or 1}, or pad the batch.")
-  inner = dataclasses.replace(config, axis_name=_spec_entry(place.axes))
-  arrays = _arrays.ArrayLeaves.of(tuple(args))
-  is_batch = [path[0].idx in b_nums for path in arrays.paths]  # path[0]: fn's argnum
-  shapes = _abstract_outputs(call, config, arrays, is_batch, size // devices // config.k)
-  targets, scatter = _grad_targets(place, args, (*b_nums, *r_nums), shapes.grads)
-  out_specs = _out_specs(inner, place.axes, shapes, scatter, size // devices // config.k)
+  rows = size // devices // config.k  # per device and micro-batch
+  inner = dataclasses.replace(config, axis_name=_per_device.spec_entry(axes))
+  shapes = _abstract_outputs(call, config, args, nums[0], rows)
+  targets = scatter = None
+  if _arrays.axis_kinds(mesh, axes) == {"Explicit"}:
+    targets = _per_device.param_specs(args, (*nums[0], *nums[1]), shapes.grads)
+    scatter = targets and [_per_device.scatter_dim(spec, axes) for spec in targets]
 
-  def body(*values: Any) -> Any:
-    return _run(call, inner, _split_inputs(inner, arrays.rebuild(values)), scatter)
+  def body(*per_device_args: Any) -> Any:
+    return _run(call, inner, _split_inputs(inner, per_device_args, nums), scatter)
 
-  values = [v if batch else _gather_data_axes(v, place) for v, batch in
-            zip(arrays.arrays, is_batch, strict=True)]
-  in_specs = tuple(jax.sharding.PartitionSpec(_spec_entry(place.axes)) if batch
-                   else jax.sharding.PartitionSpec() for batch in is_batch)
-  out = jax.shard_map(body, mesh=place.mesh, in_specs=in_specs, out_specs=out_specs,
-                      axis_names=set(place.axes))(*values)
-  return _to_param_shardings(config, out, targets)
-
-
-def _gather_data_axes(x: Any, place: _Placement) -> Any:
-  """A non-batch input made whole over the data axes (FSDP params: one all-gather).
-
-  Under Explicit axes ``shard_map`` wants inputs typed as its ``in_specs``
-  say; under Auto ones the partitioner does this itself.
-  """
-  if not place.explicit:
-    return x
-  spec = _arrays.spec_of(x)
-  names = _arrays.axis_names
-  entries = [None if e is None else tuple(n for n in names(e) if n not in place.axes)
-             for e in spec]
-  if all(e is None or len(e) == len(names(o)) for e, o in zip(entries, spec, strict=True)):
-    return x
-  return jax.reshard(x, jax.sharding.PartitionSpec(
-      *[None if not e else _spec_entry(e) for e in entries]))
+  out = _per_device.run(body, args, nums[0], axes, _out_specs(inner, axes, shapes, scatter, rows))
+  if targets is None:
+    return out
+  (value, grads), stats = out if config.return_noise_stats else (out, None)
+  grads = jax.tree.unflatten(jax.tree.structure(grads), [
+      jax.reshard(g, spec) for g, spec in zip(jax.tree.leaves(grads), targets, strict=True)])
+  return ((value, grads), stats) if config.return_noise_stats else (value, grads)
 
 
-def _abstract_outputs(call: Callable[..., Any], config: _Config,
-                      arrays: _arrays.ArrayLeaves, is_batch: list[bool], rows: int) -> _Out:
+def _abstract_outputs(call: Callable[..., Any], config: _Config, args: tuple[Any, ...],
+                      b_nums: tuple[int, ...], rows: int) -> _Out:
   """``fn``'s output shapes on one device's micro-batch of ``rows`` examples (for out_specs)."""
-  def plain(x: Any, batch: bool) -> jax.ShapeDtypeStruct:
-    shape = (rows, *jnp.shape(x)[1:]) if batch else jnp.shape(x)
-    return jax.ShapeDtypeStruct(shape, jnp.result_type(x))
-
-  shapes = [plain(x, b) for x, b in zip(arrays.arrays, is_batch, strict=True)]
-  return _unpack(config, jax.eval_shape(lambda *v: call(*arrays.rebuild(v)), *shapes))
-
-
-def _grad_targets(place: _Placement, args: tuple[Any, ...], skip: tuple[int, ...],
-                  grads: Any) -> tuple[list[Any] | None, list[Any] | None]:
-  """The gradients' target specs and their reduce-scatter dims, or ``(None, None)``.
-
-  The targets are the shardings of the first argument (other than the batch
-  and the keys) that has the gradients' structure and shapes: the params.
-  A gradient whose param is sharded over exactly the data axes along one
-  dimension (FSDP) is reduce-scattered onto it. Under Auto axes the types
-  hold no shardings: everything is all-reduced, and the partitioner places
-  the result.
-  """
-  if not place.explicit:
-    return None, None
-  g_leaves, g_def = jax.tree.flatten(grads)
-  for i, arg in enumerate(args):
-    leaves, treedef = jax.tree.flatten(arg)
-    if i in skip or treedef != g_def or any(
-        jnp.shape(p) != g.shape for p, g in zip(leaves, g_leaves, strict=True)):
-      continue
-    specs = [_arrays.spec_of(p) for p in leaves]
-    return specs, [_scatter_dim(spec, place.axes) for spec in specs]
-  return None, None
-
-
-def _scatter_dim(spec: jax.sharding.PartitionSpec, axes: tuple[Any, ...]) -> Any:
-  """``(dim, names)`` if ``spec`` shards one dim over exactly the data axes, else None.
-
-  Only when no other dim is sharded: jax 0.10's ``psum_scatter`` fails to
-  lower an operand that is also sharded over an Explicit axis inside a
-  partial-manual ``shard_map``. Such a gradient is all-reduced, then sliced.
-  """
-  entries = [() if e is None else _arrays.axis_names(e) for e in spec]
-  hits = [dim for dim, names in enumerate(entries) if set(names) == set(axes)]
-  if len(hits) != 1 or sum(bool(names) for names in entries) != 1:
-    return None
-  return hits[0], entries[hits[0]]
+  leaves = _arrays.ArrayLeaves.of(tuple(args))
+  shapes = [jax.ShapeDtypeStruct((rows, *jnp.shape(x)[1:]) if path[0].idx in b_nums
+                                 else jnp.shape(x), jnp.result_type(x))
+            for path, x in zip(leaves.paths, leaves.arrays, strict=True)]
+  return _unpack(config, jax.eval_shape(lambda *v: call(*leaves.rebuild(v)), *shapes))
 
 
 def _out_specs(config: _Config, axes: tuple[Any, ...], shapes: _Out, scatter: list[Any] | None,
                rows: int) -> Any:
   """``shard_map`` out_specs: reduced outputs replicated, per-example aux split like the batch."""
-  rep = jax.sharding.PartitionSpec()
+  rep = P()
   leaves, treedef = jax.tree.flatten(shapes.grads)
-  scatter = scatter or [None] * len(leaves)
   grads = jax.tree.unflatten(treedef, [
-      rep if s is None else jax.sharding.PartitionSpec(*[None] * s[0], _spec_entry(s[1]))
-      for s in scatter])
-  value = rep
-  if config.has_aux:
-    value = (rep, _aux_specs(config, axes, shapes.aux, rows))
-  out = (value, grads)
-  return (out, rep) if config.return_noise_stats else out
+      rep if s is None else P(*[None] * s[0], _per_device.spec_entry(s[1]))
+      for s in scatter or [None] * len(leaves)])
+  value = (rep, _aux_specs(config, axes, shapes.aux, rows)) if config.has_aux else rep
+  return ((value, grads), rep) if config.return_noise_stats else (value, grads)
 
 
 def _aux_specs(config: _Config, axes: tuple[Any, ...], aux: Any, rows: int) -> Any:
   """The out_specs of the aux: per rule, reduced (replicated) or split like the batch."""
   plan = _resolve_aux_rules(config, aux)
-  split = _spec_entry(axes)
   parts = []
   for rule, shapes, where in zip(plan.rules, plan.shapes, plan.where, strict=True):
-    if isinstance(rule, str) and rule in (*_CROSS_DEVICE, "mean"):
-      parts.append(jax.sharding.PartitionSpec())
+    if isinstance(rule, str) and rule in _CROSS_DEVICE:
+      parts.append(P())
       continue
-    leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    bad = [where + jax.tree_util.keystr(p) for p, s in leaves if rule != "concat" and (
-        isinstance(rule, AuxRule) or not s.shape or s.shape[0] != rows)]
+    bad = [where + jax.tree_util.keystr(p) for p, s in jax.tree_util.tree_flatten_with_path(
+        shapes)[0] if rule != "concat" and (
+            isinstance(rule, AuxRule) or not s.shape or s.shape[0] != rows)]
     if bad:
       raise ValueError(
           f"aux_rules={rule!r} at {bad[0]} keeps one value per device, and under plain"
@@ -1264,17 +1020,5 @@ def _aux_specs(config: _Config, axes: tuple[Any, ...], aux: Any, rows: int) -> A
           " micro-batch). Use 'mean', 'sum', 'max' or 'min' there, or call"
           " microbatched(..., axis_name=...) inside your own shard_map and choose"
           " its out_specs.")
-    lead = (None,) if rule == "stack" else ()
-    parts.append(jax.sharding.PartitionSpec(*lead, split))
+    parts.append(P(*(None,) * (rule == "stack"), _per_device.spec_entry(axes)))
   return jax.tree.unflatten(plan.treedef, parts)
-
-
-def _to_param_shardings(config: _Config, out: Any, targets: list[Any] | None) -> Any:
-  """The wrapper's outputs with each gradient resharded to its param's sharding."""
-  if targets is None:
-    return out
-  (value, grads), stats = (out, None) if not config.return_noise_stats else out
-  leaves, treedef = jax.tree.flatten(grads)
-  grads = jax.tree.unflatten(treedef, [
-      jax.reshard(g, spec) for g, spec in zip(leaves, targets, strict=True)])
-  return ((value, grads), stats) if config.return_noise_stats else (value, grads)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from optax_accum import _arrays, debug
+from optax_accum import _arrays, _per_device, debug
 from optax_accum._arrays import spec_of, strip_axes
 from optax_accum._validation import axis_name_repr
 from optax_accum.accumulation import AccumulateState
@@ -395,7 +395,7 @@ def shard_map_specs(
   axes = _arrays.axis_names(axis_name)
 
   def per_device(spec: PartitionSpec) -> PartitionSpec:
-    return PartitionSpec(axes if len(axes) > 1 else axes[0], *spec)
+    return PartitionSpec(_per_device.spec_entry(axes), *spec)
 
   def with_per_device_leaves(node: Any, node_specs: Any) -> Any:
     if not isinstance(node, AccumulateState):
@@ -509,24 +509,38 @@ def local_value_and_grad(
             " shard_map or pmap use jax.value_and_grad on"
             " `jax.lax.pcast(params, axis_name, to='varying')` instead."
         )
+      _check_data_axes_only(axes, b_nums, (params, *args))
       share = 1 / math.prod(mesh.shape[a] for a in axes) if combine == "mean" else 1
-      return _local_value_and_grad(fn, axes, b_nums, has_aux, share, mesh, params, args)
+
+      def per_device(params: Any, *args: Any) -> Any:
+        def scaled(p: Any) -> tuple[jax.Array, Any]:
+          out = fn(p, *args)
+          loss, aux = out if has_aux else (out, None)
+          return loss * share, aux  # this device's share of the global loss
+
+        (loss, aux), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        aux = jax.tree.map(lambda a: jax.lax.pmean(a, axes), aux)
+        return (jax.lax.psum(loss, axes), aux), grads
+
+      # JAX returns unreduced gradients only from a shard_map manual over every mesh axis.
+      out_specs = ((PartitionSpec(), PartitionSpec()), PartitionSpec(unreduced=set(axes)))
+      (loss, aux), grads = _per_device.run(per_device, (params, *args), b_nums, axes, out_specs,
+                                           manual=mesh.axis_names)
+      return ((loss, aux), grads) if has_aux else (loss, grads)
 
   return value_and_grad
 
 
-def _local_value_and_grad(fn: Callable[..., Any], axes: tuple[Any, ...], b_nums: tuple[int, ...],
-                          has_aux: bool, share: float, mesh: Any, params: Any,
-                          args: tuple[Any, ...]) -> Any:
-  """The body of :func:`local_value_and_grad`, under its mesh."""
-  if max(b_nums) > len(args):
+def _check_data_axes_only(axes: tuple[Any, ...], b_nums: tuple[int, ...],
+                          args: tuple[Any, ...]) -> None:
+  """Raises unless ``fn``'s arguments are sharded over no mesh axis but the data ``axes``."""
+  if max(b_nums) >= len(args):
     raise ValueError(
         f"`batch_argnums={b_nums}` names argument {max(b_nums)} but `fn` got"
-        f" {len(args) + 1} arguments.")
-  entry = axes[0] if len(axes) == 1 else axes
-  inputs = _arrays.ArrayLeaves.of((params, *args))
-  is_batch = [path[0].idx in b_nums for path in inputs.paths]  # path[0]: fn's argnum
-  for path, x, batch in zip(inputs.paths, inputs.arrays, is_batch, strict=True):
+        f" {len(args)} arguments.")
+  inputs = _arrays.ArrayLeaves.of(args)
+  for path, x in zip(inputs.paths, inputs.arrays, strict=True):
+    batch = path[0].idx in b_nums  # path[0]: fn's argnum
     other = {a for e in spec_of(x).partitions[1 if batch else 0:] if e is not None
              for a in _arrays.axis_names(e)} - set(axes)
     if other:
@@ -538,31 +552,6 @@ def _local_value_and_grad(fn: Callable[..., Any], axes: tuple[Any, ...], b_nums:
           " only from a shard_map manual over every mesh axis), so it cannot keep a"
           " tensor-parallel layout. For such a model written for explicit sharding use"
           " `defer_reduction`; or shard only over the data axes (FSDP over them is fine).")
-  # FSDP: params sharded over the data axes are all-gathered for the forward pass.
-  whole = lambda x: jax.reshard(x, PartitionSpec(*strip_axes(spec_of(x).partitions, axes)))
-  arrays = [x if batch else whole(x) for x, batch in zip(inputs.arrays, is_batch, strict=True)]
-  in_specs = tuple(PartitionSpec(entry) if batch else PartitionSpec() for batch in is_batch)
-
-  def per_device(*arrays: Any) -> Any:
-    params, *args = inputs.rebuild(arrays)
-
-    def scaled(p: Any) -> tuple[jax.Array, Any]:
-      out = fn(p, *args)
-      loss, aux = out if has_aux else (out, None)
-      return loss * share, aux  # this device's share of the global loss
-
-    local = jax.tree.map(lambda x: _arrays.pcast_varying(x, axes), params)
-    (loss, aux), grads = jax.value_and_grad(scaled, has_aux=True)(local)
-    loss = jax.lax.psum(loss, axes)
-    aux = jax.tree.map(lambda a: jax.lax.pmean(a, axes), aux)
-    return (loss, aux), grads
-
-  unreduced = PartitionSpec(unreduced=set(axes))
-  (loss, aux), grads = jax.shard_map(
-      per_device, mesh=mesh, in_specs=in_specs, out_specs=((PartitionSpec(), PartitionSpec()),
-                                                          unreduced),
-      axis_names=set(mesh.axis_names))(*arrays)
-  return ((loss, aux), grads) if has_aux else (loss, grads)
 
 
 def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:

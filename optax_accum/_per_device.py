@@ -1,0 +1,164 @@
+"""Run a function once per device, on that device's rows of the batch.
+
+The one mechanism behind :func:`~optax_accum.sharding.local_value_and_grad`
+and :func:`~optax_accum.microbatching.microbatched` under plain ``jax.jit``:
+:func:`run`, a ``shard_map`` over the data axes of the current mesh. The
+batch arguments are split along their leading dim; every other argument is
+given whole to every device and marked device-varying, so that a gradient
+taken inside with respect to it is the device's own, unreduced (for a
+replicated input, ``shard_map``'s autodiff would sum it over the devices on
+every call). Around it: which axes the batch's rows are split over
+(:func:`data_axes`), and where gradients reduced per device go back to
+(:func:`param_specs`, :func:`scatter_dim`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from optax_accum import _arrays
+
+
+def spec_entry(axes: tuple[Any, ...]) -> Any:
+  """Mesh axes as one entry of a ``PartitionSpec``: a name, or a tuple of names."""
+  return axes[0] if len(axes) == 1 else axes
+
+
+def make_varying(tree: Any, axes: tuple[Any, ...]) -> Any:
+  """``tree``'s array leaves marked device-varying over ``axes`` (a no-op outside shard_map)."""
+  def one(leaf: Any) -> Any:
+    if not isinstance(leaf, (jax.Array, np.ndarray)):
+      return leaf
+    have = _arrays.varying_axes(leaf)
+    return _arrays.pcast_varying(leaf, tuple(a for a in axes if a not in have))
+  return jax.tree.map(one, tree)
+
+
+def run(body: Callable[..., Any], args: Sequence[Any], batch_argnums: tuple[int, ...],
+        axes: tuple[Any, ...], out_specs: Any, *, manual: tuple[Any, ...] | None = None) -> Any:
+  """``body(*args)`` on every device, given its rows of the batch arguments.
+
+  A ``shard_map`` over the data ``axes`` of the current mesh, manual over
+  ``manual`` (default: ``axes`` alone, so that ``body`` keeps the explicit
+  sharding of the other axes). The arguments at ``batch_argnums`` are split
+  over ``axes`` along their leading dim; the array leaves of the others are
+  made whole over ``axes`` (params sharded over them, FSDP: one all-gather
+  per call) and device-varying, so gradients taken in ``body`` stay
+  unreduced. Non-array leaves (an Equinox module's activation function)
+  pass through as they are. ``out_specs`` are ``shard_map``'s.
+  """
+  leaves = _arrays.ArrayLeaves.of(tuple(args))
+  is_batch = [path[0].idx in batch_argnums for path in leaves.paths]  # path[0]: the argnum
+  rows = PartitionSpec(spec_entry(axes))
+  in_specs = tuple(rows if batch else PartitionSpec() for batch in is_batch)
+
+  def per_device(*arrays: Any) -> Any:
+    return body(*leaves.rebuild([x if batch else make_varying(x, axes)
+                                 for x, batch in zip(arrays, is_batch, strict=True)]))
+
+  arrays = [x if batch else _whole(x, axes) for x, batch in
+            zip(leaves.arrays, is_batch, strict=True)]
+  return jax.shard_map(per_device, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
+                       out_specs=out_specs, axis_names=set(manual or axes))(*arrays)
+
+
+def _whole(x: Any, axes: tuple[Any, ...]) -> Any:
+  """``x`` all-gathered over ``axes`` where its type shards it over them.
+
+  ``shard_map`` wants its inputs typed as its ``in_specs`` say. Where the
+  type names none of ``axes`` (replicated params, or Auto axes, which the
+  partitioner handles) nothing moves.
+  """
+  spec = _arrays.spec_of(x)
+  if not any(e is not None and set(_arrays.axis_names(e)) & set(axes) for e in spec):
+    return x
+  return jax.reshard(x, PartitionSpec(*_arrays.strip_axes(tuple(spec), axes)))
+
+
+def data_axes(axis_name: Any, split: tuple[Any, ...], args: tuple[Any, ...],
+              batch_argnums: tuple[int, ...]) -> tuple[Any, ...] | None:
+  """The mesh axes to run per device over, given ``split``, those the batch's type shows.
+
+  Explicit axes are read from the batch's type; Auto ones must be named by
+  ``axis_name``. None to run as written: on one device, or inside
+  ``shard_map``/``pmap`` (``axis_name`` naming their axes).
+  """
+  if axis_name is None:
+    if not split:
+      _check_no_hidden_split(args, batch_argnums)
+    return split or None
+  named = _arrays.axis_names(axis_name)
+  kinds = _arrays.axis_kinds(jax.sharding.get_abstract_mesh(), named)
+  if kinds is None or kinds == {"Manual"}:  # inside shard_map, or pmap
+    if split:
+      raise ValueError(
+          f"The batch is sharded over the Explicit mesh axes {split} while"
+          f" `axis_name={axis_name!r}` names shard_map/pmap axes: both would"
+          f" split it. Drop `axis_name` (microbatched reads the split from the"
+          " batch's type), or replicate the batch over the Explicit axes.")
+    return None
+  if len(kinds) > 1 or (split and set(split) != set(named)):
+    raise ValueError(
+        f"`axis_name={axis_name!r}` names mesh axes of kinds {sorted(kinds)}"
+        f" and the batch's type shows it sharded over {split or 'no Explicit axis'}."
+        " Name the axes the batch is split over, all of one kind: Explicit ones"
+        " (then `axis_name` may be dropped) or Auto ones.")
+  return named
+
+
+def _check_no_hidden_split(args: tuple[Any, ...], batch_argnums: tuple[int, ...]) -> None:
+  """Raises on a mesh that mixes Auto and Explicit axes with params in explicit types.
+
+  An Auto axis does not appear in the batch's type: a batch split over it
+  would go undetected, and the partitioner would reduce the gradients on
+  every micro-batch.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  names = tuple(getattr(mesh, "axis_names", ()) or ())
+  if not {"Auto", "Explicit"} <= (_arrays.axis_kinds(mesh, names) or set()):
+    return
+  for i, arg in enumerate(args):
+    if i not in batch_argnums and any(
+        isinstance(x, (jax.Array, np.ndarray)) and any(_arrays.spec_of(x))
+        for x in jax.tree.leaves(arg)):
+      auto = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                   if str(t).endswith("Auto"))
+      raise ValueError(
+          f"The mesh mixes Auto axes {auto} with Explicit ones, argument {i} of"
+          " `fn` is sharded in its type, and the batch's type shows no split of"
+          " its leading dim: a split over an Auto axis cannot be seen, and the"
+          " gradients would be reduced on every micro-batch. Make the data axes"
+          " Explicit and shard the batch over them, or name them:"
+          f" `microbatched(..., axis_name={spec_entry(auto)!r})`.")
+
+
+def param_specs(args: tuple[Any, ...], skip: tuple[int, ...], grads: Any) -> list[Any] | None:
+  """The params' specs: those of the first argument (not in ``skip``) shaped like ``grads``."""
+  g_leaves, g_def = jax.tree.flatten(grads)
+  for i, arg in enumerate(args):
+    leaves, treedef = jax.tree.flatten(arg)
+    if i not in skip and treedef == g_def and all(
+        jnp.shape(p) == g.shape for p, g in zip(leaves, g_leaves, strict=True)):
+      return [_arrays.spec_of(p) for p in leaves]
+  return None
+
+
+def scatter_dim(spec: PartitionSpec, axes: tuple[Any, ...]) -> tuple[int, Any] | None:
+  """``(dim, names)`` if ``spec`` shards one dim over exactly the data axes, else None.
+
+  A gradient of such a param is reduce-scattered onto it. Only when no other
+  dim is sharded: jax 0.10's ``psum_scatter`` fails to lower an operand that
+  is also sharded over an Explicit axis inside a partial-manual
+  ``shard_map``. Such a gradient is all-reduced, then sliced.
+  """
+  entries = [() if e is None else _arrays.axis_names(e) for e in spec]
+  hits = [dim for dim, names in enumerate(entries) if set(names) == set(axes)]
+  if len(hits) != 1 or sum(bool(names) for names in entries) != 1:
+    return None
+  return hits[0], entries[hits[0]]
