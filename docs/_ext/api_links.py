@@ -46,6 +46,7 @@ _REWRITES = (
     (re.compile(r"~?optax\.(?:[a-z]\w*\.)*_\w+(?:\.\w+)*?\.([A-Za-z]\w*)\b"), r"optax.\1"),
     (re.compile(r"<class '([\w.]+)'>"), r"\1"),
     (re.compile(r"TypeAliasForwardRef\('([^']*)'\)"), r"\1"),  # inside generics
+    (re.compile(r"(?<![\w.])ShouldSkipUpdateFunction\b"), "optax.ShouldSkipUpdateFunction"),
     # accumulate's `k`: an int or a schedule of the optimizer step (a private alias).
     (re.compile(r"\bKSchedule\b"), "Callable[[jax.Array], Any]"),
     # accumulate's `optimizer` default means "none given": the deprecated
