@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import optax
 import pytest
 
 import optax_accum as oa
-from optax_accum import _window, debug
+from optax_accum import debug
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -76,33 +75,36 @@ CASES: dict[str, tuple[Callable[[int], optax.GradientTransformation], dict[str, 
         lambda k: oa.accumulate(k, optax.adam(1e-3), reduction="weighted"),
         {"weight": jnp.float32(3.0)}),
     "chain_form": (lambda k: oa.accumulate(k, None), {}),
-    # XLA:CPU's noise layout: the norm reads the sum before the parked updates
-    # overwrite it (held 1.0x, the sum made on the fly; 8 copies, unordered).
     "adam_noise": (lambda k: oa.accumulate(k, optax.adam(1e-3), track_noise_scale=True), {}),
 }
 
 
+# On the protocol path (``update``, then ``apply_updates``) the emitting branch
+# writes the updates into the buffer, dead once its window closed, so the
+# conditional outputs nothing parameter-sized: on the GPU compiler, which the
+# one layout is chosen for, the step holds no temporaries
+# (``benchmarks/gpu_hlo.py``). XLA:CPU, where we only test, copies the buffer
+# out of the conditional: at most the buffer once, one copy per leaf.
+CPU_PROTOCOL = 1.05
+
+
 @pytest.mark.parametrize("k", [4, 1], ids=["mid_program", "emit_program"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_accumulate_update_has_no_temporaries(case: str, k: int) -> None:
+def test_accumulate_update_holds_at_most_the_buffer(case: str, k: int) -> None:
   make, kw = CASES[case]
   compiled = _update_level(make(k), **kw)
-  assert _temps(compiled) <= TIGHT
-  # No copy of a parameter, the buffer or the inner state; only the copies of
-  # one zero broadcast into the distinct zero-update outputs, as in the floor.
-  assert _data_copies(compiled) == 0
+  assert _temps(compiled) <= CPU_PROTOCOL
+  assert _data_copies(compiled) <= LEAVES
 
 
 @pytest.mark.parametrize("k", [4, 1], ids=["mid_program", "emit_program"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_standard_path_has_no_temporaries(case: str, k: int) -> None:
+def test_standard_path_holds_at_most_the_buffer(case: str, k: int) -> None:
   """``update`` + ``apply_updates`` (what Flax's TrainState does).
 
-  The emitting branch writes the updates into the buffer, dead once the
-  window closes, and ``update`` returns ``where(stepped, buffer, 0)``, which
-  XLA fuses into ``apply_updates``: the conditional outputs nothing
-  parameter-sized. Returning the updates from the conditional cost 1.0x
-  params of temporaries (0.2.0 and the first two-conditional core).
+  ``update`` returns ``where(emitted, buffer, 0)``, which XLA fuses into
+  ``apply_updates``. Returning the updates from the conditional as well cost
+  1.0x params more (0.2.0).
   """
   make, kw = CASES[case]
   tx = make(k)
@@ -112,8 +114,8 @@ def test_standard_path_has_no_temporaries(case: str, k: int) -> None:
     return optax.apply_updates(p, updates), s
 
   compiled = _train_level(standard, tx.init(PARAMS))
-  assert _temps(compiled) <= TIGHT
-  assert _data_copies(compiled) == 0
+  assert _temps(compiled) <= CPU_PROTOCOL
+  assert _data_copies(compiled) <= LEAVES
 
 
 @pytest.mark.parametrize("inner", ["sgd", "adam", "adam_skip_nonfinite"])
@@ -162,42 +164,16 @@ def _straight_line_param_sized_ops(compiled) -> list[str]:
           and s.instruction.type_str.startswith(f"f32[{LEAF}]")]
 
 
-@pytest.mark.parametrize("layout", ["gpu_tpu", "cpu"])
 @pytest.mark.parametrize("make", [lambda k: oa.accumulate(k, optax.adam(1e-3)),
                                   lambda k: oa.MultiSteps(optax.adam(1e-3), k)],
                          ids=["accumulate", "MultiSteps"])
-def test_every_parameter_sized_pass_is_conditional(
-    make: Callable, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
-  """A mid-step writes only the buffer and an emitting step never writes it.
-
-  In the layout XLA:GPU and libtpu get, both live in conditionals: one adds
-  the micro-batch into the buffer when the window stays open, the other sums
-  buffer and micro-batch on the fly inside the inner optimizer when it
-  closes. So with ``update_and_apply`` nothing parameter-sized runs
-  unconditionally, and the standard path adds only ``apply_updates`` (one
-  fusion per leaf). An add outside the conditionals (0.2.0's core) costs the
-  emitting step a full extra pass over the buffer (read the buffer and g,
-  write the buffer); XLA:CPU takes that pass (a select per leaf), since
-  there the second conditional costs more time than it saves.
-  """
-  if layout == "gpu_tpu":
-    monkeypatch.setattr(_window, "lax", types.SimpleNamespace(**{
-        **vars(jax.lax), "platform_dependent": lambda *a, default, **_: default(*a)}))
-  adds = [] if layout == "gpu_tpu" else ["fusion"] * LEAVES
+def test_update_and_apply_runs_only_the_add_on_every_step(make: Callable) -> None:
+  """With ``update_and_apply`` the only parameter-sized work outside the
+  window's conditional is the add of the micro-batch (one fusion per leaf):
+  a mid-step touches neither the params nor the inner state."""
   tx = make(4)
   fast = _train_level(lambda p, s, g: oa.update_and_apply(tx, g, s, p), tx.init(PARAMS))
-  assert _straight_line_param_sized_ops(fast) == adds
-  if layout == "gpu_tpu":
-    # Its standard path puts the add's pass-through in the slot XLA:GPU wants,
-    # where XLA:CPU copies every buffer: the H200 compile checks it (gpu_hlo.py).
-    return
-
-  def standard(p, s, g):
-    updates, s = tx.update(g, s, p)
-    return optax.apply_updates(p, updates), s
-
-  assert _straight_line_param_sized_ops(_train_level(standard, tx.init(PARAMS))) == (
-      adds + ["fusion"] * LEAVES)
+  assert _straight_line_param_sized_ops(fast) == ["fusion"] * LEAVES
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

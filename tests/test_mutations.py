@@ -34,7 +34,6 @@ pytestmark = pytest.mark.filterwarnings(
 _real = types.SimpleNamespace(
     buffer_after=_window.buffer_after,
     emit=_window.emit,
-    add_to_buffer=_window.add_to_buffer,
     unpark=_window.unpark,
     parking=_window.parking,
     check_weight=_validation.check_weight,
@@ -100,19 +99,6 @@ def _reset_by_multiplying(config, acc, mini_step, grads, accept, weight):
 def _closing_micro_batch_dropped(config, operands, window_sum, **kwargs):
   """The emitting step reads the buffer but forgets to add its own micro-batch."""
   return _real.emit(config, operands, operands.acc, **kwargs)
-
-
-def _summed_again(config, ops, closes, accept, weight, layout):
-  """XLA:CPU's noise layout adds the closing micro-batch, and the emitting branch adds it again."""
-  acc, _ = _real.add_to_buffer(config, ops, closes, accept, weight, layout)
-  return acc, lambda acc, mini_step, g: _real.buffer_after(config, acc, mini_step, g, accept,
-                                                           weight)
-
-
-def _sum_read_from_the_buffer(config, ops, closes, accept, weight, layout):
-  """The emitting branch reads the window's sum from a buffer without the closing micro-batch."""
-  acc, _ = _real.add_to_buffer(config, ops, closes, accept, weight, layout)
-  return acc, lambda acc, *_: acc
 
 
 def _zero_weights_made_positive(weight, reduction):
@@ -189,13 +175,9 @@ MUTANTS: dict[str, tuple[dict[str, Any], list[Callable[[], None]]]] = {
         {"emit": _closing_micro_batch_dropped},
         [lambda: test_accumulate.test_equals_large_batch_for_every_optimizer("sgd")],
     ),
-    "XLA:CPU's noise layout counts the closing micro-batch twice": (
-        {"add_to_buffer": _summed_again},
-        [lambda: test_parking.test_noise_tracking_equals_large_batch_on_every_layout("cpu")],
-    ),
-    "the window's sum read from a buffer without the closing micro-batch": (
-        {"add_to_buffer": _sum_read_from_the_buffer},
-        [lambda: test_accumulate.test_equals_large_batch_for_every_optimizer("sgd")],
+    "the noise estimate reads a window without its closing micro-batch": (
+        {"emit": _closing_micro_batch_dropped},
+        [test_parking.test_noise_tracking_equals_large_batch],
     ),
     "a window of total weight 0 counts as a step": (
         {"_validation.check_weight": _zero_weights_made_positive},

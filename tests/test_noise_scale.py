@@ -393,17 +393,17 @@ def _fast_path(tx: Any) -> Any:
 
 @pytest.mark.parametrize("path", [_protocol, _fast_path], ids=["update+apply", "update_and_apply"])
 def test_tracking_adds_at_most_the_updates_in_temporaries(path: Any) -> None:
-  """The estimate reads the window's sum, which the emitting step keeps in
-  the buffer: ``update_and_apply`` holds nothing more. On the protocol path
-  the updates then cannot ride in the buffer (untracked they do: ~0), so the
-  updates are a temporary, 1.0x the params, and nothing else is. (On XLA:CPU
-  a sum computed on the fly for both readers is materialised, or copied.)
+  """The estimate reads the window's sum where the inner optimizer does: it
+  adds no temporaries. ``update_and_apply`` holds none on XLA:CPU, with or
+  without it; the protocol path may hold the buffer once there (the one
+  layout is chosen for the GPU compiler, where it holds none:
+  ``benchmarks/gpu_hlo.py``), and the estimate adds nothing to that.
   """
   untracked = _temps(path(tx := oa.accumulate(4, optax.adam(1e-3))), tx)
   tracked = _temps(path(tx := oa.accumulate(4, optax.adam(1e-3), track_noise_scale=True)), tx)
-  assert untracked <= 0.05 * PARAM_BYTES, untracked
   allowed = (1.05 if path is _protocol else 0.05) * PARAM_BYTES
-  assert tracked <= allowed, (tracked, untracked, PARAM_BYTES)
+  assert untracked <= allowed, (untracked, PARAM_BYTES)
+  assert tracked <= untracked + 0.05 * PARAM_BYTES, (tracked, untracked, PARAM_BYTES)
 
 
 def test_eager_init_state_can_be_donated() -> None:
