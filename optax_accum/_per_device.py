@@ -7,9 +7,9 @@ batch arguments are split along their leading dim; every other argument is
 given whole to every device and marked device-varying, so that a gradient
 taken inside with respect to it is the device's own, unreduced (for a
 replicated input, ``shard_map``'s autodiff would sum it over the devices on
-every call). Around it: which axes the batch's rows are split over
-(:func:`data_axes`), and where gradients reduced per device go back to
-(:func:`param_specs`, :func:`scatter_dim`).
+every call). Around it: the batch's rows and which axes they are split over
+(:func:`batch_rows`, :func:`data_axes`), and where gradients reduced per
+device go back to (:func:`param_specs`, :func:`scatter_dim`).
 """
 
 from __future__ import annotations
@@ -79,6 +79,48 @@ def _whole(x: Any, axes: tuple[Any, ...]) -> Any:
   if not any(e is not None and set(_arrays.axis_names(e)) & set(axes) for e in spec):
     return x
   return jax.reshard(x, PartitionSpec(*_arrays.strip_axes(tuple(spec), axes)))
+
+
+def batch_rows(batches: dict[int, Any]) -> tuple[int, tuple[Any, ...]]:
+  """The batch's rows: their number, and the mesh axes they are split over per its type.
+
+  Both must be the same for every leaf of the batch arguments ``batches``
+  (argnum -> pytree); ``()`` when the type shows no split.
+  """
+  leaves = []
+  for argnum, tree in batches.items():
+    found = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if not found:
+      raise ValueError(
+          f"The batch argument {argnum} of `fn` has no array leaves, so it"
+          " cannot be split. Pass a pytree of arrays with a leading batch"
+          " dimension, or fix `batch_argnums`."
+      )
+    for path, leaf in found:
+      where = f"argument {argnum}{jax.tree_util.keystr(path)}"
+      if jnp.ndim(leaf) == 0:
+        raise ValueError(
+            f"The batch leaf at {where} is a scalar; every batch leaf needs a"
+            " leading batch dimension. Add one, or pass this value outside the"
+            " batch (it is then given to every micro-batch unchanged)."
+        )
+      lead = (*_arrays.spec_of(leaf), None)[0]  # the leading dim's entry, if any
+      leaves.append((where, int(jnp.shape(leaf)[0]), _arrays.axis_names(lead) if lead else ()))
+  (first, size, axes), *others = leaves
+  for where, s, a in others:
+    if s != size:
+      raise ValueError(
+          f"The batch leaves disagree on the batch size: {first} has"
+          f" {size} rows but {where} has {s}. Every batch leaf must share its"
+          " leading dimension."
+      )
+    if a != axes:
+      raise ValueError(
+          f"The batch leaves are split differently over the mesh: {first} has its"
+          f" leading dim sharded over {axes or 'no axis'} but {where} over"
+          f" {a or 'no axis'}. Place every batch leaf the same way, e.g."
+          f" jax.device_put(batch, P({spec_entry(axes or a)!r})).")
+  return size, axes
 
 
 def data_axes(axis_name: Any, split: tuple[Any, ...], args: tuple[Any, ...],

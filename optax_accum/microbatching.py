@@ -111,43 +111,8 @@ def _as_argnums(argnums: Any, name: str) -> tuple[int, ...]:
 
 
 def _check_batch(batches: dict[int, Any], k: int) -> tuple[int, tuple[Any, ...]]:
-  """The batch size and the mesh axes the batch is split over per its type (``()`` if none).
-
-  Both are the same for every leaf of the batch arguments ``batches``.
-  """
-  leaves = []
-  for argnum, tree in batches.items():
-    found = jax.tree_util.tree_flatten_with_path(tree)[0]
-    if not found:
-      raise ValueError(
-          f"The batch argument {argnum} of `fn` has no array leaves, so it"
-          " cannot be split. Pass a pytree of arrays with a leading batch"
-          " dimension, or fix `batch_argnums`."
-      )
-    for path, leaf in found:
-      where = f"argument {argnum}{jax.tree_util.keystr(path)}"
-      if jnp.ndim(leaf) == 0:
-        raise ValueError(
-            f"The batch leaf at {where} is a scalar; every batch leaf needs a"
-            " leading batch dimension. Add one, or pass this value outside the"
-            " batch (it is then given to every micro-batch unchanged)."
-        )
-      lead = (*_arrays.spec_of(leaf), None)[0]  # the leading dim's entry, if any
-      leaves.append((where, int(jnp.shape(leaf)[0]), _arrays.axis_names(lead) if lead else ()))
-  (first, size, axes), *others = leaves
-  for where, s, a in others:
-    if s != size:
-      raise ValueError(
-          f"The batch leaves disagree on the batch size: {first} has"
-          f" {size} rows but {where} has {s}. Every batch leaf must share its"
-          " leading dimension."
-      )
-    if a != axes:
-      raise ValueError(
-          f"The batch leaves are split differently over the mesh: {first} has its"
-          f" leading dim sharded over {axes or 'no axis'} but {where} over"
-          f" {a or 'no axis'}. Place every batch leaf the same way, e.g."
-          f" jax.device_put(batch, P({_per_device.spec_entry(axes or a)!r})).")
+  """The batch size, which ``k`` must divide, and the mesh axes the batch is split over."""
+  size, axes = _per_device.batch_rows(batches)
   if size % k != 0:
     divisors = [d for d in range(1, size + 1) if size % d == 0]
     raise ValueError(
@@ -326,18 +291,16 @@ def microbatched(
   r"""Runs a value-and-grad function over ``k`` micro-batches in one ``lax.scan``.
 
   ``fn(params, batch, *rest) -> (value, grads)`` is typically
-  ``jax.value_and_grad(loss_fn)``. The wrapper has the same signature and
-  outputs. Each batch argument (any pytree of arrays with a common leading
-  batch dimension ``B``) is split into ``k`` micro-batches of ``B // k``
-  examples; the other arguments are given unchanged to every micro-batch.
-  Micro-batch ``i`` holds rows ``i, i + k, ...`` (a reshape that keeps a
-  batch-sharded input on its devices; split over devices, each device splits
-  its own rows the same way, so together the devices' micro-batch ``i`` is
-  the one-device micro-batch ``i``). Values and gradients are summed into
-  accumulators initialised to zero from
-  ``jax.eval_shape`` and reduced once after the loop; the outputs are cast
-  back to the dtypes ``fn`` returns. Peak activation memory is that of one
-  micro-batch, plus one gradient-sized accumulator.
+  ``jax.value_and_grad(loss_fn)``; the wrapper has its signature and outputs.
+  Each batch argument (a pytree of arrays with a common leading dimension
+  ``B``) is split into ``k`` micro-batches of ``B // k`` examples, micro-batch
+  ``i`` holding rows ``i, i + k, ...`` (a reshape: a batch-sharded input stays
+  on its devices); the other arguments go unchanged to every micro-batch.
+  Values and gradients are summed into zero accumulators that never narrow
+  the dtype (bfloat16 sums in float32), reduced once after the loop, and
+  cast back to ``fn``'s dtypes. Peak activation memory is one micro-batch's,
+  plus one gradient-sized accumulator. ``k = 1`` follows the same rules
+  (aux rules, keys, reduction) but calls ``fn`` once, without a loop.
 
   Three normalisations (``normalize``):
 
@@ -345,23 +308,13 @@ def microbatched(
     a loss that is a mean over examples, this *is* the full-batch call.
   * ``"sum"``: the sums (for a loss that sums over examples).
   * ``"weighted"``: token-weighted. ``fn``'s value is ``(numerator,
-    denominator)`` — what ``jax.value_and_grad(loss_fn, has_aux=True)``
-    returns when ``loss_fn`` returns ``(sum of per-token losses, number of
-    real tokens)`` — and its grads are those of the numerator. With
-    ``has_aux=True`` the value is ``(numerator, (denominator, aux))``.
-    Numerators, denominators and gradients are summed over micro-batches and
-    divided once: the outputs are :math:`\sum_i n_i / \sum_i d_i` and
-    :math:`\sum_i \nabla n_i / \sum_i d_i`, exactly the full batch's mean over
-    real tokens however the padding is spread (the mean of per-micro-batch
-    means is not). A total denominator of 0 gives zeros, not NaN. The
-    outputs have the shape of a mean-loss ``value_and_grad``: ``(loss,
-    grads)`` or ``((loss, aux), grads)``.
-
-  ``num_microbatches=1`` follows the same rules as any other ``k``: the aux
-  rules apply (``"stack"`` gives a leading axis of 1), the key is derived as
-  for micro-batch 0, and the division and ``axis_name`` reduction run. It
-  calls ``fn`` once, without a loop, so a mean loss gives exactly ``fn``'s
-  outputs.
+    denominator)`` (``(numerator, (denominator, aux))`` with ``has_aux``),
+    e.g. ``jax.value_and_grad(loss_fn, has_aux=True)`` of a ``loss_fn``
+    returning ``(sum of per-token losses, number of real tokens)``. The
+    outputs are :math:`\sum_i n_i / \sum_i d_i` and
+    :math:`\sum_i \nabla n_i / \sum_i d_i`, the full batch's mean over real
+    tokens however the padding is spread; a total denominator of 0 gives
+    zeros. They have the shape of a mean loss's ``value_and_grad``.
 
   Args:
     fn: a function ``(*args) -> (value, grads)`` or, with ``has_aux=True``,
@@ -378,45 +331,30 @@ def microbatched(
       (per-example outputs, concatenated back in the original batch order)
       and ``"stack"`` (a new leading axis of ``k`` values, in micro-batch
       order); or an :class:`AuxRule` for anything else.
-    rng_argnums: position(s) of PRNG key arguments (e.g. dropout keys). Each
-      micro-batch gets its own key, never the same one twice. The key passed
-      in is never given to ``fn`` itself, not even with ``k = 1``: micro-batch
-      ``i`` gets ``jax.random.fold_in(key, i)``. With ``axis_name``, ``key``
-      is first made per device: ``jax.random.fold_in(key,
-      lax.axis_index(axis_name))``.
-    axis_name: the mesh axis name (or tuple of names) over which the batch is
-      split across devices. Each device accumulates its local micro-batches,
-      and the results are reduced **once, after the loop**: a mean for
-      ``"mean"``, a sum for ``"sum"``, and for ``"weighted"`` a sum of
-      numerators, denominators and gradients before the one division, so the
-      normalisation is global. Inside ``shard_map``/``pmap`` name their axes:
-      non-batch arguments are cast to device-varying first, so that
-      ``shard_map``'s autodiff does not insert an all-reduce into every
-      micro-step. Under plain ``jit`` see "Data parallel under plain jit"
-      below: Explicit axes need no ``axis_name``; Auto axes are named here.
-      Aux rules ``mean``/``sum``/``max``/``min`` are reduced across devices
-      too; ``last``, ``concat``, ``stack`` and custom rules stay per device.
+    rng_argnums: position(s) of PRNG key arguments (e.g. dropout keys).
+      Micro-batch ``i`` gets ``jax.random.fold_in(key, i)``, never ``key``
+      itself (not even with ``k = 1``); with ``axis_name``, ``key`` is first
+      folded with ``lax.axis_index(axis_name)``, so devices differ too.
+    axis_name: the mesh axis name (or tuple of names) the batch is split
+      over across devices: inside ``shard_map``/``pmap`` name their axes;
+      under plain ``jit``, Auto axes (see below). Each device loops over its
+      own micro-batches, and the results are reduced **once, after the
+      loop** (for ``"weighted"``, numerators, denominators and gradients
+      before the one division). Aux rules ``mean``/``sum``/``max``/``min``
+      are reduced across devices too; the others stay per device.
     return_noise_stats: also return the gradient noise statistics of this
       call's micro-batches, a :class:`~optax_accum.gradient_noise.WindowStats`
-      (the same sums ``accumulate(k, opt, track_noise_scale=True)`` keeps for
-      a window of the same micro-batch gradients). Fold them into a running
-      estimate with :func:`optax_accum.gradient_noise.fold` and read it with
-      :func:`optax_accum.noise_scale` (in micro-batches). Each micro-batch
-      adds one scalar, its squared gradient norm, to the loop carry: no
-      gradient-sized memory. ``"weighted"`` weights micro-batch ``i`` by its
-      denominator (a micro-batch of denominator 0 is not counted);
-      ``"sum"`` takes the window's mean gradient as the sum over ``k``. Split
-      over ``D`` devices, the statistics span all ``k * D`` per-device
-      micro-batches, and their scalars ride in the one reduction after the
-      loop. Under plain ``jit`` they need ``fn`` to be a per-example mean or
-      sum (as for the results).
-
-  0.2's ``split``, ``rng_mode``, ``accumulator_dtype`` and ``unroll`` are
-  still accepted, with a ``DeprecationWarning``, until 0.4.
-  ``split="contiguous"`` and ``rng_mode="split"`` only reorder which rows and
-  keys a micro-batch gets (every normalisation is the same sum);
-  ``accumulator_dtype`` narrower than the default rule loses precision;
-  ``unroll`` is ``lax.scan``'s.
+      (the sums ``accumulate(k, opt, track_noise_scale=True)`` keeps for a
+      window of the same micro-batch gradients; fold them with
+      :func:`optax_accum.gradient_noise.fold`). Each micro-batch adds one
+      scalar to the loop carry. ``"weighted"`` weights micro-batch ``i`` by
+      its denominator; across ``D`` devices they span all ``k * D``
+      micro-batches.
+    **deprecated_options: 0.2's ``split``, ``rng_mode``, ``accumulator_dtype``
+      and ``unroll``, accepted with a ``DeprecationWarning`` until 0.4.
+      ``split="contiguous"`` and ``rng_mode="split"`` only reorder which rows
+      and keys a micro-batch gets; ``accumulator_dtype`` narrower than the
+      default rule loses precision; ``unroll`` is ``lax.scan``'s.
 
   Returns:
     A function with ``fn``'s signature returning ``(value, grads)`` (or
@@ -424,34 +362,19 @@ def microbatched(
     ``return_noise_stats=True``, ``((value, grads), stats)`` (or
     ``(((value, aux), grads), stats)``).
 
-  Data parallel under plain jit:
-
-  * **Explicit axes** (``jax.make_mesh(..., axis_types=(AxisType.Explicit,
-    ...))`` and ``jax.set_mesh``): a batch whose leading dim is sharded over
-    mesh axes (visible in its type, e.g. ``float32[32@data,5]``) is split
-    there. No argument is needed: the loop runs inside a ``shard_map`` over
-    those axes (the ``axis_name`` path above), so each device scans its own
-    rows and the gradients are reduced once, after the loop. Non-batch
-    arguments are made whole over the data axes before it (FSDP params: one
-    all-gather); each gradient comes back with the sharding of the argument
-    of its structure (the params), reduce-scattered onto it when that param
-    is sharded over the data axes alone (``P("data")``), else all-reduced
-    and sliced.
-  * **Auto axes** (the default): types do not show the batch's sharding, so
-    name the data axes, ``microbatched(fn, k, axis_name="data")``, and the
-    same ``shard_map`` is applied for you over ``jax.set_mesh``'s mesh.
-    Without it, ``jit`` reduces the gradients inside the loop, once per
-    micro-batch.
-
-  Either way ``fn`` runs per device on that device's rows of each
-  micro-batch, like under ``shard_map``: the results equal the full batch's
-  for a loss that is a mean or sum over examples (or ``"weighted"``), not
-  for batch statistics across examples; ``fn`` must not name the data axes
-  in sharding annotations; per-example aux (``"concat"``, and ``"last"`` and
-  ``"stack"`` of per-example values) is put back in batch order, other
-  per-device aux raises. On jax 0.10, ``shard_map``'s boundary all-gathers
-  operands sharded over *other* Explicit axes (tensor parallel), once per
-  call, outside the loop.
+  Data parallel under plain jit: with the batch's leading dim sharded over
+  **Explicit** mesh axes (visible in its type, e.g. ``float32[32@data,5]``),
+  or over **Auto** ones named by ``axis_name``, the loop runs per device
+  inside a ``shard_map`` over them: each device scans its own rows and the
+  gradients are reduced once, after the loop. Params sharded over the data
+  axes (FSDP) are all-gathered before it; each gradient comes back with its
+  param's sharding, reduce-scattered onto it when that param is sharded
+  over the data axes alone. ``fn`` then sees one device's rows: the results
+  equal the full batch's for a per-example mean or sum (or ``"weighted"``),
+  not for statistics across examples; per-example aux (``"concat"``, and
+  ``"last"``/``"stack"`` of per-example values) comes back in batch order,
+  other per-device aux raises. Without the name, Auto axes hide the split
+  and ``jit`` reduces the gradients once per micro-batch.
 
   Raises:
     ValueError: when called with a batch whose size ``num_microbatches`` does
@@ -695,14 +618,17 @@ def _run(
   reduce-scattered over ``axis_name`` instead of all-reduced: ``(dim, axes)``.
   """
   step = functools.partial(_call_microbatch, call, config)
-  shapes = _unpack(config, _eval_shape(step, inputs, jnp.zeros([], jnp.int32)))
+  leaves = _arrays.ArrayLeaves.of(inputs)  # only arrays are abstract (Equinox modules' functions)
+  shapes = _unpack(config, jax.eval_shape(
+      lambda *a: step(leaves.rebuild(a), jnp.zeros([], jnp.int32)), *leaves.arrays))
   _validation.check_no_float0(shapes.grads, where="gradient `fn` returns")
   plan = _resolve_aux_rules(config, shapes.aux) if config.has_aux else None
 
   def body(carry: _Carry, idx: jax.Array) -> _Carry:
     return _add(config, plan, carry, _unpack(config, step(inputs, idx)), idx)
 
-  carry = _loop(config, body, _init_carry(config, plan, shapes), _any_varying(inputs))
+  varying = any(_arrays.varying_axes(x) for x in leaves.arrays)
+  carry = _loop(config, body, _init_carry(config, plan, shapes), varying)
   num, grads, stats = _normalize(config, carry, scatter)
   num = jax.tree.map(lambda x, s: x.astype(s.dtype), num, shapes.num)
   grads = jax.tree.map(lambda x, s: x.astype(s.dtype), grads, shapes.grads)
@@ -710,12 +636,6 @@ def _run(
       rule.finalize(c) for rule, c in zip(plan.programs, carry.aux, strict=True)])
   out = ((num, aux) if config.has_aux else num), grads
   return (out, stats) if config.return_noise_stats else out
-
-
-def _eval_shape(f: Callable[..., Any], *args: Any) -> Any:
-  """``jax.eval_shape(f, *args)`` where only the array leaves of ``args`` are abstract."""
-  inputs = _arrays.ArrayLeaves.of(args)
-  return jax.eval_shape(lambda *arrays: f(*inputs.rebuild(arrays)), *inputs.arrays)
 
 
 def _filled(s: jax.ShapeDtypeStruct, dtype: Any, fill: Any = 0) -> jax.Array:
@@ -748,11 +668,9 @@ def _add(
     config: _Config, plan: _AuxPlan | None, carry: _Carry, out: _Out, idx: jax.Array,
 ) -> _Carry:
   """One loop step: micro-batch ``idx``'s outputs ``out`` added to the carry."""
-  num, grads = jax.tree.map(
-      lambda c, x: c + x.astype(c.dtype), (carry.num, carry.grads), (out.num, out.grads))
-  den = None
-  if carry.den is not None:
-    den = carry.den + jnp.asarray(out.den).astype(carry.den.dtype)
+  num, den, grads = jax.tree.map(  # den: None (no leaves) unless normalize="weighted"
+      lambda c, x: c + jnp.asarray(x).astype(c.dtype), (carry.num, carry.den, carry.grads),
+      (out.num, out.den, out.grads))
   noise = _add_noise(carry.noise, out) if config.return_noise_stats else ()
   aux = [] if plan is None else [
       rule.update(c, v, idx) for rule, c, v in
@@ -850,13 +768,6 @@ def _window_stats(
 
 # ----------------------------------------------------- stage 6: aux rules
 _CROSS_DEVICE = {"mean": lax.pmean, "sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
-_LEAF_UPDATES = {
-    "mean": lambda c, v: c + v.astype(c.dtype),
-    "sum": lambda c, v: c + v.astype(c.dtype),
-    "max": jnp.maximum,
-    "min": jnp.minimum,
-    "last": lambda c, v: v,
-}
 
 
 def _resolve_aux_rules(config: _Config, aux_shapes: Any) -> _AuxPlan:
@@ -885,10 +796,13 @@ def _program(config: _Config, rule: str | AuxRule, shapes: Any, where: str) -> A
     return jax.tree.map(lambda s: _leaf_init(config, rule, s), shapes)
 
   def update(carry: Any, value: Any, idx: jax.Array) -> Any:
-    if rule in ("stack", "concat"):  # micro-batch idx's values, into a [k, ...] buffer
-      return jax.tree.map(lambda c, v: lax.dynamic_update_index_in_dim(c, v, idx, 0),
-                          carry, value)
-    return jax.tree.map(_LEAF_UPDATES[rule], carry, value)
+    def one(c: jax.Array, v: jax.Array) -> jax.Array:
+      if rule in ("stack", "concat"):  # micro-batch idx's values, into a [k, ...] buffer
+        return lax.dynamic_update_index_in_dim(c, v, idx, 0)
+      if rule in ("max", "min"):
+        return jnp.maximum(c, v) if rule == "max" else jnp.minimum(c, v)
+      return v if rule == "last" else c + v.astype(c.dtype)
+    return jax.tree.map(one, carry, value)
 
   def finalize(carry: Any) -> Any:
     if rule == "stack":
@@ -910,9 +824,7 @@ def _leaf_init(config: _Config, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array
                      out_sharding=None if spec is None else P(None, *spec))
   if rule in ("mean", "sum"):
     dtype = _acc_dtype(s.dtype, config.acc_dtype)
-    if rule == "mean" and not _is_float(dtype):
-      dtype = jnp.float32  # the mean of integers
-    return _filled(s, dtype)
+    return _filled(s, dtype if rule == "sum" or _is_float(dtype) else jnp.float32)  # int mean
   if rule == "last":
     return _filled(s, s.dtype)
   if _is_float(s.dtype):
@@ -920,8 +832,7 @@ def _leaf_init(config: _Config, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array
   elif jnp.issubdtype(s.dtype, jnp.bool_):
     start = rule == "min"
   else:
-    info = jnp.iinfo(s.dtype)
-    start = info.min if rule == "max" else info.max
+    start = getattr(jnp.iinfo(s.dtype), "min" if rule == "max" else "max")
   return _filled(s, s.dtype, start)
 
 
@@ -932,11 +843,6 @@ def _leaf_finalize(config: _Config, rule: str, c: jax.Array, s: jax.ShapeDtypeSt
   if rule in _CROSS_DEVICE and config.axis_name is not None:
     c = _CROSS_DEVICE[rule](c, config.axis_name)
   return c if rule == "mean" and not _is_float(s.dtype) else c.astype(s.dtype)
-
-
-def _any_varying(tree: Any) -> bool:
-  return any(_arrays.varying_axes(x) for x in jax.tree.leaves(tree)
-             if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)))
 
 
 # ---------------------------------------------- plain jit: the batch on a mesh
