@@ -21,21 +21,17 @@ _INT32_MAX = 2**31 - 1
 
 
 def check_update(
-    config: Any, grads: Any, buffer: Any, extra_args: dict[str, Any], *, strict: bool,
-    where: str, own: tuple[str, ...], weight: Any = None, emit_now: Any = False,
+    config: Any, grads: Any, buffer: Any, *, weight: Any = None, emit_now: Any = False,
     flushing: bool = False, skip_nonfinite: bool = False,
 ) -> tuple[jax.Array | None, Any]:
-  """Every check an update starts with; returns ``(weight, emit_now)``, checked.
+  """Every check of an update's values; returns ``(weight, emit_now)``, checked.
 
-  The keywords must be ones the inner optimizer may take; the gradients must
-  match the buffer's tree and shapes, fit its dtypes (no part of a value
+  The gradients must match the buffer's tree and shapes, fit its dtypes (no part of a value
   dropped) and live where the window expects them: device-local under
   ``shard_map``, unreduced under plain jit with Explicit axes, neither
   without ``axis_name``. A flush carries zeros and no weight. Each failure is
   raised by the check that words it.
   """
-  if extra_args:
-    check_keywords(extra_args, strict, where, own)
   g_leaves, g_def = jax.tree.flatten(grads)
   b_leaves, b_def = jax.tree.flatten(buffer)
   if g_def != b_def:

@@ -116,9 +116,9 @@ def init_window(config: Config, params: optax.Params) -> Window:
     dtype = _arrays.accumulator_dtype(jnp.result_type(p), config.acc_dtype)
     if unreduced is None:
       return jnp.zeros_like(p, dtype=dtype)
-    spec = jax.sharding.PartitionSpec(
-        *_arrays.strip_axes(_arrays.spec_of(p).partitions, unreduced), unreduced=set(unreduced))
-    return jnp.zeros(jnp.shape(p), dtype, out_sharding=spec)
+    parts = _arrays.strip_axes(_arrays.spec_of(p).partitions, unreduced)
+    return jnp.zeros(jnp.shape(p), dtype, out_sharding=jax.sharding.PartitionSpec(
+        *parts, unreduced=set(unreduced)))
 
   return Window(
       mini_step=jnp.zeros([], jnp.int32),
@@ -181,9 +181,8 @@ def micro_step(
   # A window of total weight 0 (only padding) is not a step: it closes without
   # emitting (zero updates, the inner state kept). The only place that rule lives.
   emits = jnp.logical_and(closes, window_weight != 0) if weighted else closes
-  noise = window.noise
-  if config.noise_decay is not None:
-    noise = noise_lib.add_micro_batch(noise, noise_lib.sq_norm(grads), accept, weight)
+  noise = window.noise if config.noise_decay is None else noise_lib.add_micro_batch(
+      window.noise, noise_lib.sq_norm(grads), accept, weight)
 
   # 2. Add and 3. emit or not. `emit` is wrapped in jax.jit and traced once
   # here by eval_shape: its output shapes make the mid-step's zeros, and the
@@ -193,10 +192,7 @@ def micro_step(
                  inner_state, params)
   add = jax.named_scope(SCOPES["add"])(lambda ops: buffer_after(
       config, ops.acc, ops.mini_step, ops.grads, accept, weight))
-  out_dtypes = jax.tree.map(jnp.promote_types, _dtypes(grads),
-                            _dtypes(grads if params is None else params))
-  run_emit = jax.jit(functools.partial(emit, config, out_dtypes=out_dtypes, apply=apply,
-                                       extra_args=extra_args or {}))
+  run_emit = jax.jit(functools.partial(emit, config, apply=apply, extra_args=extra_args or {}))
   shapes = jax.eval_shape(run_emit, ops, ops.acc).out
   parks = None if apply else parking(config, shapes, window.acc_grads)
   # Where the buffer is written. When updates park in it, both branches write
@@ -215,16 +211,10 @@ def micro_step(
     summed = window_sum(ops)
     return park(run_emit(ops, summed), summed, parks)
 
-  def accumulating(ops: Operands) -> Emitted:
-    return mid(ops, window_sum(ops) if parks is not None else (), shapes, parks, apply)
-
   out, new_inner, new_noise, buffer = lax.cond(
-      emits, jax.named_scope(SCOPES["emit"])(emitting),
-      jax.named_scope(SCOPES["mid"])(accumulating), ops)
-  if parks is None:
-    buffer = ops.acc
-  else:
-    out = unpark(out, buffer, parks, emits, shapes)
+      emits, jax.named_scope(SCOPES["emit"])(emitting), jax.named_scope(SCOPES["mid"])(
+          lambda ops: mid(ops, window_sum(ops), shapes, parks, apply)), ops)
+  out = unpark(out, buffer, parks, emits, shapes)
 
   # 4. Advance.
   new_window = Window(
@@ -236,10 +226,6 @@ def micro_step(
       if weighted else window.acc_weight,
       noise=new_noise)
   return StepOut(out, new_window, new_inner, emits)
-
-
-def _dtypes(tree: Any) -> Any:
-  return jax.tree.map(lambda x: jnp.dtype(jnp.result_type(x)), tree)
 
 
 def window_length(k: KSchedule | noise_lib.AdaptiveK, window: Window) -> jax.Array:
@@ -294,14 +280,13 @@ def buffer_after(config: Config, acc: optax.Updates, mini_step: jax.Array, grads
   return jax.tree.map(add, acc, grads)
 
 
-def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, out_dtypes: Any,
-         apply: bool, extra_args: dict[str, Any]) -> Emitted:
+def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: bool,
+         extra_args: dict[str, Any]) -> Emitted:
   """The emitting branch: reduce the window, run the inner optimizer once.
 
   The reduced gradient is the window's sum (this device's ``window_sum``,
   reduced across devices with ``axis_name``) times its scale (1 / count,
-  1 / total weight, or 1), in ``out_dtypes`` (the wider of each gradient's
-  and param's dtype).
+  1 / total weight, or 1), in the wider of each gradient's and param's dtype.
   """
   tracking = config.noise_decay is not None
   window_k = ops.noise.window_count if tracking else ops.count
@@ -338,8 +323,10 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, out_dtypes
         window_sq_norms=window_sq, window_count=window_k.astype(jnp.int32),
         total_weight=total_weight if config.reduction == "weighted" else window_k,
         mean_sq_norm=window_sq_norm * mean**2), config.noise_decay)
-  reduced = jax.tree.map(lambda a, dtype: (a * scale.astype(a.dtype)).astype(dtype),
-                         window_sum, out_dtypes)
+  reduced = jax.tree.map(
+      lambda a, g, p: (a * scale.astype(a.dtype)).astype(
+          jnp.promote_types(jnp.result_type(g), jnp.result_type(p))),
+      window_sum, ops.grads, ops.grads if ops.params is None else ops.params)
 
   out, new_inner = reduced, ops.inner_state  # the chain form emits the reduced gradient
   if config.inner is not None:
@@ -387,19 +374,12 @@ def parking(config: Config, updates: Any, buffer: optax.Updates) -> list[bool] |
   for u, b in zip(jax.tree.leaves(updates), jax.tree.leaves(buffer), strict=True):
     u_dtype, b_dtype = jnp.dtype(u.dtype), jnp.dtype(b.dtype)
     u_type, b_type = _arrays.array_type(u), _arrays.array_type(b)
-    parks.append((u_dtype == b_dtype or (u_dtype, b_dtype) in _EXACT_WIDENINGS)
-                 and tuple(u.shape) == tuple(b.shape) and u_type.varying == b_type.varying
+    # Exact: the same dtype, or a wider float of the same kind (bf16 into f32).
+    exact = u_dtype == b_dtype or (jnp.issubdtype(u_dtype, jnp.floating) and jnp.issubdtype(
+        b_dtype, jnp.floating) and jnp.promote_types(u_dtype, b_dtype) == b_dtype)
+    parks.append(exact and tuple(u.shape) == tuple(b.shape) and u_type.varying == b_type.varying
                  and u_type.explicit_spec == b_type.explicit_spec and not b_type.unreduced)
   return parks if any(parks) else None
-
-
-_EXACT_WIDENINGS = {
-    (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)),
-    (jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)),
-    (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float64)),
-    (jnp.dtype(jnp.float16), jnp.dtype(jnp.float64)),
-    (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)),
-}
 
 
 def park(emitted: Emitted, buffer: optax.Updates, parks: list[bool] | None) -> Emitted:
@@ -408,8 +388,8 @@ def park(emitted: Emitted, buffer: optax.Updates, parks: list[bool] | None) -> E
   The buffer is dead once its window closed (the next window resets it
   lazily): a leaf that does not park keeps the window's sum.
   """
-  if parks is None:  # the buffer stays out of the conditional
-    return emitted
+  if parks is None:
+    return emitted._replace(buffer=buffer)
   leaves = jax.tree.leaves(emitted.out)
   bufs, treedef = jax.tree.flatten(buffer)
   out = [None if p else u for u, p in zip(leaves, parks, strict=True)]
@@ -418,9 +398,11 @@ def park(emitted: Emitted, buffer: optax.Updates, parks: list[bool] | None) -> E
   return emitted._replace(out=out, buffer=buffer)
 
 
-def unpark(out: list[Any], buffer: optax.Updates, parks: list[bool], emitted: jax.Array,
+def unpark(out: Any, buffer: optax.Updates, parks: list[bool] | None, emitted: jax.Array,
            shapes: Any) -> Any:
   """The updates: parked leaves read back from the buffer, zeros unless ``emitted``."""
+  if parks is None:
+    return out
   like, treedef = jax.tree.flatten(shapes)
   return jax.tree.unflatten(treedef, [
       lax.select(emitted, lax.convert_element_type(b, s.dtype), lax.full_like(b, 0, s.dtype))

@@ -19,6 +19,7 @@ from jax import lax
 from optax_accum import _arrays, _validation, _window
 from optax_accum import gradient_noise as noise_lib
 from optax_accum._window import KSchedule
+from optax_accum.precision import all_finite
 
 # The protocol's own channel for the two calls that are not a plain update:
 # chains, `per_device_state` and `MultiSteps` forward keyword arguments, so
@@ -58,30 +59,6 @@ class AccumulateState(NamedTuple):
   emitted: jax.Array
   inner_opt_state: optax.OptState
   noise_stats: Any = ()
-
-
-def all_finite(tree: Any) -> jax.Array:
-  """True iff every leaf of ``tree`` is free of NaN and Inf (a bool scalar).
-
-  The test ``accumulate(..., skip_nonfinite=True)`` applies.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from optax_accum.precision import all_finite
-    >>> bool(all_finite({"a": jnp.ones(2)})), bool(all_finite({"a": jnp.array([1., jnp.inf])}))
-    (True, False)
-  """
-  leaves = [_leaf_finite(x) for x in jax.tree.leaves(tree)]
-  return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
-
-
-def _leaf_finite(x: jax.Array) -> jax.Array:
-  """One reduction pass: ``x - x`` is 0 where finite and NaN where not, and
-  a sum of zeros never overflows. (``all(isfinite(x))`` left XLA:CPU a
-  boolean array per leaf: a quarter of the params in temporaries.)"""
-  if not jnp.issubdtype(x.dtype, jnp.inexact):
-    return jnp.asarray(True)
-  return jnp.isfinite(jnp.sum(x - x))
 
 
 class _NoOptimizer:
@@ -259,10 +236,12 @@ def accumulate(
       )
     mode = extra_args.pop(MODE, None)
     flushing, apply = mode == _FLUSH, mode == _APPLY and config.inner is not None
+    if extra_args:
+      _validation.check_keywords(extra_args, strict_kwargs, "the update of `accumulate`",
+                                 ("weight", "emit_now"))
     weight, emit_now = _validation.check_update(
-        config, updates, state.acc_grads, extra_args, strict=strict_kwargs,
-        where="the update of `accumulate`", own=("weight", "emit_now"), weight=weight,
-        emit_now=emit_now, flushing=flushing, skip_nonfinite=skip_nonfinite)
+        config, updates, state.acc_grads, weight=weight, emit_now=emit_now, flushing=flushing,
+        skip_nonfinite=skip_nonfinite)
     with _arrays.mesh_context((updates, params)):
       accept = False if flushing else (
           _accept(updates, weight, config.axis_name) if skip_nonfinite else True)

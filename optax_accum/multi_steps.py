@@ -141,14 +141,12 @@ class MultiSteps:
       on the emitting step.
     """
     mode = extra_args.pop(MODE, None)
-    _validation.check_update(self._config, updates, state.acc_grads, extra_args,
-                             strict=self._strict_kwargs, where="MultiSteps.update", own=(),
-                             flushing=mode == _FLUSH)
+    if extra_args:
+      _validation.check_keywords(extra_args, self._strict_kwargs, "MultiSteps.update", ())
+    _validation.check_update(self._config, updates, state.acc_grads, flushing=mode == _FLUSH)
     skip_state, noise = self._unpack(state.skip_state)
-    accept: Any = True
-    if mode == _FLUSH:
-      accept = False
-    elif self._should_skip is not None:
+    accept: Any = mode != _FLUSH  # a flush carries no micro-batch
+    if accept and self._should_skip is not None:
       should_skip, skip_state = self._should_skip(updates, state.gradient_step, params)
       accept = jnp.logical_not(_check_skip(should_skip))
     window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads, (), noise)
