@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -52,6 +53,11 @@ _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\](\{[^}]*\})?")
 _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _COMMENT = re.compile(r"/\*.*?\*/")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+# The named scopes of optax_accum's conditional's branches (read once: a program
+# traced under other names is not ours).
+_STEP_SCOPES = (f"/{_window.SCOPES['mid']}/", f"/{_window.SCOPES['emit']}/")
+_OPCODE = re.compile(r"\s*([\w\-]+)\(")
 _CALLEES = re.compile(
     r"\b(branch_computations|true_computation|false_computation|body|condition|to_apply|calls)"
     r"=(\{[^}]*\}|%?[\w.\-]+)")
@@ -139,30 +145,17 @@ def _closing(text: str, start: int) -> int:
 
 def _parse_instruction(line: str) -> _Instruction | None:
   """``name = type opcode(operands), attributes`` -> an :class:`_Instruction`."""
-  if "=" not in line:
+  lhs, _, rhs = line.partition("=")
+  rhs = _COMMENT.sub("", rhs).strip()
+  type_end = _closing(rhs, 0) + 1 if rhs.startswith("(") else rhs.find(" ")  # "(tuple)" or a word
+  match = _OPCODE.match(rhs, max(type_end, 0))
+  if not lhs.strip() or type_end <= 0 or not match:
     return None
-  lhs, rhs = line.split("=", 1)
-  name = lhs.split()[-1].lstrip("%") if lhs.split() else ""
-  rhs = _COMMENT.sub("", rhs).lstrip()
-  if rhs.startswith("("):  # a tuple type
-    end = _closing(rhs, 0)
-    if end < 0:
-      return None
-    type_str, rest = rhs[: end + 1], rhs[end + 1 :].lstrip()
-  else:
-    parts = rhs.split(None, 1)
-    if len(parts) != 2:
-      return None
-    type_str, rest = parts
-  match = re.match(r"([\w\-]+)\(", rest)
-  if not match:
-    return None
-  end = _closing(rest, match.end() - 1)
-  if end < 0:
-    return None
-  operands = tuple(
-      o.split()[-1].lstrip("%") for o in rest[match.end() : end].split(",") if o.strip())
-  return _Instruction(name, type_str, match.group(1), operands, rest[end + 1 :])
+  start = match.end()
+  end = _closing(rhs, start - 1)
+  operands = tuple(o.split()[-1].lstrip("%") for o in rhs[start:end].split(",") if o.strip())
+  return _Instruction(lhs.split()[-1].lstrip("%"), rhs[:type_end], match.group(1), operands,
+                      rhs[end + 1 :])
 
 
 def _parse_module(text: str) -> tuple[str, dict[str, list[_Instruction]]]:
@@ -217,42 +210,38 @@ class _Site(NamedTuple):
   fused: bool  # inside a fusion: no buffer of its own
   instruction: _Instruction
   defs: dict[str, _Instruction]  # the names defined in ``computation``
-  wraps: str | None  # for a fusion of one instruction (XLA:CPU wraps ops so): its opcode
-
-
-def _wrapped_opcode(body: list[_Instruction]) -> str | None:
-  ops = [i.opcode for i in body if i.opcode not in ("parameter", "bitcast")]
-  return ops[0] if len(ops) == 1 else None
-
-
-def _module(compiled: Any) -> tuple[str, dict[str, list[_Instruction]]]:
-  """:func:`_parse_module` of a compiled step or of its text."""
-  return _parse_module(compiled if isinstance(compiled, str) else compiled.as_text())
+  body: list[_Instruction]  # for a fusion: its fused computation's instructions
+  step: str | None  # in a branch of optax_accum's conditional: "mid" or "emit"
 
 
 def _walk(compiled: Any) -> Iterator[_Site]:
   """Every instruction reachable from the entry, once per path, in program order.
 
-  ``compiled``: a compiled step, its text, or :func:`_module` of either.
+  ``compiled``: a compiled step or its text. optax_accum's conditional is the
+  outermost one with a branch under one of its named scopes; as for any
+  ``lax.cond``, its branch 1 (the true branch) is the emitting step.
   """
-  entry, bodies = compiled if isinstance(compiled, tuple) else _module(compiled)
+  entry, bodies = _parse_module(compiled if isinstance(compiled, str) else compiled.as_text())
 
-  def visit(name: str, context: Context, fused: bool, depth: int) -> Iterator[_Site]:
-    if depth > 64:
-      raise ValueError("HLO call graph too deep (recursive?).")
+  def ours(branch: str) -> bool:  # does a branch run under optax_accum's mid or emit scope?
+    names = (f"/{n}/" for i in bodies.get(branch, []) for n in _OP_NAME.findall(i.attributes))
+    return any(scope in name for name in names for scope in _STEP_SCOPES)
+
+  def visit(name: str, context: Context, fused: bool, step: str | None) -> Iterator[_Site]:
     instructions = bodies.get(name, [])
     defs = {i.name: i for i in instructions}
     for instruction in instructions:
       callees = list(_callees(instruction))
-      wraps = None
-      if instruction.opcode == "fusion" and len(callees) == 1:
-        wraps = _wrapped_opcode(bodies.get(callees[0][0], []))
-      yield _Site(name, context, fused, instruction, defs, wraps)
-      into_fusion = fused or instruction.opcode == "fusion"
-      for callee, step in callees:
-        yield from visit(callee, (*context, *step), into_fusion, depth + 1)
+      is_fusion = instruction.opcode == "fusion"
+      body = bodies.get(callees[0][0], []) if is_fusion and callees else []
+      yield _Site(name, context, fused, instruction, defs, body, step)
+      split = step is None and instruction.opcode == "conditional" and len(callees) == 2 and any(
+          ours(c) for c, _ in callees)
+      for callee, where in callees:
+        yield from visit(callee, (*context, *where), fused or is_fusion,
+                         ("mid", "emit")[where[0][1]] if split else step)
 
-  yield from visit(entry, (), False, 0)
+  yield from visit(entry, (), False, None)
 
 
 def hlo_collectives(compiled: Any) -> list[Collective]:
@@ -338,10 +327,7 @@ def opcodes(compiled: Any) -> dict[str, int]:
     >>> opcodes(f.lower(True, jnp.ones(4)).compile())["select"]
     1
   """
-  counts: dict[str, int] = {}
-  for site in _walk(compiled):
-    counts[site.instruction.opcode] = counts.get(site.instruction.opcode, 0) + 1
-  return counts
+  return dict(Counter(site.instruction.opcode for site in _walk(compiled)))
 
 
 def copies(compiled: Any, min_bytes: int = 0) -> list[Copy]:
@@ -376,7 +362,8 @@ def copies(compiled: Any, min_bytes: int = 0) -> list[Copy]:
   for site in _walk(compiled):
     i = site.instruction
     size = _type_bytes(i.type_str)
-    if site.fused or "copy" not in (i.opcode, site.wraps) or size < min_bytes:
+    wrapped = [b.opcode for b in site.body if b.opcode not in ("parameter", "bitcast")]
+    if site.fused or (i.opcode != "copy" and wrapped != ["copy"]) or size < min_bytes:
       continue
     source = site.defs.get(i.operands[0]) if i.operands else None
     array = _ARRAY_TYPE.search(i.type_str)
@@ -386,61 +373,20 @@ def copies(compiled: Any, min_bytes: int = 0) -> list[Copy]:
   return found
 
 
-# The named scopes optax_accum's branches carry, and the step each runs on:
-# the add conditional writes on mid-steps.
-_SCOPE_STEPS = {_window.SCOPES["add"]: "mid", _window.SCOPES["mid"]: "mid",
-                _window.SCOPES["emit"]: "emit"}
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _LAUNCHING = ("fusion", "copy", "custom-call", *_COLLECTIVES)
 
 
-def _scope_step(instruction: _Instruction) -> str | None:
-  match = _OP_NAME.search(instruction.attributes)
-  path = f"/{match.group(1)}/" if match else ""
-  return next((step for scope, step in _SCOPE_STEPS.items() if f"/{scope}/" in path), None)
-
-
-def _branch_steps(sites: list[_Site]) -> dict[str, str]:
-  """``{branch computation: "mid" or "emit"}`` for optax_accum's conditionals.
-
-  A branch takes the step of the scope its instructions carry; a branch with
-  none (one that passes its operands through) the other step of its sibling.
-  """
-  steps: dict[str, str] = {}
-  for site in sites:
-    step = _scope_step(site.instruction)
-    if step is not None and site.context:
-      steps.setdefault(site.computation, step)
-  for site in sites:
-    if site.instruction.opcode != "conditional":
-      continue
-    branches = [name for name, _ in _callees(site.instruction)]
-    known = {steps[b] for b in branches if b in steps}
-    if len(branches) == 2 and len(known) == 1:
-      other = "mid" if known == {"emit"} else "emit"
-      for b in branches:
-        steps.setdefault(b, other)
-  return steps
-
-
-def _per_step(sites: list[_Site], weight: Callable[[_Site], int]) -> dict[str, int]:
+def _per_step(compiled: Any, weight: Callable[[_Site], int]) -> dict[str, int]:
   """Sums ``weight(site)`` over the sites a mid-step and an emitting step run.
 
-  Sites outside every conditional run on both steps; inside one of
-  optax_accum's conditionals, on the step their branch serves; inside a
-  conditional of unknown role, on both.
+  A site in a branch of optax_accum's conditional runs on that branch's step;
+  any other (outside every conditional, or in one not ours), on both.
   """
-  steps = _branch_steps(sites)
   total = {"mid": 0, "emit": 0}
-  for site in sites:
+  for site in _walk(compiled):
     amount = weight(site)
-    if not amount:
-      continue
-    conditional = any(kind == "conditional" for kind, _ in site.context)
-    step = steps.get(site.computation) if conditional else None
-    for key in total:
-      if step is None or step == key:
-        total[key] += amount
+    for step in total:
+      total[step] += amount if site.step in (None, step) else 0
   return total
 
 
@@ -448,14 +394,13 @@ def step_kernels(compiled: Any) -> dict[str, int]:
   """Kernels a mid-step and an emitting step of ``accumulate`` launch.
 
   Counts the launching instructions (fusions, copies, custom calls,
-  collectives) outside fusions on each path: those outside every
-  conditional run on both steps; those inside one of optax_accum's
-  conditionals run on the step their branch serves, told by the branch's
-  named scope (``optax_accum_add`` and ``optax_accum_mid``: mid-steps;
-  ``optax_accum_emit``: emitting steps). A conditional of unknown role (not
-  ours) counts on both. On a GPU each launch is host time, which dominates
-  the step of a small model; on a TPU the step is one program and the count
-  is its number of fusions.
+  collectives) outside fusions on each path: those in a branch of
+  optax_accum's conditional (the one whose branches carry the named scopes
+  ``optax_accum_mid`` and ``optax_accum_emit``) run on the step that branch
+  serves; all others (outside every conditional, or in a conditional of
+  unknown role) count on both. On a GPU each launch is host time, which
+  dominates the step of a small model; on a TPU the step is one program and
+  the count is its number of fusions.
 
   Args:
     compiled: ``jax.jit(f).lower(...).compile()`` (or its ``as_text()``).
@@ -473,7 +418,7 @@ def step_kernels(compiled: Any) -> dict[str, int]:
     >>> k["mid"] < k["emit"]  # a mid-step adds into the buffer; an emit runs Adam
     True
   """
-  return _per_step(list(_walk(compiled)),
+  return _per_step(compiled,
                    lambda site: int(not site.fused and site.instruction.opcode in _LAUNCHING))
 
 
@@ -493,16 +438,14 @@ def _operand_bytes(name: str, defs: dict[str, _Instruction]) -> int:
   return 0 if source is None else _type_bytes(source.type_str, main_memory_only=True)
 
 
-def _fusion_bytes(site: _Site, bodies: dict[str, list[_Instruction]]) -> int:
+def _fusion_bytes(site: _Site) -> int:
   """Bytes a fusion reads and writes, each operand and result counted once.
 
   An operand the fused body only slices counts as its slices; the buffer an
   in-place ``dynamic-update-slice`` root updates counts as the update only.
   """
-  callee = next((c for c, _ in _callees(site.instruction)), None)
-  body = bodies.get(callee or "", [])
-  params = {int(i.operands[0]): i.name for i in body
-            if i.opcode == "parameter" and i.operands and i.operands[0].isdigit()}
+  body = site.body
+  params = {int(i.operands[0]): i.name for i in body if i.opcode == "parameter"}
   users: dict[str, list[_Instruction]] = {}
   for i in body:
     for o in i.operands:
@@ -520,17 +463,17 @@ def _fusion_bytes(site: _Site, bodies: dict[str, list[_Instruction]]) -> int:
       continue  # updated in place: only the update is written
     else:
       total += whole
-  if in_place and root is not None:
+  if in_place:
     return total + _operand_bytes(root.operands[1], {i.name: i for i in body})
   return total + _type_bytes(site.instruction.type_str, main_memory_only=True)
 
 
-def _site_bytes(site: _Site, bodies: dict[str, list[_Instruction]]) -> int:
+def _site_bytes(site: _Site) -> int:
   i = site.instruction
   if site.fused or i.opcode in _NO_DATA or i.opcode.endswith("-start"):
     return 0
   if i.opcode == "fusion":
-    return _fusion_bytes(site, bodies)
+    return _fusion_bytes(site)
   if i.opcode.endswith("-done"):  # the data of the async op: its result, from its source
     start = site.defs.get(i.operands[0]) if i.operands else None
     source = site.defs.get(start.operands[0]) if start and start.operands else None
@@ -578,8 +521,7 @@ def step_bytes(compiled: Any) -> dict[str, int]:
     >>> round(moved["mid"] / 2**18)  # read g and the buffer, write the buffer
     3
   """
-  module = _module(compiled)
-  return _per_step(list(_walk(module)), lambda site: _site_bytes(site, module[1]))
+  return _per_step(compiled, _site_bytes)
 
 
 def _is_fill(source: _Instruction | None, defs: dict[str, _Instruction]) -> bool:
