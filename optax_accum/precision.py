@@ -64,17 +64,12 @@ def all_finite(tree: Any) -> jax.Array:
     >>> bool(all_finite({"a": jnp.ones(2)})), bool(all_finite({"a": jnp.array([1., jnp.inf])}))
     (True, False)
   """
-  leaves = [_leaf_finite(x) for x in jax.tree.leaves(tree)]
+  # One reduction pass per leaf: `x - x` is 0 where finite and NaN where not, and a sum of
+  # zeros never overflows. (`all(isfinite(x))` left XLA:CPU a boolean array per leaf: a
+  # quarter of the params in temporaries.)
+  leaves = [jnp.isfinite(jnp.sum(x - x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
   return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
-
-
-def _leaf_finite(x: jax.Array) -> jax.Array:
-  """One reduction pass: ``x - x`` is 0 where finite and NaN where not, and
-  a sum of zeros never overflows. (``all(isfinite(x))`` left XLA:CPU a
-  boolean array per leaf: a quarter of the params in temporaries.)"""
-  if not jnp.issubdtype(x.dtype, jnp.inexact):
-    return jnp.asarray(True)
-  return jnp.isfinite(jnp.sum(x - x))
 
 
 def _floating_dtype(dtype: Any, name: str) -> jnp.dtype:
@@ -102,11 +97,14 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
     >>> out["x"].dtype, out["ids"].dtype
     (dtype(bfloat16), dtype('int32'))
   """
-  def one(x):
-    if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
-      return x.astype(dtype)
-    return x
-  return jax.tree.map(one, tree)
+  return _map_floating(lambda x: x.astype(dtype), tree)
+
+
+def _map_floating(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
+  """``fn`` on the floating-point leaves of ``tree``; the other leaves unchanged."""
+  return jax.tree.map(
+      lambda x: fn(x) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) else x,
+      tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,19 +321,11 @@ def dynamic_loss_scale(
     )
 
   def scale(loss: Any, state: DynamicLossScale) -> Any:
-    def one(x):
-      if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
-        return x * state.loss_scale.astype(x.dtype)
-      return x
-    return jax.tree.map(one, loss)
+    return _map_floating(lambda x: x * state.loss_scale.astype(x.dtype), loss)
 
   def unscale(grads: Any, state: DynamicLossScale) -> Any:
     inv = 1.0 / state.loss_scale
-    def one(g):
-      if hasattr(g, "dtype") and jnp.issubdtype(g.dtype, jnp.floating):
-        return (g.astype(jnp.float32) * inv).astype(g.dtype)
-      return g
-    return jax.tree.map(one, grads)
+    return _map_floating(lambda g: (g.astype(jnp.float32) * inv).astype(g.dtype), grads)
 
   def adjust(state: DynamicLossScale, grads_finite: jax.Array) -> DynamicLossScale:
     finite = jnp.asarray(grads_finite, jnp.bool_)
