@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _arrays
+from optax_accum import _arrays, _rounding
 from optax_accum import gradient_noise as noise_lib
 
 KSchedule = Callable[[jax.Array], Any]
@@ -190,8 +190,11 @@ def micro_step(
   # once per traced update).
   ops = Operands(window.acc_grads, window.mini_step, grads, count, window_weight, noise,
                  inner_state, params)
+  seed = (window.gradient_step, window.mini_step)  # the narrow buffer's rounding
+  if config.axis_name is not None and _arrays.explicit_axes(config.axis_name) is None:
+    seed += (lax.axis_index(config.axis_name),)  # each device rounds independently
   add = jax.named_scope(SCOPES["add"])(lambda ops: buffer_after(
-      config, ops.acc, ops.mini_step, ops.grads, accept, weight))
+      config, ops.acc, ops.mini_step, ops.grads, accept, weight, seed=seed))
   run_emit = jax.jit(functools.partial(emit, config, apply=apply, extra_args=extra_args or {}))
   shapes = jax.eval_shape(run_emit, ops, ops.acc).out
   parks = None if apply else parking(config, shapes, window.acc_grads)
@@ -246,14 +249,18 @@ def window_length(k: KSchedule | noise_lib.AdaptiveK, window: Window) -> jax.Arr
 
 
 def buffer_after(config: Config, acc: optax.Updates, mini_step: jax.Array, grads: optax.Updates,
-                 accept: Any, weight: jax.Array | None) -> optax.Updates:
+                 accept: Any, weight: jax.Array | None, *, seed: tuple[Any, ...] = ()
+                 ) -> optax.Updates:
   """The buffer with this micro-batch added: one fused expression per leaf.
 
   The buffer's old contents count only while ``mini_step > 0``; they are
   discarded with a select, never multiplied, so a NaN left behind never
   reaches a later window. A micro-batch of weight 0 adds nothing (its
   gradient may be NaN: the mean loss of pure padding). A rejected one
-  (``accept`` False) leaves the buffer as it is.
+  (``accept`` False) leaves the buffer as it is. A 16-bit buffer computes the
+  new value in float32 and rounds it stochastically (unbiased; round to
+  nearest would stall the sum), with random bits hashed from ``seed`` (the
+  window's counters), the leaf and the element: reruns are bit-identical.
   """
   if accept is False:
     return acc
@@ -261,23 +268,28 @@ def buffer_after(config: Config, acc: optax.Updates, mini_step: jax.Array, grads
   inv_next = 1.0 / (mini_step + 1).astype(jnp.float32)
 
   # lax, not jnp: this runs on every leaf of every traced step.
-  def add(acc: jax.Array, g: jax.Array) -> jax.Array:
-    g = lax.convert_element_type(g, acc.dtype)
-    zero = lax.full_like(acc, 0)  # (a scalar 0 is not allowed with unreduced types)
-    old = lax.select(stale, zero, acc)
+  def add(acc: jax.Array, g: jax.Array, leaf: int) -> jax.Array:
+    wide = jnp.float32 if _rounding.is_narrow(acc.dtype) else acc.dtype
+    g = lax.convert_element_type(g, wide)
+    zero = lax.full_like(acc, 0, wide)  # (a scalar 0 is not allowed with unreduced types)
+    old = lax.select(stale, zero, lax.convert_element_type(acc, wide))
     if weight is not None:
-      w = lax.convert_element_type(weight, acc.dtype)
+      w = lax.convert_element_type(weight, wide)
       unreduced = _arrays.array_type(acc).unreduced
       if unreduced:  # an unreduced array multiplies by a *reduced* scalar
         w = jax.reshard(w, jax.sharding.PartitionSpec(reduced=set(unreduced)))
       g = lax.select(weight != 0, g * w, zero)
     if config.running_mean:  # optax.MultiSteps' Welford update
-      new = old + (g - old) * inv_next.astype(acc.dtype)
+      new = old + (g - old) * inv_next.astype(wide)
     else:
       new = lax.add(old, g)
+    if wide != acc.dtype:
+      u = _rounding.uniform(acc.shape, [*seed, leaf], out_sharding=_arrays.explicit_spec(acc))
+      new = _rounding.round_stochastic(new, acc.dtype, u)
     return new if accept is True else lax.select(jnp.asarray(accept), new, acc)
 
-  return jax.tree.map(add, acc, grads)
+  leaf_ids = jax.tree.unflatten(jax.tree.structure(acc), range(len(jax.tree.leaves(acc))))
+  return jax.tree.map(add, acc, grads, leaf_ids)
 
 
 def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: bool,
@@ -323,8 +335,9 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
         window_sq_norms=window_sq, window_count=window_k.astype(jnp.int32),
         total_weight=total_weight if config.reduction == "weighted" else window_k,
         mean_sq_norm=window_sq_norm * mean**2), config.noise_decay)
+  # (A 16-bit buffer's sum is scaled in float32.)
   reduced = jax.tree.map(
-      lambda a, g, p: (a * scale.astype(a.dtype)).astype(
+      lambda a, g, p: (a.astype(jnp.promote_types(a.dtype, wide)) * scale).astype(
           jnp.promote_types(jnp.result_type(g), jnp.result_type(p))),
       window_sum, ops.grads, ops.grads if ops.params is None else ops.params)
 

@@ -81,19 +81,19 @@ def _fixtures() -> tuple[Any, Any]:
           test_microbatching.make_batch(jax.random.key(1), 16))
 
 
-def _weights_ignored(config, acc, mini_step, grads, accept, weight):
-  return _real.buffer_after(config, acc, mini_step, grads, accept, None)
+def _weights_ignored(config, acc, mini_step, grads, accept, weight, **kw):
+  return _real.buffer_after(config, acc, mini_step, grads, accept, None, **kw)
 
 
-def _never_reset(config, acc, mini_step, grads, accept, weight):
-  return _real.buffer_after(config, acc, jnp.maximum(mini_step, 1), grads, accept, weight)
+def _never_reset(config, acc, mini_step, grads, accept, weight, **kw):
+  return _real.buffer_after(config, acc, jnp.maximum(mini_step, 1), grads, accept, weight, **kw)
 
 
-def _reset_by_multiplying(config, acc, mini_step, grads, accept, weight):
+def _reset_by_multiplying(config, acc, mini_step, grads, accept, weight, **kw):
   """optax.MultiSteps' ``(1 - emit) * acc``: 0 * NaN is NaN."""
   keep = (mini_step > 0).astype(jnp.float32)
   acc = jax.tree.map(lambda a: a * keep.astype(a.dtype), acc)
-  return _real.buffer_after(config, acc, jnp.maximum(mini_step, 1), grads, accept, weight)
+  return _real.buffer_after(config, acc, jnp.maximum(mini_step, 1), grads, accept, weight, **kw)
 
 
 def _closing_micro_batch_dropped(config, operands, window_sum, **kwargs):

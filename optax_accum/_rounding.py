@@ -1,0 +1,75 @@
+"""Stochastic rounding: a float32 value into a 16-bit float without bias.
+
+Rounding to nearest stalls a narrow running sum: once the sum is large, each
+small addend rounds away (a bfloat16 sum of 1,024 ones is 256). Rounding
+*stochastically*, up with probability equal to the distance from the value
+below (in units of the gap between the two neighbours), makes every rounding
+unbiased: ``E[round(x)] = x``, so the sum's error stays a zero-mean random
+walk.
+
+The random bits come from a counter-based hash of the element's index and a
+few counters (the window's step counts, the leaf, the device), not from a
+PRNG key: reruns and checkpoints resume bit for bit, no state is added, and
+the bits are made where they are used, element by element.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def is_narrow(dtype: Any) -> bool:
+  """Whether a buffer of ``dtype`` rounds stochastically: a float under 32 bits."""
+  dtype = jnp.dtype(dtype)
+  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+
+
+def _mix(x: jax.Array) -> jax.Array:
+  """A 32-bit integer hash with full avalanche (Wellons' lowbias32)."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def uniform(shape: tuple[int, ...], counters: list[Any], out_sharding: Any = None) -> jax.Array:
+  """Uniform float32 values in [0, 1), one per element of ``shape``.
+
+  A hash of each element's row-major index and ``counters`` (ints or int
+  scalars): the same counters give the same values, any change in one gives
+  independent ones.
+  """
+  key = jnp.uint32(0x9E3779B9)
+  for c in counters:
+    key = _mix(key ^ jnp.asarray(c).astype(jnp.uint32))
+  index = jnp.zeros(shape, jnp.uint32, out_sharding=out_sharding)
+  stride = 1
+  for dim in reversed(range(len(shape))):
+    index = index + lax.broadcasted_iota(jnp.uint32, shape, dim, out_sharding=out_sharding) * (
+        jnp.uint32(stride % 2**32))
+    stride *= shape[dim]
+  bits = _mix(_mix(index ^ key) + key)
+  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def round_stochastic(x: jax.Array, dtype: Any, u: jax.Array) -> jax.Array:
+  """``x`` (float32) in ``dtype``, rounded up or down without bias.
+
+  ``u`` holds uniform values in [0, 1), one per element. The nearest value
+  of ``dtype`` is kept, or replaced by the neighbour on the other side of
+  ``x`` when ``u`` is below the fraction of the gap that ``x`` covers toward
+  it; ``E[result] = x``. Values ``dtype`` represents exactly, infinities and
+  NaN are kept as they are.
+  """
+  nearest = x.astype(dtype)
+  near32 = nearest.astype(jnp.float32)
+  toward = jnp.where(near32 > x, -jnp.inf, jnp.inf).astype(dtype)
+  other = jnp.nextafter(nearest, toward)
+  gap = jnp.abs(other.astype(jnp.float32) - near32)
+  take_other = jnp.logical_and(u * gap < jnp.abs(x - near32), jnp.isfinite(x))
+  return jnp.where(take_other, other, nearest)
