@@ -32,16 +32,6 @@ from optax_accum import update_and_apply
 __all__ = ["Optimizer", "TrainState"]
 
 
-def _tx_kwargs(weight: Any, emit_now: Any) -> dict[str, Any]:
-  """The keywords actually given: a transform without ``weight`` never sees one."""
-  kwargs: dict[str, Any] = {}
-  if weight is not None:
-    kwargs["weight"] = weight
-  if emit_now is not False:
-    kwargs["emit_now"] = emit_now
-  return kwargs
-
-
 class TrainState(train_state.TrainState):
   """A Linen ``TrainState`` whose ``apply_gradients`` takes the fast path.
 
@@ -101,19 +91,16 @@ class TrainState(train_state.TrainState):
       A new state with ``step`` incremented by one (every call counts, mid-steps
       included), ``params`` and ``opt_state`` updated, and ``kwargs`` replaced.
     """
+    # Only the keywords given: a transform without ``weight`` never sees one.
+    tx_kwargs = {} if weight is None else {"weight": weight}
+    if emit_now is not False:
+      tx_kwargs["emit_now"] = emit_now
     owg = OVERWRITE_WITH_GRADIENT in grads
-    grads_with_opt = grads["params"] if owg else grads
-    params_with_opt = self.params["params"] if owg else self.params
-    new_params_with_opt, new_opt_state = update_and_apply(
-        self.tx, grads_with_opt, self.opt_state, params_with_opt,
-        **_tx_kwargs(weight, emit_now))
+    new_params, new_opt_state = update_and_apply(
+        self.tx, grads["params"] if owg else grads, self.opt_state,
+        self.params["params"] if owg else self.params, **tx_kwargs)
     if owg:
-      new_params = {
-          "params": new_params_with_opt,
-          OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT],
-      }
-    else:
-      new_params = new_params_with_opt
+      new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
     return self.replace(
         step=self.step + 1,
         params=new_params,
