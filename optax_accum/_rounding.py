@@ -37,11 +37,12 @@ def _mix(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
-def uniform(shape: tuple[int, ...], counters: list[Any], out_sharding: Any = None) -> jax.Array:
-  """Uniform float32 values in [0, 1), one per element of ``shape``.
+def random_bits(shape: tuple[int, ...], counters: list[Any], out_sharding: Any = None
+                ) -> jax.Array:
+  """Uniform random uint32 values, one per element of ``shape``.
 
   A hash of each element's row-major index and ``counters`` (ints or int
-  scalars): the same counters give the same values, any change in one gives
+  scalars): the same counters give the same bits, any change in one gives
   independent ones.
   """
   key = jnp.uint32(0x9E3779B9)
@@ -53,23 +54,28 @@ def uniform(shape: tuple[int, ...], counters: list[Any], out_sharding: Any = Non
     index = index + lax.broadcasted_iota(jnp.uint32, shape, dim, out_sharding=out_sharding) * (
         jnp.uint32(stride % 2**32))
     stride *= shape[dim]
-  bits = _mix(_mix(index ^ key) + key)
-  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+  return _mix(index ^ key)
 
 
-def round_stochastic(x: jax.Array, dtype: Any, u: jax.Array) -> jax.Array:
+def round_stochastic(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
   """``x`` (float32) in ``dtype``, rounded up or down without bias.
 
-  ``u`` holds uniform values in [0, 1), one per element. The nearest value
-  of ``dtype`` is kept, or replaced by the neighbour on the other side of
-  ``x`` when ``u`` is below the fraction of the gap that ``x`` covers toward
-  it; ``E[result] = x``. Values ``dtype`` represents exactly, infinities and
-  NaN are kept as they are.
+  ``bits`` holds uniform random uint32 values, one per element. ``x`` goes to
+  the neighbour above or below it in ``dtype`` with probability equal to how
+  close it is to that neighbour (in units of the gap between them), so
+  ``E[result] = x``. Values ``dtype`` represents exactly, infinities and NaN
+  are kept as they are.
   """
+  if jnp.dtype(dtype) == jnp.bfloat16:
+    # bfloat16 is float32's top half: adding 16 random bits to the bottom half
+    # carries into the top with exactly that probability; then truncate.
+    raised = lax.bitcast_convert_type(x, jnp.uint32) + (bits >> 16)
+    rounded = lax.bitcast_convert_type(raised & jnp.uint32(0xFFFF0000), jnp.float32)
+    return jnp.where(jnp.isnan(x), x, rounded).astype(dtype)
   nearest = x.astype(dtype)
   near32 = nearest.astype(jnp.float32)
-  toward = jnp.where(near32 > x, -jnp.inf, jnp.inf).astype(dtype)
-  other = jnp.nextafter(nearest, toward)
+  other = jnp.nextafter(nearest, jnp.where(near32 > x, -jnp.inf, jnp.inf).astype(dtype))
   gap = jnp.abs(other.astype(jnp.float32) - near32)
+  u = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)  # uniform in [0, 1)
   take_other = jnp.logical_and(u * gap < jnp.abs(x - near32), jnp.isfinite(x))
   return jnp.where(take_other, other, nearest)

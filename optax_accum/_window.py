@@ -284,8 +284,8 @@ def buffer_after(config: Config, acc: optax.Updates, mini_step: jax.Array, grads
     else:
       new = lax.add(old, g)
     if wide != acc.dtype:
-      u = _rounding.uniform(acc.shape, [*seed, leaf], out_sharding=_arrays.explicit_spec(acc))
-      new = _rounding.round_stochastic(new, acc.dtype, u)
+      bits = _rounding.random_bits(acc.shape, [*seed, leaf], _arrays.explicit_spec(acc))
+      new = _rounding.round_stochastic(new, acc.dtype, bits)
     return new if accept is True else lax.select(jnp.asarray(accept), new, acc)
 
   leaf_ids = jax.tree.unflatten(jax.tree.structure(acc), range(len(jax.tree.leaves(acc))))

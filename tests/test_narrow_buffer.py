@@ -96,13 +96,14 @@ def test_rounding_is_unbiased_value_by_value() -> None:
   over many uniforms is x, not the nearest neighbour."""
   x = jnp.full((1 << 18,), 1.0 + 1.0 / 3.0, jnp.float32)
   for dtype in NARROW.values():
-    y = _rounding.round_stochastic(x, dtype, _rounding.uniform(x.shape, [7]))
+    y = _rounding.round_stochastic(x, dtype, _rounding.random_bits(x.shape, [7]))
     got = float(jnp.mean(y.astype(jnp.float32)))
     nearest = float(x[0].astype(dtype).astype(jnp.float32))
     assert abs(got - float(x[0])) < 0.05 * abs(nearest - float(x[0])), (got, nearest)
   special = jnp.array([jnp.inf, -jnp.inf, jnp.nan, 0.0, 1.0, -2.0])
-  out = _rounding.round_stochastic(special, jnp.bfloat16, jnp.full(6, 0.999))
-  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(special))
+  for dtype in NARROW.values():
+    out = _rounding.round_stochastic(special, dtype, jnp.full(6, 2**32 - 1, jnp.uint32))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(special))
 
 
 def _stream(n: int, seed: int = 0) -> list[Any]:
@@ -241,7 +242,7 @@ def test_a_model_trains_to_the_f32_buffers_loss_at_k_64() -> None:
 def test_round_to_nearest_fails_these_tests(monkeypatch: pytest.MonkeyPatch) -> None:
   """The tests above are not vacuous: with the rounding replaced by rounding
   to nearest, the window of ones and the unbiasedness test fail."""
-  monkeypatch.setattr(_rounding, "round_stochastic", lambda x, dtype, u: x.astype(dtype))
+  monkeypatch.setattr(_rounding, "round_stochastic", lambda x, dtype, bits: x.astype(dtype))
   failed = []
   for test in (lambda: test_a_long_window_of_ones_emits_one("accumulate", "bfloat16"),
                lambda: test_small_values_after_a_large_one_are_not_lost("MultiSteps", "bfloat16"),
