@@ -270,8 +270,7 @@ def plan_k(
   table, monotone = _annotate([seen[k] for k in sorted(seen)], chosen)
   if chosen is None:
     raise ValueError(_nothing_fits(table, limit, ks, across_steps))
-  row = seen[chosen]
-  assert row.peak_bytes is not None and row.fits  # the search only stops on a compiled fit
+  row = seen[chosen]  # compiled, and it fits: the search only stops on one
   return Plan(chosen, row.micro_batch_size, row.peak_bytes, limit, table, ks, monotone,
               compile_s)
 
@@ -297,12 +296,9 @@ def _check_batch_argnums(batch_argnums: Any, nargs: int) -> tuple[int, ...]:
 
 
 def _per_device_rows(leaf: Any) -> int:
-  sharding = getattr(leaf, "sharding", None)
-  if sharding is None or not hasattr(sharding, "shard_shape"):
-    return leaf.shape[0]
   try:
-    return int(sharding.shard_shape(tuple(leaf.shape))[0])
-  except Exception:  # a sharding that cannot split this shape: the compiler will say why
+    return int(leaf.sharding.shard_shape(tuple(leaf.shape))[0])
+  except Exception:  # no sharding, or one that cannot split this shape (the compiler says why)
     return leaf.shape[0]
 
 
