@@ -52,7 +52,7 @@ RESULTS = Path(__file__).parent / "results"
 def h200_sharding() -> Any:
   """A replicated sharding on a deviceless one-H200 topology (gpu_hlo.py's)."""
   import gpu_hlo
-  return gpu_hlo.h200_sharding()[0]
+  return gpu_hlo.target(None)[0]
 
 
 def bytes_per_param(sharding: Any, n: int) -> list[dict[str, Any]]:
