@@ -36,8 +36,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from optax_accum import _arrays, _per_device, debug
-from optax_accum._arrays import spec_of, strip_axes
-from optax_accum._validation import axis_name_repr
+from optax_accum._arrays import strip_axes
 from optax_accum.accumulation import AccumulateState
 from optax_accum.gradient_noise import NoiseScaleState
 
@@ -55,10 +54,6 @@ def _is_masked(node: Any) -> bool:
   return isinstance(node, optax.MaskedNode)
 
 
-def _abstract(params: optax.Params) -> Any:
-  return jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
-
-
 def _leaf_layout(value: Any, target: Any, param: Any, other: Any) -> Any:
   """The layout of one state leaf found at ``param``'s place in the state.
 
@@ -68,7 +63,7 @@ def _leaf_layout(value: Any, target: Any, param: Any, other: Any) -> Any:
   """
   if _is_masked(value):
     return value
-  unreduced = _arrays.unreduced_axes(value)
+  unreduced = _arrays.array_type(value).unreduced
   if unreduced and isinstance(target, NamedSharding):  # the plain-jit buffer: a partial sum
     axes = tuple(sorted(unreduced, key=str))
     spec = PartitionSpec(*strip_axes(target.spec.partitions, axes), unreduced=set(unreduced))
@@ -87,7 +82,8 @@ def _leaf_layout(value: Any, target: Any, param: Any, other: Any) -> Any:
 
 
 def _lay_out_like_params(
-    tx: optax.GradientTransformation, params: optax.Params, per_param: Any, other: Any
+    tx: optax.GradientTransformation, params: optax.Params, per_param: Any, other: Any,
+    name: str,
 ) -> tuple[Any, Any]:
   """``(abstract_state, layout)``: a layout entry for each leaf of ``tx.init(params)``.
 
@@ -96,17 +92,20 @@ def _lay_out_like_params(
   ``optax.multi_transform`` into their masked states) and laid out by
   :func:`_leaf_layout` from their param's entry of ``per_param``. Every other
   leaf gets ``other``; ``optax.MaskedNode`` placeholders stay as they are.
+  ``per_param``, the argument ``name``, must have the params' tree structure.
   """
-  abstract = _abstract(params)
+  if jax.tree.structure(per_param) != jax.tree.structure(params):
+    raise ValueError(
+        f"`{name}` must have the structure of `params` (one entry per param); got"
+        f" {jax.tree.structure(per_param)} for params {jax.tree.structure(params)}.")
+  abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)),
+                          params)
   state = jax.eval_shape(tx.init, abstract)
-
-  def leaf(value: Any, target: Any, param: Any) -> Any:
-    return _leaf_layout(value, target, param, other)
-
   try:
     layout = optax.tree.map_params(
-        lambda placeholder: jax.eval_shape(tx.init, placeholder), leaf, state, per_param,
-        abstract, transform_non_params=lambda _: other, is_leaf=_is_masked)
+        lambda placeholder: jax.eval_shape(tx.init, placeholder),
+        lambda value, target, param: _leaf_layout(value, target, param, other), state,
+        per_param, abstract, transform_non_params=lambda _: other, is_leaf=_is_masked)
   except (IndexError, KeyError, TypeError, ValueError, AttributeError):
     # An init that reads the params' leaves (lbfgs, sm3) rejects optax's leafless
     # placeholder: match the params' tree structure instead.
@@ -130,9 +129,8 @@ def _lay_out_by_structure(state: Any, per_param: Any, abstract: Any, other: Any)
     return all(_is_masked(v) or hasattr(v, "shape") for v in leaves)
 
   def lay_out(node: Any) -> Any:
-    if not is_params_like(node):  # a leaf
-      single = params_def.num_nodes == 1
-      return _leaf_layout(node, targets[0], params[0], other) if single else other
+    if not is_params_like(node):  # a leaf: laid out alone only when params is one array
+      return other if params_def.num_nodes > 1 else _leaf_layout(node, targets[0], params[0], other)
     return params_def.unflatten([
         _leaf_layout(v, t, p, other)
         for v, t, p in zip(params_def.flatten_up_to(node), targets, params, strict=True)])
@@ -219,45 +217,34 @@ def state_shardings(
           " one. Pass placed arrays, `jax.ShapeDtypeStruct(shape, dtype,"
           " sharding=...)`, or the `shardings` tree explicitly."
       ) from e
-  params_def = jax.tree.structure(params)
-  if jax.tree.structure(shardings) != params_def:
-    raise ValueError(
-        "`shardings` must have the structure of `params`; got"
-        f" {jax.tree.structure(shardings)} for params {params_def}."
-    )
   sharding_leaves = jax.tree.leaves(shardings)
   if not sharding_leaves:
     raise ValueError("`params` has no leaves; there is nothing to lay out.")
-  _, layout = _lay_out_like_params(tx, params, shardings, _replicated_like(sharding_leaves[0]))
-  return layout
-
-
-def _per_device_noise(noise: Any, fn: Any) -> Any:
-  """The open window's sums of a noise-scale state are per device; the averages are not."""
-  if not isinstance(noise, NoiseScaleState):
-    return noise
-  return noise._replace(window_sq_norms=fn(noise.window_sq_norms),
-                        window_count=fn(noise.window_count))
+  return _lay_out_like_params(tx, params, shardings, _replicated_like(sharding_leaves[0]),
+                              "shardings")[1]
 
 
 def _map_per_device(state: Any, fn: Any) -> Any:
-  """Applies ``fn`` to the per-device leaves: the buffer and the window's totals."""
+  """Applies ``fn`` to the per-device leaves: the buffer and the open window's totals.
+
+  A noise-scale state's window sums are per device; its averages are not.
+  """
 
   def visit(node: Any) -> Any:
-    if isinstance(node, AccumulateState):
-      return node._replace(
-          acc_grads=jax.tree.map(fn, node.acc_grads),
-          acc_weight=jax.tree.map(fn, node.acc_weight),
-          noise_stats=_per_device_noise(node.noise_stats, fn))
-    return node
+    if not isinstance(node, AccumulateState):
+      return node
+    noise = node.noise_stats
+    if isinstance(noise, NoiseScaleState):
+      noise = noise._replace(window_sq_norms=fn(noise.window_sq_norms),
+                             window_count=fn(noise.window_count))
+    return node._replace(acc_grads=jax.tree.map(fn, node.acc_grads),
+                         acc_weight=jax.tree.map(fn, node.acc_weight), noise_stats=noise)
 
   return jax.tree.map(visit, state, is_leaf=lambda n: isinstance(n, AccumulateState))
 
 
 def _check_has_accumulate_state(state: Any, where: str) -> None:
-  found = []
-  _map_per_device(state, lambda x: found.append(x) or x)
-  if not found:
+  if _arrays.first_node(state, lambda n: isinstance(n, AccumulateState)) is None:
     raise TypeError(
         f"`{where}` needs a transform built by `accumulate(k, ...,"
         " axis_name=...)` (or a chain holding one); its state has no"
@@ -385,32 +372,11 @@ def shard_map_specs(
   """
   if param_specs is None:
     param_specs = jax.tree.map(lambda _: PartitionSpec(), params)
-  if jax.tree.structure(param_specs) != jax.tree.structure(params):
-    raise ValueError(
-        "`param_specs` must have the structure of `params` (one PartitionSpec per"
-        f" param); got {jax.tree.structure(param_specs)} for params"
-        f" {jax.tree.structure(params)}.")
-  state, specs = _lay_out_like_params(tx, params, param_specs, PartitionSpec())
+  state, specs = _lay_out_like_params(tx, params, param_specs, PartitionSpec(), "param_specs")
   _check_has_accumulate_state(state, "shard_map_specs")
-  axes = _arrays.axis_names(axis_name)
-
-  def per_device(spec: PartitionSpec) -> PartitionSpec:
-    return PartitionSpec(_per_device.spec_entry(axes), *spec)
-
-  def with_per_device_leaves(node: Any, node_specs: Any) -> Any:
-    if not isinstance(node, AccumulateState):
-      return node_specs
-    acc_grads = jax.tree.map(
-        lambda v, spec: v if _is_masked(v) else per_device(spec), node.acc_grads, param_specs,
-        is_leaf=_is_masked)
-    return node_specs._replace(
-        acc_grads=acc_grads,
-        acc_weight=jax.tree.map(lambda _: per_device(PartitionSpec()), node.acc_weight),
-        noise_stats=_per_device_noise(node_specs.noise_stats,
-                                      lambda _: per_device(PartitionSpec())))
-
-  return jax.tree.map(with_per_device_leaves, state, specs,
-                      is_leaf=lambda n: isinstance(n, AccumulateState))
+  # The per-device leaves have a leading axis of length 1 (laid out ``None``): ``axis_name``.
+  entry = _per_device.spec_entry(_arrays.axis_names(axis_name))
+  return _map_per_device(specs, lambda spec: PartitionSpec(entry, *spec[1:]))
 
 
 def local_value_and_grad(
@@ -541,13 +507,14 @@ def _check_data_axes_only(axes: tuple[Any, ...], b_nums: tuple[int, ...],
   inputs = _arrays.ArrayLeaves.of(args)
   for path, x in zip(inputs.paths, inputs.arrays, strict=True):
     batch = path[0].idx in b_nums  # path[0]: fn's argnum
-    other = {a for e in spec_of(x).partitions[1 if batch else 0:] if e is not None
+    other = {a for e in _arrays.array_type(x).spec[1 if batch else 0:] if e is not None
              for a in _arrays.axis_names(e)} - set(axes)
     if other:
       raise ValueError(
           f"`local_value_and_grad`: argument {path[0].idx}{jax.tree_util.keystr(path[1:])} of"
           " `fn` is sharded over"
-          f" the mesh axes {sorted(other)}, which are not `axis_name={axis_name_repr(axes)}`."
+          f" the mesh axes {sorted(other)}, which are not"
+          f" `axis_name={_per_device.spec_entry(axes)!r}`."
           " It runs `fn` on whole params per device (JAX returns unreduced gradients"
           " only from a shard_map manual over every mesh axis), so it cannot keep a"
           " tensor-parallel layout. For such a model written for explicit sharding use"
@@ -643,8 +610,7 @@ def broadcast_like(x: jax.Array, like: jax.Array) -> jax.Array:
     ...   print(jax.typeof(h + broadcast_like(p["b"], h)))
     float32[16@data,2]
   """
-  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-  if not getattr(spec, "reduced", None):
+  if not _arrays.array_type(x).spec.reduced:
     return x
   return jax.reshard(jnp.broadcast_to(x, jnp.shape(like)), jax.typeof(like).sharding.spec)
 
