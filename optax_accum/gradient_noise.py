@@ -207,11 +207,6 @@ def fold(state: NoiseScaleState, stats: WindowStats, decay: float = DEFAULT_DECA
                                         jnp.asarray(stats.mean_sq_norm, jnp.float32)), decay)
 
 
-def find(state: Any) -> NoiseScaleState | None:
-  """The first :class:`NoiseScaleState` inside ``state``, or None."""
-  return _arrays.first_node(state, lambda n: isinstance(n, NoiseScaleState))
-
-
 def noise_scale(state: Any, min_windows: int = MIN_WINDOWS) -> jax.Array:
   r"""The simple gradient noise scale, in micro-batches (a float32 scalar).
 
@@ -243,7 +238,7 @@ def noise_scale(state: Any, min_windows: int = MIN_WINDOWS) -> jax.Array:
     >>> 2.5 < b < 6.0
     True
   """
-  found = find(state)
+  found = _arrays.first_node(state, lambda n: isinstance(n, NoiseScaleState))
   if found is None:
     raise TypeError(
         "`noise_scale` needs the state of a transform built with"
