@@ -97,11 +97,6 @@ def has_explicit_axes(mesh: Any) -> bool:
   return jax.sharding.AxisType.Explicit in (getattr(mesh, "axis_types", ()) or ())
 
 
-def unreduced_axes(x: Any) -> frozenset[Any]:
-  """The mesh axes over which ``x``'s type says it is an unreduced partial sum."""
-  return array_type(x).unreduced
-
-
 def varying_axes(x: Any) -> frozenset[Any]:
   """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere)."""
   return array_type(x).varying
@@ -113,12 +108,12 @@ def match_varying(x: jax.Array, target: Any) -> jax.Array:
   A no-op outside ``shard_map``. Inside it, both branches of a ``lax.cond``
   (and a ``lax.scan`` carry and its update) must vary over the same axes.
   """
-  return pcast_varying(x, tuple(sorted(array_type(target).varying - array_type(x).varying,
-                                       key=str)))
+  return pcast_varying(x, tuple(sorted(array_type(target).varying, key=str)))
 
 
-def pcast_varying(x: jax.Array, names: tuple[Any, ...]) -> jax.Array:
-  """``x`` marked device-varying over the manual axes ``names`` (a no-op if none)."""
+def pcast_varying(x: jax.Array, names: Sequence[Any]) -> jax.Array:
+  """``x`` marked device-varying over the manual axes ``names`` (a no-op where it is)."""
+  names = tuple(a for a in names if a not in array_type(x).varying)
   return lax.pcast(x, names, to="varying") if names else x
 
 
@@ -138,14 +133,12 @@ def axis_kinds(mesh: Any, axes: tuple[Any, ...]) -> set[str] | None:
   return {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
 
 
-def bound(axes: tuple[Any, ...]) -> bool:
-  """Whether every axis is bound by an enclosing pmap / shard_map."""
+def axis_indices(axes: Sequence[Any]) -> list[jax.Array] | None:
+  """Each axis's ``lax.axis_index``; None unless all are bound by a pmap / shard_map."""
   try:
-    for a in axes:
-      lax.axis_index(a)
+    return [lax.axis_index(a) for a in axes]
   except NameError:
-    return False
-  return True
+    return None
 
 
 def explicit_axes(axis_name: Any, *, check: bool = True) -> tuple[Any, ...] | None:
@@ -164,16 +157,13 @@ def explicit_axes(axis_name: Any, *, check: bool = True) -> tuple[Any, ...] | No
   axes = axis_names(axis_name)
   mesh = jax.sharding.get_abstract_mesh()
   kinds = axis_kinds(mesh, axes)
-  if kinds is None:
-    names = tuple(getattr(mesh, "axis_names", ()) or ())
-    if check and names and not bound(axes):
-      raise ValueError(
-          f"`axis_name={axis_name!r}` is not an axis of the current mesh (its axes are"
-          f" {names}) nor a bound pmap/shard_map axis. Pass one of the mesh's axes."
-      )
-    return None  # pmap, or a shard_map axis the abstract mesh does not list
-  if kinds == {"Manual"}:
-    return None
+  if kinds is None and check and mesh.axis_names and axis_indices(axes) is None:
+    raise ValueError(
+        f"`axis_name={axis_name!r}` is not an axis of the current mesh (its axes are"
+        f" {mesh.axis_names}) nor a bound pmap/shard_map axis. Pass one of the mesh's axes."
+    )
+  if kinds is None or kinds == {"Manual"}:
+    return None  # shard_map, or pmap (or a shard_map axis the abstract mesh does not list)
   if kinds == {"Explicit"}:
     return axes
   raise ValueError(
@@ -216,22 +206,18 @@ class ArrayLeaves(NamedTuple):
   arrays: list[Any]
   paths: list[Any]  # the key path of each array leaf
   leaves: list[Any]  # every leaf
-  where: list[int]  # the positions of the array leaves among them
   treedef: Any
 
   @classmethod
   def of(cls, tree: Any) -> ArrayLeaves:
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = [x for _, x in with_paths]
-    where = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
-    return cls([leaves[i] for i in where], [with_paths[i][0] for i in where], leaves, where,
-               treedef)
+    found = [(p, x) for p, x in with_paths if isinstance(x, (jax.Array, np.ndarray))]
+    return cls([x for _, x in found], [p for p, _ in found], [x for _, x in with_paths], treedef)
 
   def rebuild(self, arrays: Sequence[Any]) -> Any:
-    leaves = list(self.leaves)
-    for i, x in zip(self.where, arrays, strict=True):
-      leaves[i] = x
-    return jax.tree.unflatten(self.treedef, leaves)
+    new = iter(arrays)
+    return jax.tree.unflatten(self.treedef, [
+        next(new) if isinstance(x, (jax.Array, np.ndarray)) else x for x in self.leaves])
 
 
 def first_node(tree: Any, predicate: Callable[[Any], bool]) -> Any:

@@ -26,54 +26,55 @@ def check_update(
 ) -> tuple[jax.Array | None, Any]:
   """Every check of an update's values; returns ``(weight, emit_now)``, checked.
 
-  The gradients must match the buffer's tree and shapes, fit its dtypes (no part of a value
-  dropped) and live where the window expects them: device-local under
-  ``shard_map``, unreduced under plain jit with Explicit axes, neither
-  without ``axis_name``. A flush carries zeros and no weight. Each failure is
-  raised by the check that words it.
+  The gradients must match the buffer's tree and shapes, fit its dtypes (no part of a
+  value dropped: a complex gradient into a real buffer, or one wider than the buffer
+  ``init`` built, float64 into float32, unless ``accumulator_dtype`` asked for it) and
+  live where the window expects them (:func:`_check_placement`). A flush carries zeros
+  and no weight. Each message names the tree path at fault and the fix.
   """
-  g_leaves, g_def = jax.tree.flatten(grads)
-  b_leaves, b_def = jax.tree.flatten(buffer)
+  g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
+  b_leaves, b_def = jax.tree_util.tree_flatten_with_path(buffer)
   if g_def != b_def:
-    check_tree_matches(grads, buffer)
-  explicit_dtype = config.acc_dtype is not None
-  for g, b in zip(g_leaves, b_leaves, strict=True):
-    if getattr(g, "dtype", None) == jax.dtypes.float0:
-      check_no_float0(grads)
+    _raise_tree_mismatch([_path_str(p) for p, _ in g_leaves],
+                         [_path_str(p) for p, _ in b_leaves], g_def, b_def)
+  check_no_float0(grads)
+  for (path, g), (_, b) in zip(g_leaves, b_leaves, strict=True):
     if jnp.shape(g) != jnp.shape(b):
-      check_tree_matches(grads, buffer)
+      raise ValueError(
+          f"The gradients leaf at {_path_str(path)} has shape {jnp.shape(g)} but"
+          f" the accumulator holds shape {jnp.shape(b)}. Pass gradients shaped"
+          " like the params given to `init`."
+      )
     g_dtype, b_dtype = jnp.result_type(g), jnp.result_type(b)
-    if (jnp.issubdtype(g_dtype, jnp.complexfloating)
-        and not jnp.issubdtype(b_dtype, jnp.complexfloating)) or (
-            not explicit_dtype and jnp.promote_types(g_dtype, b_dtype) != b_dtype):
-      check_grad_dtypes(grads, buffer, explicit_dtype)
+    if jnp.issubdtype(g_dtype, jnp.complexfloating) and not jnp.issubdtype(
+        b_dtype, jnp.complexfloating):
+      raise TypeError(
+          f"The gradient at {_path_str(path)} is {g_dtype} but the accumulator"
+          f" is {b_dtype}: the imaginary part would be dropped. Build the"
+          " transform with a complex `accumulator_dtype` (or None, the default,"
+          " and complex params)."
+      )
+    if config.acc_dtype is None and jnp.promote_types(g_dtype, b_dtype) != b_dtype:
+      raise TypeError(
+          f"The gradient at {_path_str(path)} is {g_dtype}, wider than the"
+          f" {b_dtype} accumulator that `init` built from the params: it would"
+          " lose precision. Pass `accumulator_dtype` explicitly (a narrower"
+          " one is then accepted), or init with params of the gradients' dtype."
+      )
   if flushing:
     return None, True
-  if weight is not None or config.reduction == "weighted":
-    weight = check_weight(weight, config.reduction)
-  if emit_now is not False:
-    emit_now = check_emit_now(emit_now)
-  # Where the gradients live: their types say it.
-  if config.axis_name is None:
-    for g in g_leaves:
-      if _arrays.array_type(g).unreduced:
-        check_grads_not_unreduced(grads)
-    return weight, emit_now
-  axes = _arrays.explicit_axes(config.axis_name)
-  if axes is None:  # shard_map / pmap
-    check_grads_are_local(grads, config.axis_name)
-    return weight, emit_now
-  check_grads_unreduced(grads, axes)
-  check_buffer_unreduced(buffer, axes)
-  for flag, on in (("skip_nonfinite", skip_nonfinite),
-                   ("track_noise_scale", config.noise_decay is not None)):
-    if on:
-      raise ValueError(
-          f"`{flag}` needs each device's gradient values, but under jit with"
-          f" `axis_name={config.axis_name!r}` they are unreduced partial sums (JAX has"
-          " no finiteness or squared-norm rule for those). Use shard_map with"
-          " `axis_name` (optax_accum.per_device_state), or drop the option."
-      )
+  weight = check_weight(weight, config.reduction)
+  if isinstance(emit_now, (bool, np.bool_)):
+    emit_now = bool(emit_now)
+  elif jnp.ndim(emit_now) != 0:
+    raise ValueError(
+        "`emit_now` must be a scalar bool (close the window after this"
+        f" micro-batch or not); got shape {jnp.shape(emit_now)}. Pass e.g."
+        " `emit_now=is_last_batch`."
+    )
+  else:
+    emit_now = jnp.asarray(emit_now).astype(jnp.bool_)
+  _check_placement(config, g_leaves, b_leaves, skip_nonfinite)
   return weight, emit_now
 
 
@@ -127,19 +128,6 @@ def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
   )
 
 
-def check_emit_now(emit_now: Any) -> Any:
-  """``emit_now`` as False, True or a bool scalar array, else raises."""
-  if isinstance(emit_now, (bool, np.bool_)):
-    return bool(emit_now)
-  if jnp.ndim(emit_now) != 0:
-    raise ValueError(
-        "`emit_now` must be a scalar bool (close the window after this"
-        f" micro-batch or not); got shape {jnp.shape(emit_now)}. Pass e.g."
-        " `emit_now=is_last_batch`."
-    )
-  return jnp.asarray(emit_now).astype(jnp.bool_)
-
-
 def check_weight(weight: Any, reduction: str) -> jax.Array | None:
   """The micro-batch weight as a float32 scalar (None without weights), else raises.
 
@@ -176,34 +164,6 @@ def check_weight(weight: Any, reduction: str) -> jax.Array | None:
   return jnp.where(w < 0, jnp.nan, w)
 
 
-def check_grad_dtypes(grads: Any, buffer: Any, explicit: bool) -> None:
-  """Raises where the buffer would silently drop part of a gradient.
-
-  A complex gradient into a real buffer loses its imaginary part; a gradient
-  wider than the buffer built by ``init`` (float64 into float32) loses
-  precision, which is allowed only when the buffer dtype was asked for.
-  """
-  check_no_float0(grads)
-  for (path, g), b in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
-                          jax.tree.leaves(buffer), strict=True):
-    g_dtype, b_dtype = jnp.result_type(g), jnp.result_type(b)
-    if jnp.issubdtype(g_dtype, jnp.complexfloating) and not jnp.issubdtype(
-        b_dtype, jnp.complexfloating):
-      raise TypeError(
-          f"The gradient at {_path_str(path)} is {g_dtype} but the accumulator"
-          f" is {b_dtype}: the imaginary part would be dropped. Build the"
-          " transform with a complex `accumulator_dtype` (or None, the default,"
-          " and complex params)."
-      )
-    if not explicit and jnp.promote_types(g_dtype, b_dtype) != b_dtype:
-      raise TypeError(
-          f"The gradient at {_path_str(path)} is {g_dtype}, wider than the"
-          f" {b_dtype} accumulator that `init` built from the params: it would"
-          " lose precision. Pass `accumulator_dtype` explicitly (a narrower"
-          " one is then accepted), or init with params of the gradients' dtype."
-      )
-
-
 def check_no_float0(grads: Any, where: str = "gradient") -> None:
   """Raises on a ``float0`` leaf: the cotangent of an integer leaf (``allow_int=True``).
 
@@ -237,15 +197,12 @@ def check_accumulator_dtype(dtype: Any) -> jnp.dtype | None:
     return None
   try:
     canonical = jnp.dtype(dtype)
-  except TypeError as e:
+  except TypeError:
+    canonical = None
+  if canonical is None or not jnp.issubdtype(canonical, jnp.inexact):
     raise TypeError(
-        "`accumulator_dtype` must be a floating or complex dtype such as"
-        f" jnp.float32, or None for the default rule; got {dtype!r}."
-    ) from e
-  if not jnp.issubdtype(canonical, jnp.inexact):
-    raise TypeError(
-        "`accumulator_dtype` must be a floating or complex dtype such as"
-        f" jnp.float32, or None for the default rule; got {canonical}."
+        "`accumulator_dtype` must be a floating or complex dtype such as jnp.float32, or"
+        f" None for the default rule; got {repr(dtype) if canonical is None else canonical}."
     )
   return canonical
 
@@ -254,60 +211,98 @@ def _path_str(path: tuple[Any, ...]) -> str:
   return jax.tree_util.keystr(path) or "<root>"
 
 
-def check_tree_matches(grads: Any, buffer: Any, *, what: str = "gradients") -> None:
-  """Raises if ``grads`` does not have the structure and shapes of ``buffer``.
-
-  The message names the first path at which the two trees differ.
-  """
-  g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
-  b_leaves, b_def = jax.tree_util.tree_flatten_with_path(buffer)
-  if g_def != b_def:
-    g_paths = [_path_str(p) for p, _ in g_leaves]
-    b_paths = [_path_str(p) for p, _ in b_leaves]
-    for gp, bp in zip(g_paths, b_paths, strict=False):
-      if gp != bp:
-        raise ValueError(
-            f"The {what} tree does not match the accumulator built by"
-            f" `init(params)`: first difference at {gp} (gradients) vs {bp}"
-            " (state). Pass gradients with the same structure as the params"
-            " given to `init`, or re-run `init` on the new params."
-        )
-    longer, shorter = (g_paths, b_paths) if len(g_paths) > len(b_paths) else (
-        b_paths, g_paths)
-    side = "gradients" if longer is g_paths else "state"
-    extra = longer[len(shorter)] if len(longer) > len(shorter) else "<node types>"
-    raise ValueError(
-        f"The {what} tree does not match the accumulator built by"
-        f" `init(params)`: first difference at {extra} (only in the {side};"
-        f" structures {g_def} vs {b_def}). Pass gradients with the same"
-        " structure as the params given to `init`."
-    )
-  for (path, g), (_, b) in zip(g_leaves, b_leaves, strict=True):
-    if jnp.shape(g) != jnp.shape(b):
+def _raise_tree_mismatch(g_paths: list[str], b_paths: list[str], g_def: Any, b_def: Any) -> None:
+  """Raises the first path at which the gradients' tree differs from the accumulator's."""
+  for gp, bp in zip(g_paths, b_paths, strict=False):
+    if gp != bp:
       raise ValueError(
-          f"The {what} leaf at {_path_str(path)} has shape {jnp.shape(g)} but"
-          f" the accumulator holds shape {jnp.shape(b)}. Pass gradients shaped"
-          " like the params given to `init`."
+          "The gradients tree does not match the accumulator built by"
+          f" `init(params)`: first difference at {gp} (gradients) vs {bp}"
+          " (state). Pass gradients with the same structure as the params"
+          " given to `init`, or re-run `init` on the new params."
       )
+  side, extra = (("gradients", g_paths[len(b_paths)]) if len(g_paths) > len(b_paths) else
+                 ("state", b_paths[len(g_paths)]) if len(b_paths) > len(g_paths) else
+                 ("state", "<node types>"))
+  raise ValueError(
+      "The gradients tree does not match the accumulator built by"
+      f" `init(params)`: first difference at {extra} (only in the {side};"
+      f" structures {g_def} vs {b_def}). Pass gradients with the same"
+      " structure as the params given to `init`."
+  )
 
 
-def check_grads_are_local(grads: Any, axis_name: Any) -> None:
-  """Raises if, inside a checked ``shard_map``, ``grads`` are already reduced.
+def _check_placement(config: Any, g_leaves: list[Any], b_leaves: list[Any],
+                     skip_nonfinite: bool) -> None:
+  """Raises unless the gradients live where the window expects them: their types say it.
 
-  ``jax.grad`` with respect to replicated params inside ``shard_map`` sums the
-  gradient over the mesh axis on every call; accumulating that and reducing
-  again would scale it by the axis size. Where the types carry no manual-axis
-  information (pmap, ``check_vma=False``) nothing can be checked.
+  Under plain jit with Explicit axes the gradients and the buffer ``init`` built are
+  unreduced over exactly those axes; without ``axis_name`` over none; inside
+  ``shard_map`` device-local (:func:`_check_local`).
   """
-  axes = set(_arrays.axis_names(axis_name))
-  try:
-    probe = [jax.lax.axis_index(a) for a in axes]
-  except NameError:
+  axis_name = config.axis_name
+  axes = None if axis_name is None else _arrays.explicit_axes(axis_name)
+  if axis_name is not None and axes is None:  # shard_map / pmap
+    _check_local(g_leaves, axis_name)
     return
-  if not all(axes & _arrays.varying_axes(p) for p in probe):
+  want = frozenset(axes or ())
+  for path, g in g_leaves:
+    have = _arrays.array_type(g).unreduced
+    if have and not want:
+      names = sorted(have, key=str)
+      raise ValueError(
+          f"The gradient at {_path_str(path)} is unreduced over {names} (each"
+          " device holds a partial sum) but this accumulator was built without"
+          f" `axis_name`: build it with `accumulate(..., axis_name="
+          f"{names[0] if len(names) == 1 else tuple(names)!r})` so the window is"
+          " reduced once when it closes."
+      )
+    if not have and want:
+      raise ValueError(
+          f"The gradient at {_path_str(path)} is already reduced over {sorted(want)}"
+          f" (its type {jax.typeof(g)} has no {{U:...}}): jax.grad with respect to"
+          " replicated params reduces it on every micro-step, which is what"
+          " `accumulate(..., axis_name=...)` under jit avoids. Take the gradients with"
+          f" `optax_accum.sharding.local_value_and_grad(loss, {axis_name!r})`."
+      )
+    if have != want:
+      raise ValueError(
+          f"The gradient at {_path_str(path)} is unreduced over {sorted(have)} but the"
+          f" accumulator reduces over {sorted(want)}. Pass the same axes to"
+          " `local_value_and_grad` and to `accumulate(..., axis_name=...)`."
+      )
+  for path, b in b_leaves if want else ():
+    if _arrays.array_type(b).unreduced != want:
+      raise ValueError(
+          f"The accumulator at {_path_str(path)} is {jax.typeof(b)}, not unreduced over"
+          f" {sorted(want)}: `init` ran outside the mesh. Call `tx.init(params)` (or"
+          " jax.jit(tx.init)) inside `jax.set_mesh(mesh)`, or lay the state out with"
+          " `jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, params))`"
+          " there."
+      )
+  if want and (skip_nonfinite or config.noise_decay is not None):
+    raise ValueError(
+        f"`{'skip_nonfinite' if skip_nonfinite else 'track_noise_scale'}` needs each"
+        f" device's gradient values, but under jit with `axis_name={axis_name!r}` they are"
+        " unreduced partial sums (JAX has no finiteness or squared-norm rule for those)."
+        " Use shard_map with `axis_name` (optax_accum.per_device_state), or drop the option."
+    )
+
+
+def _check_local(g_leaves: list[Any], axis_name: Any) -> None:
+  """Raises if, inside a checked ``shard_map``, the gradients are already reduced.
+
+  ``jax.grad`` with respect to replicated params there sums the gradient over the mesh
+  axis on every call; accumulating that and reducing again would scale it by the axis
+  size. Where the types carry no manual-axis information (pmap, ``check_vma=False``)
+  nothing can be checked.
+  """
+  names = set(_arrays.axis_names(axis_name))
+  probe = _arrays.axis_indices(tuple(names))
+  if probe is None or not all(names & _arrays.array_type(p).varying for p in probe):
     return  # no manual-axis types here: nothing to check
-  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    if not axes <= _arrays.varying_axes(g):
+  for path, g in g_leaves:
+    if not names <= _arrays.array_type(g).varying:
       raise ValueError(
           f"The gradient at {_path_str(path)} is already reduced over"
           f" {axis_name!r} (it is the same on every device): inside shard_map,"
@@ -317,60 +312,6 @@ def check_grads_are_local(grads: Any, axis_name: Any) -> None:
           f" `jax.lax.pcast(params, {axis_name!r}, to='varying')` so each device"
           " accumulates its local gradient and the all-reduce runs once per window."
       )
-
-
-def check_grads_unreduced(grads: Any, axes: tuple[Any, ...]) -> None:
-  """Raises unless every gradient leaf is unreduced over exactly ``axes``."""
-  want = frozenset(axes)
-  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    have = _arrays.unreduced_axes(g)
-    if have == want:
-      continue
-    if not have:
-      raise ValueError(
-          f"The gradient at {_path_str(path)} is already reduced over {sorted(want)}"
-          f" (its type {jax.typeof(g)} has no {{U:...}}): jax.grad with respect to"
-          " replicated params reduces it on every micro-step, which is what"
-          " `accumulate(..., axis_name=...)` under jit avoids. Take the gradients with"
-          " `optax_accum.sharding.local_value_and_grad(loss,"
-          f" {axis_name_repr(axes)})`."
-      )
-    raise ValueError(
-        f"The gradient at {_path_str(path)} is unreduced over {sorted(have)} but the"
-        f" accumulator reduces over {sorted(want)}. Pass the same axes to"
-        " `local_value_and_grad` and to `accumulate(..., axis_name=...)`."
-    )
-
-
-def check_buffer_unreduced(buffer: Any, axes: tuple[Any, ...]) -> None:
-  """Raises unless the accumulator was built (by ``init``) unreduced over ``axes``."""
-  want = frozenset(axes)
-  for path, b in jax.tree_util.tree_flatten_with_path(buffer)[0]:
-    if _arrays.unreduced_axes(b) != want:
-      raise ValueError(
-          f"The accumulator at {_path_str(path)} is {jax.typeof(b)}, not unreduced over"
-          f" {sorted(want)}: `init` ran outside the mesh. Call `tx.init(params)` (or"
-          " jax.jit(tx.init)) inside `jax.set_mesh(mesh)`, or lay the state out with"
-          " `jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, params))`"
-          " there."
-      )
-
-
-def check_grads_not_unreduced(grads: Any) -> None:
-  """Raises if a gradient is unreduced but the accumulator has no axis to reduce it."""
-  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    have = _arrays.unreduced_axes(g)
-    if have:
-      raise ValueError(
-          f"The gradient at {_path_str(path)} is unreduced over {sorted(have)} (each"
-          " device holds a partial sum) but this accumulator was built without"
-          f" `axis_name`: build it with `accumulate(..., axis_name={axis_name_repr(tuple(have))})`"
-          " so the window is reduced once when it closes."
-      )
-
-
-def axis_name_repr(axes: tuple[Any, ...]) -> str:
-  return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
 
 
 def check_keywords(extra: dict[str, Any], strict: bool, where: str, own: tuple[str, ...]) -> None:
