@@ -32,12 +32,8 @@ def spec_entry(axes: tuple[Any, ...]) -> Any:
 
 def make_varying(tree: Any, axes: tuple[Any, ...]) -> Any:
   """``tree``'s array leaves marked device-varying over ``axes`` (a no-op outside shard_map)."""
-  def one(leaf: Any) -> Any:
-    if not isinstance(leaf, (jax.Array, np.ndarray)):
-      return leaf
-    have = _arrays.varying_axes(leaf)
-    return _arrays.pcast_varying(leaf, tuple(a for a in axes if a not in have))
-  return jax.tree.map(one, tree)
+  return jax.tree.map(lambda x: _arrays.pcast_varying(x, axes)
+                      if isinstance(x, (jax.Array, np.ndarray)) else x, tree)
 
 
 def run(body: Callable[..., Any], args: Sequence[Any], batch_argnums: tuple[int, ...],
@@ -62,23 +58,16 @@ def run(body: Callable[..., Any], args: Sequence[Any], batch_argnums: tuple[int,
     return body(*leaves.rebuild([x if batch else make_varying(x, axes)
                                  for x, batch in zip(arrays, is_batch, strict=True)]))
 
-  arrays = [x if batch else _whole(x, axes) for x, batch in
-            zip(leaves.arrays, is_batch, strict=True)]
+  arrays = list(leaves.arrays)
+  for i, x in enumerate(arrays):
+    # shard_map wants its inputs typed as in_specs say: a non-batch array whose type shards
+    # it over `axes` (FSDP) is all-gathered; one over none of them (replicated, or Auto
+    # axes, which the partitioner handles) moves nothing.
+    spec = _arrays.array_type(x).spec
+    if not is_batch[i] and any(e and set(_arrays.axis_names(e)) & set(axes) for e in spec):
+      arrays[i] = jax.reshard(x, PartitionSpec(*_arrays.strip_axes(tuple(spec), axes)))
   return jax.shard_map(per_device, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
                        out_specs=out_specs, axis_names=set(manual or axes))(*arrays)
-
-
-def _whole(x: Any, axes: tuple[Any, ...]) -> Any:
-  """``x`` all-gathered over ``axes`` where its type shards it over them.
-
-  ``shard_map`` wants its inputs typed as its ``in_specs`` say. Where the
-  type names none of ``axes`` (replicated params, or Auto axes, which the
-  partitioner handles) nothing moves.
-  """
-  spec = _arrays.spec_of(x)
-  if not any(e is not None and set(_arrays.axis_names(e)) & set(axes) for e in spec):
-    return x
-  return jax.reshard(x, PartitionSpec(*_arrays.strip_axes(tuple(spec), axes)))
 
 
 def batch_rows(batches: dict[int, Any]) -> tuple[int, tuple[Any, ...]]:
@@ -87,7 +76,7 @@ def batch_rows(batches: dict[int, Any]) -> tuple[int, tuple[Any, ...]]:
   Both must be the same for every leaf of the batch arguments ``batches``
   (argnum -> pytree); ``()`` when the type shows no split.
   """
-  leaves = []
+  first = None
   for argnum, tree in batches.items():
     found = jax.tree_util.tree_flatten_with_path(tree)[0]
     if not found:
@@ -104,22 +93,22 @@ def batch_rows(batches: dict[int, Any]) -> tuple[int, tuple[Any, ...]]:
             " leading batch dimension. Add one, or pass this value outside the"
             " batch (it is then given to every micro-batch unchanged)."
         )
-      lead = (*_arrays.spec_of(leaf), None)[0]  # the leading dim's entry, if any
-      leaves.append((where, int(jnp.shape(leaf)[0]), _arrays.axis_names(lead) if lead else ()))
-  (first, size, axes), *others = leaves
-  for where, s, a in others:
-    if s != size:
-      raise ValueError(
-          f"The batch leaves disagree on the batch size: {first} has"
-          f" {size} rows but {where} has {s}. Every batch leaf must share its"
-          " leading dimension."
-      )
-    if a != axes:
-      raise ValueError(
-          f"The batch leaves are split differently over the mesh: {first} has its"
-          f" leading dim sharded over {axes or 'no axis'} but {where} over"
-          f" {a or 'no axis'}. Place every batch leaf the same way, e.g."
-          f" jax.device_put(batch, P({spec_entry(axes or a)!r})).")
+      lead = (*_arrays.array_type(leaf).spec, None)[0]  # the leading dim's entry, if any
+      s, a = int(jnp.shape(leaf)[0]), _arrays.axis_names(lead) if lead else ()
+      if first is None:
+        first, size, axes = where, s, a
+      if s != size:
+        raise ValueError(
+            f"The batch leaves disagree on the batch size: {first} has"
+            f" {size} rows but {where} has {s}. Every batch leaf must share its"
+            " leading dimension."
+        )
+      if a != axes:
+        raise ValueError(
+            f"The batch leaves are split differently over the mesh: {first} has its"
+            f" leading dim sharded over {axes or 'no axis'} but {where} over"
+            f" {a or 'no axis'}. Place every batch leaf the same way, e.g."
+            f" jax.device_put(batch, P({spec_entry(axes or a)!r})).")
   return size, axes
 
 
@@ -162,15 +151,13 @@ def _check_no_hidden_split(args: tuple[Any, ...], batch_argnums: tuple[int, ...]
   every micro-batch.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  names = tuple(getattr(mesh, "axis_names", ()) or ())
-  if not {"Auto", "Explicit"} <= (_arrays.axis_kinds(mesh, names) or set()):
+  auto = tuple(n for n in mesh.axis_names if _arrays.axis_kinds(mesh, (n,)) == {"Auto"})
+  if not auto or "Explicit" not in (_arrays.axis_kinds(mesh, mesh.axis_names) or ()):
     return
   for i, arg in enumerate(args):
     if i not in batch_argnums and any(
-        isinstance(x, (jax.Array, np.ndarray)) and any(_arrays.spec_of(x))
+        isinstance(x, (jax.Array, np.ndarray)) and any(_arrays.array_type(x).spec)
         for x in jax.tree.leaves(arg)):
-      auto = tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-                   if str(t).endswith("Auto"))
       raise ValueError(
           f"The mesh mixes Auto axes {auto} with Explicit ones, argument {i} of"
           " `fn` is sharded in its type, and the batch's type shows no split of"
@@ -187,7 +174,7 @@ def param_specs(args: tuple[Any, ...], skip: tuple[int, ...], grads: Any) -> lis
     leaves, treedef = jax.tree.flatten(arg)
     if i not in skip and treedef == g_def and all(
         jnp.shape(p) == g.shape for p, g in zip(leaves, g_leaves, strict=True)):
-      return [_arrays.spec_of(p) for p in leaves]
+      return [_arrays.array_type(p).spec for p in leaves]
   return None
 
 
