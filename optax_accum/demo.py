@@ -1,4 +1,4 @@
-"""Demo: train a small character-level transformer four ways, then choose ``k`` adaptively.
+"""Demo: train a small character-level transformer five ways, then choose ``k`` adaptively.
 
 Run ``python -m optax_accum.demo`` (after ``pip install "optax_accum[demo]"``;
 about two minutes on two CPU cores; ``--help`` lists the sizes). The
@@ -8,13 +8,16 @@ Python's own standard library, cut into lines of varying length and padded to
 over the real (non-padding) tokens of the whole batch, divided by their
 number.
 
-Four arms start from the same initialisation and see the same batches in the
+Five arms start from the same initialisation and see the same batches in the
 same order:
 
 * ``full_batch``: one jitted step on the whole batch of ``--batch-size``.
 * ``accumulate``: ``k`` jitted calls on micro-batches of ``batch_size / k``
   with ``accumulate(k, adam, reduction="weighted")``, each micro-batch weighted
   by its number of real tokens: exactly the full batch's step.
+* ``accumulate_bf16``: the same with ``accumulator_dtype=jnp.bfloat16``, half
+  the buffer, each add rounded stochastically: close to the full batch, not
+  equal.
 * ``microbatched``: one jitted step that scans over the ``k`` micro-batches
   (``microbatched(..., normalize="weighted")``): also exactly the full batch.
 * ``mean_of_means``: ``accumulate(k, adam)`` on per-micro-batch *mean*
@@ -25,7 +28,7 @@ How many micro-batches: unless ``--k`` is given, ``k`` is the smallest number
 of micro-batches whose compiled ``microbatched`` step fits ``--memory-limit``
 MiB per device, chosen by :func:`optax_accum.plan_k` before anything runs
 (the default budget of 16 MiB gives ``k = 4`` for the default model on
-XLA:CPU); the plan's table is printed. All four arms use that ``k``.
+XLA:CPU); the plan's table is printed. All five arms use that ``k``.
 
 By default each batch is sorted by length before it is cut into
 micro-batches (as length-bucketing loaders do), so micro-batches hold very
@@ -97,10 +100,11 @@ CHARS = "\n\t" + "".join(chr(c) for c in range(32, 127))
 VOCAB_SIZE = 128  # PAD, UNK and the characters above, rounded up
 _CHAR_TO_ID = {c: i + 2 for i, c in enumerate(CHARS)}
 
-ARMS = ("full_batch", "accumulate", "microbatched", "mean_of_means")
+ARMS = ("full_batch", "accumulate", "accumulate_bf16", "microbatched", "mean_of_means")
 ARM_LABELS = {
     "full_batch": "full batch",
     "accumulate": "accumulate (weighted)",
+    "accumulate_bf16": "accumulate (bf16 buffer)",
     "microbatched": "microbatched (weighted)",
     "mean_of_means": "mean of means (naive)",
 }
@@ -319,7 +323,7 @@ def plan_summary(plan: oa.planning.Plan | None) -> dict[str, Any] | None:
           "compile_s": plan.compile_s, "table": [row._asdict() for row in plan.table]}
 
 
-# ----------------------------------------------------------------------------- the four arms
+# ----------------------------------------------------------------------------- the five arms
 
 LossTerms = Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]
 
@@ -358,14 +362,15 @@ def build_step(arm: str, loss_terms: LossTerms, base: optax.GradientTransformati
       return optax.apply_updates(params, updates), opt_state, total, count
     return base, step, 1
 
-  if arm in ("accumulate", "mean_of_means"):
-    weighted = arm == "accumulate"
-    tx = oa.accumulate(k, base, reduction="weighted" if weighted else "mean")
+  if arm in ("accumulate", "accumulate_bf16", "mean_of_means"):
+    weighted = arm != "mean_of_means"
+    tx = oa.accumulate(k, base, reduction="weighted" if weighted else "mean",
+                       accumulator_dtype=jnp.bfloat16 if arm == "accumulate_bf16" else None)
     grad_fn = jax.value_and_grad(_own_mean(loss_terms), has_aux=True)
 
     def step(params, opt_state, micro):
       (_, (total, count)), grads = grad_fn(params, micro)
-      # accumulate: sum_i n_i g_i / sum_i n_i, the full batch's gradient.
+      # accumulate: sum_i n_i g_i / sum_i n_i, the full batch's gradient (bf16: to rounding).
       # mean_of_means: sum_i g_i / k, every micro-batch's mean weighted alike.
       extra = {"weight": count} if weighted else {}
       updates, opt_state = tx.update(grads, opt_state, params, **extra)
@@ -464,7 +469,7 @@ def _progress(cfg: Config) -> Any:
     return None
   from tqdm.auto import tqdm
 
-  return tqdm(total=cfg.steps, desc="training 4 arms", unit="step", dynamic_ncols=True)
+  return tqdm(total=cfg.steps, desc=f"training {len(ARMS)} arms", unit="step", dynamic_ncols=True)
 
 
 # ----------------------------------------------------------------------------- adaptive k
@@ -676,6 +681,7 @@ def _plot(results: dict[str, Any], out: Path) -> list[str]:
   styles = {
       "full_batch": {"color": "black", "lw": 2.5, "ls": "-"},
       "accumulate": {"color": "tab:blue", "lw": 1.5, "ls": "--"},
+      "accumulate_bf16": {"color": "tab:cyan", "lw": 1.5, "ls": "-."},
       "microbatched": {"color": "tab:green", "lw": 1.5, "ls": ":"},
       "mean_of_means": {"color": "tab:red", "lw": 1.2, "ls": "-"},
   }
@@ -821,8 +827,8 @@ def parse_args(argv: Sequence[str] | None) -> Config:
   p = argparse.ArgumentParser(
       prog="python -m optax_accum.demo",
       description="Train a small Flax NNX character-level transformer on the Python"
-      " standard library's source four ways (full batch, accumulate, microbatched,"
-      " naive mean of means) and compare loss, speed and memory.")
+      " standard library's source five ways (full batch, accumulate, accumulate with a"
+      " bf16 buffer, microbatched, naive mean of means) and compare loss, speed and memory.")
   p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per arm")
   p.add_argument("--k", type=int, default=None,
                  help="micro-batches per optimizer step (default: the smallest whose compiled"
@@ -896,7 +902,7 @@ def _max_abs_diff(a: Any, b: Any) -> float:
 
 
 def run(cfg: Config) -> dict[str, Any]:
-  """Runs the four arms (and the adaptive-k experiment) and writes the outputs.
+  """Runs the five arms (and the adaptive-k experiment) and writes the outputs.
 
   Returns the results, as in ``results.json``.
   """
@@ -921,7 +927,7 @@ def run(cfg: Config) -> dict[str, Any]:
         f" micro-batch {micro_tokens.min():.0f}..{micro_tokens.max():.0f}"
         f" (padding {1 - batches['mask'].mean():.0%}).", flush=True)
 
-  print("compiling the four steps ...", flush=True)
+  print("compiling the five steps ...", flush=True)
   runs = [setup_arm(arm, cfg, loss_terms, params0, batches) for arm in ARMS]
   _train_in_lockstep(cfg, runs, batches)
 
@@ -934,6 +940,7 @@ def run(cfg: Config) -> dict[str, Any]:
     r["max_abs_param_diff_vs_full"] = _max_abs_diff(a.params, runs[0].params)
   exact = max(arms[a]["max_abs_loss_diff_vs_full"] for a in ("accumulate", "microbatched"))
   naive = arms["mean_of_means"]["max_abs_loss_diff_vs_full"]
+  bf16 = arms["accumulate_bf16"]
   results: dict[str, Any] = {
       "config": dataclasses.asdict(cfg),
       "plan": plan_summary(plan),
@@ -945,6 +952,8 @@ def run(cfg: Config) -> dict[str, Any]:
       "arms": arms,
       "exact_arms_max_abs_loss_diff": exact,
       "mean_of_means_max_abs_loss_diff": naive,
+      "bf16_buffer_max_abs_loss_diff": bf16["max_abs_loss_diff_vs_full"],
+      "bf16_buffer_eval_loss_minus_full": bf16["eval_loss"] - arms["full_batch"]["eval_loss"],
       "mean_of_means_eval_loss_minus_full": (
           arms["mean_of_means"]["eval_loss"] - arms["full_batch"]["eval_loss"]),
       "jax": {"version": jax.__version__, "backend": jax.default_backend()},
@@ -992,6 +1001,10 @@ def _report(cfg: Config, results: dict[str, Any], out: Path) -> None:
   print(f"mean of means vs full batch:               max |loss diff| = {naive:.1e}"
         f" ({naive / max(exact, 1e-12):,.0f}x larger; eval loss"
         f" {results['mean_of_means_eval_loss_minus_full']:+.4f}): a different objective")
+  print(f"accumulate with a bf16 buffer vs full:     max |loss diff| ="
+        f" {results['bf16_buffer_max_abs_loss_diff']:.1e} (eval loss"
+        f" {results['bf16_buffer_eval_loss_minus_full']:+.4f}): half the buffer, rounded"
+        " stochastically")
   if cfg.adaptive:
     ad = results["adaptive"]
     print()

@@ -3,7 +3,9 @@
 The full-batch arm is plain ``optax.adam`` on the whole batch: the independent
 reference. The accumulate and microbatched arms must track it to float
 rounding; the mean-of-means arm must not (the tiny data is grouped by length,
-so its micro-batches hold very different numbers of real tokens).
+so its micro-batches hold very different numbers of real tokens). The arm with
+a bf16 buffer rounds every add, so it is held to a looser bound: well inside
+the gap that separates the mean of means from the full batch.
 
 The same run does the adaptive-k experiment at a tiny size, with an estimate
 that is ready after 2 windows and a fraction large enough that the adaptive
@@ -52,7 +54,8 @@ def test_writes_json_and_readable_pngs(tiny_run):
     data = (out / name).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
   saved = json.loads((out / "results.json").read_text())
-  assert set(saved["arms"]) == {"full_batch", "accumulate", "microbatched", "mean_of_means"}
+  assert set(saved["arms"]) == {"full_batch", "accumulate", "accumulate_bf16", "microbatched",
+                                "mean_of_means"}
   assert saved["config"]["steps"] == 6 and saved["config"]["k"] == 2
   assert saved["plan"] is None  # --k given: no plan
   for arm, r in saved["arms"].items():
@@ -61,6 +64,7 @@ def test_writes_json_and_readable_pngs(tiny_run):
     assert r["tokens_per_s"] > 0 and r["real_tokens"] > 0, arm
     assert isinstance(r["temp_bytes"], int) and r["temp_bytes"] > 0, arm
   assert saved["arms"]["accumulate"]["calls_per_step"] == 2
+  assert saved["arms"]["accumulate_bf16"]["calls_per_step"] == 2
   assert saved["arms"]["microbatched"]["calls_per_step"] == 1
 
 
@@ -70,7 +74,7 @@ def test_exact_arms_match_full_batch_and_mean_of_means_does_not(tiny_run):
   # Uneven padding across micro-batches, or the contrast below would be vacuous.
   assert results["micro_batch_real_tokens"]["max"] > 1.3 * results["micro_batch_real_tokens"]["min"]
   full = np.asarray(arms["full_batch"]["losses"])
-  for arm in ("accumulate", "microbatched", "mean_of_means"):
+  for arm in ("accumulate", "accumulate_bf16", "microbatched", "mean_of_means"):
     # Same init and same first batch: step 1's loss is the same in every arm.
     np.testing.assert_allclose(arms[arm]["losses"][0], full[0], rtol=1e-5)
   for arm in ("accumulate", "microbatched"):
@@ -78,14 +82,25 @@ def test_exact_arms_match_full_batch_and_mean_of_means_does_not(tiny_run):
   naive = arms["mean_of_means"]
   assert naive["max_abs_loss_diff_vs_full"] > 1e-3
   assert naive["max_abs_loss_diff_vs_full"] > 100 * results["exact_arms_max_abs_loss_diff"]
+  # A bf16 buffer rounds each add (stochastically): not float rounding of the same
+  # sum, but still on the full batch's side of the line the mean of means crosses.
+  bf16 = arms["accumulate_bf16"]["max_abs_loss_diff_vs_full"]
+  assert bf16 == results["bf16_buffer_max_abs_loss_diff"]
+  assert bf16 < 1e-3 and bf16 < naive["max_abs_loss_diff_vs_full"] / 10, bf16
   # (Parameter differences are not compared: Adam turns rounding noise in a
   # near-zero gradient coordinate into a full learning-rate step.)
+
+
+def test_bf16_arm_keeps_a_bf16_buffer_for_f32_params():
+  tx, _, calls = demo.build_step("accumulate_bf16", None, optax.adam(1e-3), 2)
+  state = tx.init({"w": jnp.zeros(3)})
+  assert state.acc_grads["w"].dtype == jnp.bfloat16 and calls == 2
 
 
 def test_table_lists_every_arm(tiny_run, capsys):
   _, results = tiny_run
   table = demo.format_table(results)
-  for arm in ("full batch", "accumulate", "microbatched", "mean of means"):
+  for arm in ("full batch", "accumulate", "bf16 buffer", "microbatched", "mean of means"):
     assert arm in table
   assert "compiled temporaries" in table and "tokens/s" in table
   assert "train loss (mean of last 10 steps)" in table  # not a "final" loss
