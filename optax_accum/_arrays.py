@@ -79,10 +79,8 @@ def spec_of(x: Any) -> jax.sharding.PartitionSpec:
 
 def strip_axes(partitions: tuple[Any, ...], axes: tuple[Any, ...]) -> tuple[Any, ...]:
   """A spec's partitions with ``axes`` removed (those dims all-gathered over them)."""
-  def one(entry: Any) -> Any:
-    if entry is None:
-      return None
-    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n not in axes)
+  def one(entry: Any) -> Any:  # (None, no axis, stays None)
+    names = tuple(n for n in axis_names(entry) if n not in axes)
     return None if not names else names[0] if len(names) == 1 else names
   return tuple(one(e) for e in partitions)
 

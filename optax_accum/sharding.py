@@ -58,27 +58,24 @@ def _leaf_layout(value: Any, target: Any, param: Any, other: Any) -> Any:
   """The layout of one state leaf found at ``param``'s place in the state.
 
   ``target`` (a sharding or spec) if the leaf has the param's shape; the same
-  after unsharded leading axes if it stacks copies of it (L-BFGS's memory);
+  after unsharded leading axes if it stacks copies of it (L-BFGS's memory), or
+  typed unreduced over the axes the plain-jit buffer is a partial sum over;
   else ``other``. A MaskedNode stays as it is.
   """
   if _is_masked(value):
     return value
-  unreduced = _arrays.array_type(value).unreduced
-  if unreduced and isinstance(target, NamedSharding):  # the plain-jit buffer: a partial sum
-    axes = tuple(sorted(unreduced, key=str))
-    spec = PartitionSpec(*strip_axes(target.spec.partitions, axes), unreduced=set(unreduced))
-    return NamedSharding(target.mesh, spec, memory_kind=target.memory_kind)
   shape, lead = tuple(jnp.shape(value)), len(jnp.shape(value)) - len(param.shape)
   if lead < 0 or shape[lead:] != tuple(param.shape):
     return other
-  if lead == 0 or isinstance(target, SingleDeviceSharding):
+  named = isinstance(target, NamedSharding)
+  unreduced = _arrays.array_type(value).unreduced if named else frozenset()
+  if (lead == 0 and not unreduced) or isinstance(target, SingleDeviceSharding):
     return target
-  if isinstance(target, PartitionSpec):
-    return PartitionSpec(*(None,) * lead, *target)
-  if isinstance(target, NamedSharding):
-    return NamedSharding(target.mesh, PartitionSpec(*(None,) * lead, *target.spec),
-                         memory_kind=target.memory_kind)
-  return other
+  if not (named or isinstance(target, PartitionSpec)):
+    return other
+  spec = PartitionSpec(*(None,) * lead, *strip_axes(tuple(target.spec if named else target),
+                                                    tuple(unreduced)), unreduced=unreduced)
+  return NamedSharding(target.mesh, spec, memory_kind=target.memory_kind) if named else spec
 
 
 def _lay_out_like_params(
@@ -119,9 +116,7 @@ def _lay_out_by_structure(state: Any, per_param: Any, abstract: Any, other: Any)
   targets = params_def.flatten_up_to(per_param)
   params = params_def.flatten_up_to(abstract)
 
-  def is_params_like(node: Any) -> bool:
-    if params_def.num_nodes == 1:  # params is one array: compare each leaf alone
-      return False
+  def is_params_like(node: Any) -> bool:  # (params one array: every array leaf is)
     try:
       leaves = params_def.flatten_up_to(node)
     except (ValueError, TypeError):
@@ -129,8 +124,8 @@ def _lay_out_by_structure(state: Any, per_param: Any, abstract: Any, other: Any)
     return all(_is_masked(v) or hasattr(v, "shape") for v in leaves)
 
   def lay_out(node: Any) -> Any:
-    if not is_params_like(node):  # a leaf: laid out alone only when params is one array
-      return other if params_def.num_nodes > 1 else _leaf_layout(node, targets[0], params[0], other)
+    if not is_params_like(node):
+      return other
     return params_def.unflatten([
         _leaf_layout(v, t, p, other)
         for v, t, p in zip(params_def.flatten_up_to(node), targets, params, strict=True)])
@@ -569,8 +564,8 @@ def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
     >>> params["w"]  # one SGD step on the mean gradient (1, 1, 1)
     Array([0.9, 0.9, 0.9], dtype=float32)
   """
-  axes = _arrays.axis_names(axis_name)
-  if _arrays.explicit_axes(axis_name) is None:
+  axes = _arrays.explicit_axes(axis_name)
+  if axes is None:
     raise ValueError(
         f"`defer_reduction` needs `axis_name={axis_name!r}` to name Explicit axes of"
         " the current mesh: build it with jax.make_mesh(..., axis_types="
