@@ -39,9 +39,7 @@ def accumulator_dtype(dtype: Any, requested: jnp.dtype | None = None) -> jnp.dty
           f" {jnp.promote_types(dtype, jnp.complex64)}, or None for the default rule."
       )
     return jnp.dtype(requested)
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return jnp.dtype(jnp.promote_types(dtype, jnp.complex64))
-  if jnp.issubdtype(dtype, jnp.floating):
+  if jnp.issubdtype(dtype, jnp.inexact):  # complex64 with float32 promotes to complex64
     return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
   return dtype
 

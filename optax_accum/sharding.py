@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from optax_accum import _arrays, _per_device, debug
+from optax_accum import _arrays, _per_device, _validation, debug
 from optax_accum._arrays import strip_axes
 from optax_accum.accumulation import AccumulateState
 from optax_accum.gradient_noise import NoiseScaleState
@@ -451,8 +451,7 @@ def local_value_and_grad(
         f"`batch_argnums` must name the batch arguments of `fn` by position (> 0:"
         f" argument 0 is the params being differentiated); got {batch_argnums!r}."
     )
-  if not isinstance(has_aux, bool):
-    raise TypeError(f"`has_aux` must be a bool; got {has_aux!r}.")
+  has_aux = _validation.check_flag(has_aux, "has_aux")
   if combine not in ("mean", "sum"):
     raise ValueError(
         f"`combine` must be 'mean' (fn returns the mean over its rows) or 'sum' (fn returns"
