@@ -28,14 +28,12 @@ Writes ``accumulate.{json,md,png}`` to ``benchmarks/results`` (``--out``).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import harness
@@ -102,26 +100,17 @@ class Program:
   init: Callable[[Tree], Any]
 
 
-def standard_step(tx: Any) -> Callable[[Tree, Any, Tree], tuple[Tree, Any]]:
-  """``tx.update`` followed by ``optax.apply_updates``: the optax protocol."""
-  def step(params: Tree, state: Any, grads: Tree) -> tuple[Tree, Any]:
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-  return step
-
-
 def make_programs(opt_name: str, k: int = K_WINDOW) -> list[Program]:
   """The benchmarked train steps for inner optimizer ``opt_name``, window ``k``."""
   make = OPTIMIZERS[opt_name]
   plain, acc, uaa = make(), oa.accumulate(k, make()), oa.accumulate(k, make())
   oms, xms = oa.MultiSteps(make(), k), optax.MultiSteps(make(), k)
   return [
-      Program("plain", None, standard_step(plain), plain.init),
-      Program("accumulate", k, standard_step(acc), acc.init),
-      Program("update_and_apply", k, lambda p, s, g: oa.update_and_apply(uaa, g, s, p),
-              uaa.init),
-      Program("oa_multisteps", k, standard_step(oms), oms.init),
-      Program("optax_multisteps", k, standard_step(xms), xms.init),
+      Program("plain", None, harness.protocol_step(plain), plain.init),
+      Program("accumulate", k, harness.protocol_step(acc), acc.init),
+      Program("update_and_apply", k, harness.fast_step(uaa), uaa.init),
+      Program("oa_multisteps", k, harness.protocol_step(oms), oms.init),
+      Program("optax_multisteps", k, harness.protocol_step(xms), xms.init),
   ]
 
 
@@ -307,51 +296,39 @@ def _x(v: float | None, digits: int = 2) -> str:
 
 def rows_table(records: Sequence[dict[str, Any]]) -> list[str]:
   """Markdown table of the records of one size and optimizer."""
-  lines = ["| row | ms | x 3P floor | x plain | x optax.MultiSteps | compiled passes |"
-           " temps / params | conditionals |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-  for r in records:
-    passes = "-" if r["compiled_passes"] is None else f"{r['compiled_passes']:.1f}P"
-    conds = "-" if r["conditionals"] is None else str(r["conditionals"])
-    lines.append(f"| {r['label']} | {r['time_s'] * 1e3:.3f} | {_x(r['ratio_floor'])} |"
-                 f" {_x(r['ratio_plain'])} | {_x(r['ratio_optax_multisteps'])} | {passes} |"
-                 f" {_x(r['temps_ratio'])} | {conds} |")
-  return lines
+  def cell(v: Any, fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
+
+  return harness.table(
+      "row | ms | x 3P floor | x plain | x optax.MultiSteps | compiled passes | temps / params"
+      " | conditionals", "lrrrrrrr",
+      [[r["label"], f"{r['time_s'] * 1e3:.3f}", _x(r["ratio_floor"]), _x(r["ratio_plain"]),
+        _x(r["ratio_optax_multisteps"]), cell(r["compiled_passes"], "{:.1f}P"),
+        _x(r["temps_ratio"]), cell(r["conditionals"], "{}")] for r in records])
 
 
 def tracked_table(rows: Sequence[dict[str, Any]]) -> list[str]:
-  lines = ["| tracked row | measured | limit | |", "|---|---:|---:|:---:|"]
-  for b in rows:
-    verdict = "" if b["passed"] is None else ("PASS" if b["passed"] else "**FAIL**")
-    limit = "-" if b["limit"] is None else f"{b['limit']}x"
-    lines.append(f"| {b['name']} | {_x(b['value'], 3)} | {limit} | {verdict} |")
-  return lines
+  return harness.table("tracked row | measured | limit |", "lrrc", [
+      [b["name"], _x(b["value"], 3), "-" if b["limit"] is None else f"{b['limit']}x",
+       "" if b["passed"] is None else ("PASS" if b["passed"] else "**FAIL**")] for b in rows])
 
 
 def host_table(host: Sequence[dict[str, Any]]) -> list[str]:
-  lines = ["| program | mid / step us per call | emit us per call |", "|---|---:|---:|"]
-  for h in host:
-    mid, emit = h.get("mid_call_s", h.get("step_call_s")), h.get("emit_call_s")
-    lines.append(f"| {PROGRAMS[h['program']]} | {mid * 1e6:.1f} |"
-                 f" {'-' if emit is None else f'{emit * 1e6:.1f}'} |")
-  return lines
+  def us(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e6:.1f}"
+
+  return harness.table("program | mid / step us per call | emit us per call", "lrr", [
+      [PROGRAMS[h["program"]], us(h.get("mid_call_s", h.get("step_call_s"))),
+       us(h.get("emit_call_s"))] for h in host])
 
 
-def markdown(result: dict[str, Any]) -> str:
-  """Setup, bandwidth, one table per size and optimizer, host overhead, tracked rows."""
+def sections(result: dict[str, Any], limits: str = "") -> list[str]:
+  """Bandwidth, one table per size and optimizer, per-call time, tracked rows."""
   meta, bw = result["meta"], result["bandwidth"]
-  lines = [
-      "# Accumulation train-step benchmark", "",
-      f"`python benchmarks/bench_accumulate.py {' '.join(meta['argv'])}` on {meta['machine']}"
-      f" ({meta['cpu_count']} CPUs, backend {meta['backend']}, load {meta['loadavg']}),"
-      f" jax {meta['jax']}, optax {meta['optax']}, {meta['date']}, {meta['wall_s']} s."
-      f" Train step, params and state donated, window k = {meta['k']}; mid and emit rows"
-      f" are phases of one program. Medians over {meta['rounds']} interleaved rounds;"
-      " ratios: medians of the same-round ratio.", "",
-      f"Copy bandwidth ({bw['copy_bytes'] // 2 // 2**20} MiB into a donated buffer, read +"
-      f" write): **{bw['copy_GBps']:.1f} GB/s**; the 3P floor is 3 x parameter bytes over it,"
-      " per round. Compiled passes: `optax_accum.debug.step_bytes` of the row's phase over"
-      " the parameter bytes.", "",
-  ]
+  lines = [f"Copy bandwidth ({bw['copy_bytes'] // 2 // 2**20} MiB into a donated buffer, read +"
+           f" write): **{bw['copy_GBps']:.1f} GB/s**; the 3P floor is 3 x parameter bytes over"
+           " it, per round. Compiled passes: `optax_accum.debug.step_bytes` of the row's phase"
+           " over the parameter bytes.", ""]
   for size in meta["sizes"]:
     for opt in meta["optimizers"]:
       recs = [r for r in result["records"] if (r["size"], r["optimizer"]) == (size, opt)]
@@ -363,22 +340,32 @@ def markdown(result: dict[str, Any]) -> str:
   for opt in meta["optimizers"]:
     lines += [f"### {opt}", "",
               *host_table([h for h in result["host_overhead"] if h["optimizer"] == opt]), ""]
-  lines += [f"## Tracked rows ({size_label(result['tracked_size'])} params, adam)", "",
-            *tracked_table(result["tracked"]), ""]
-  return "\n".join(lines)
+  heading = f"## Tracked rows ({size_label(result['tracked_size'])} params, adam{limits})"
+  return [*lines, heading, "", *tracked_table(result["tracked"]), ""]
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def markdown(result: dict[str, Any]) -> str:
+  """Setup, then :func:`sections`."""
+  meta = result["meta"]
+  return "\n".join([
+      "# Accumulation train-step benchmark", "",
+      f"`python benchmarks/bench_accumulate.py {' '.join(meta['argv'])}` on {meta['machine']}"
+      f" ({meta['cpu_count']} CPUs, backend {meta['backend']}, load {meta['loadavg']}),"
+      f" jax {meta['jax']}, optax {meta['optax']}, {meta['date']}, {meta['wall_s']} s."
+      f" Train step, params and state donated, window k = {meta['k']}; mid and emit rows"
+      f" are phases of one program. Medians over {meta['rounds']} interleaved rounds;"
+      " ratios: medians of the same-round ratio.", "", *sections(result)])
+
+
+def plot(result: dict[str, Any]) -> Any:
   """Per optimizer: time over the 3P floor per row and size (log scale)."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   import numpy as np
 
   sizes, opts = result["meta"]["sizes"], result["meta"]["optimizers"]
   by_key = {(r["size"], r["optimizer"], r["row"]): r for r in result["records"]}
   rows = [r for r, _ in ROWS]
-  fig, axes = plt.subplots(len(opts), 1, figsize=(12, 4.2 * len(opts)), squeeze=False)
+  fig, axes = harness.pyplot().subplots(len(opts), 1, figsize=(12, 4.2 * len(opts)),
+                                        squeeze=False, dpi=100)
   for ax, opt in zip(axes[:, 0], opts, strict=True):
     x = np.arange(len(rows))
     width = 0.8 / len(sizes)
@@ -391,9 +378,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("time / 3P floor")
     ax.set_title(f"{opt}: train step, window k={result['meta']['k']}")
     ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  return fig
 
 
 # ---------------------------------------------------------------------- main
@@ -402,15 +387,36 @@ def windows_for(size: int) -> int:
   return max(1, (8 * 2**20) // (size * K_WINDOW))
 
 
+def measure(sizes: Sequence[int], opts: Sequence[str], copy: CopyTimer, rounds: int,
+            windows: Callable[[int], int], tracked_size: int) -> dict[str, Any]:
+  """Every program at every size and optimizer, the per-call time on a tiny model and the
+  copy bandwidth: the result's bandwidth, records, host_overhead and tracked rows."""
+  records: list[dict[str, Any]] = []
+  for size in sizes:
+    for opt in opts:
+      recs, compile_s = measure_size(size, opt, copy, rounds, windows(size))
+      records += recs
+      get = {r["row"]: r["ratio_floor"] for r in recs}
+      print(f"{size_label(size):>5s} {opt:4s}: compile {compile_s:5.1f} s; x 3P floor:"
+            f" accumulate mid {get['accumulate_mid']:.2f}x, update_and_apply mid"
+            f" {get['update_and_apply_mid']:.2f}x, optax.MultiSteps mid"
+            f" {get['optax_multisteps_mid']:.2f}x", flush=True)
+  copy_s = harness.median(copy.samples)
+  return {"bandwidth": {"copy_bytes": copy.bytes_moved, "copy_time_s": copy_s,
+                        "copy_GBps": copy.bytes_moved / copy_s / 1e9},
+          "records": records,
+          "host_overhead": [h for opt in opts for h in host_overhead(opt, rounds, windows=16)],
+          "tracked_size": tracked_size,
+          "tracked": tracked(records, tracked_size) if "adam" in opts else []}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark and writes the reports; returns the result dict."""
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = harness.parser(__doc__, quick="256K params, 3 rounds: a smoke run")
   ap.add_argument("--sizes", default="1M,4M,16M", help="comma-separated, e.g. 1M,4M,16M")
   ap.add_argument("--optimizers", default="sgd,adam")
   ap.add_argument("--rounds", type=int, default=None,
                   help="interleaved rounds per size and optimizer (default 15; --quick 3)")
-  ap.add_argument("--quick", action="store_true", help="256K params, 3 rounds: a smoke run")
-  ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
   args = ap.parse_args(argv)
   sizes = [parse_size("256K")] if args.quick else [parse_size(s) for s in args.sizes.split(",")]
   rounds = args.rounds or (3 if args.quick else 15)
@@ -419,32 +425,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if opt not in OPTIMIZERS:
       ap.error(f"unknown optimizer {opt!r}; choose from {sorted(OPTIMIZERS)}")
   tracked_size = parse_size("4M") if parse_size("4M") in sizes else sizes[len(sizes) // 2]
-
   t_start = time.perf_counter()
-  copy = CopyTimer(64 * 2**20)
-  records: list[dict[str, Any]] = []
-  for size in sizes:
-    for opt in opts:
-      recs, compile_s = measure_size(size, opt, copy, rounds, windows_for(size))
-      records += recs
-      get = {r["row"]: r["ratio_floor"] for r in recs}
-      print(f"{size_label(size):>5s} {opt:4s}: compile {compile_s:5.1f} s; x 3P floor:"
-            f" accumulate mid {get['accumulate_mid']:.2f}x, update_and_apply mid"
-            f" {get['update_and_apply_mid']:.2f}x, optax.MultiSteps mid"
-            f" {get['optax_multisteps_mid']:.2f}x", flush=True)
-  host = [h for opt in opts for h in host_overhead(opt, rounds, windows=16)]
-  copy_s = harness.median(copy.samples)
+  measured = measure(sizes, opts, CopyTimer(64 * 2**20), rounds, windows_for, tracked_size)
   result: dict[str, Any] = {
       "meta": {"argv": list(argv if argv is not None else sys.argv[1:]), "sizes": sizes,
                "optimizers": opts, "rounds": rounds, "leaves": LEAVES, "k": K_WINDOW,
-               "optax": optax.__version__, **harness.machine()},
-      "bandwidth": {"copy_bytes": copy.bytes_moved, "copy_time_s": copy_s,
-                    "copy_GBps": copy.bytes_moved / copy_s / 1e9},
-      "records": records,
-      "host_overhead": host,
-      "tracked_size": tracked_size,
-      "tracked": tracked(records, tracked_size) if "adam" in opts else [],
-  }
+               **harness.machine()}, **measured}
   result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
   harness.write(args.out, "accumulate", result, markdown(result), plot)
   return result

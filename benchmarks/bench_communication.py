@@ -26,10 +26,8 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import argparse
 import platform
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import harness
@@ -54,7 +52,6 @@ K = 8
 N_DEV = 8
 WIDTH = 512  # two 512x512 layers: ~0.5 M params, 2 MiB of f32 gradients
 PER_DEV = 4
-RESULTS = Path(__file__).resolve().parent / "results"
 REDUCTIONS = ("all-reduce", "all-reduce-start", "reduce-scatter")
 GATHERS = ("all-gather", "all-gather-start")
 # Plain jit, Explicit mesh: every param replicated, or sharded over "data" (ZeRO-3).
@@ -134,14 +131,10 @@ def plain_jit_rows(params: Any, x: jax.Array, y: jax.Array,
   return rows
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+def plot(result: dict[str, Any]) -> Any:
   names = [r["variant"] for r in result["rows"]]
   values = [r["bytes_per_window"] / 2**20 for r in result["rows"]]
-  fig, ax = plt.subplots(figsize=(9, 0.6 * len(names) + 1.2))
+  fig, ax = harness.pyplot().subplots(figsize=(9, 0.6 * len(names) + 1.2), dpi=120)
   ax.barh(range(len(names)), values,
           color=["tab:green" if "(ours)" in n else "tab:red" for n in names])
   ax.set_yticks(range(len(names)), names, fontsize=8)
@@ -150,15 +143,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
   ax.set_xlabel(f"MiB reduced across devices per window (k={K}, {N_DEV} devices)")
   for i, v in enumerate(values):
     ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  return fig
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--out", type=Path, default=RESULTS)
-  args = ap.parse_args(argv)
+  args = harness.parser(__doc__).parse_args(argv)
   assert jax.device_count() >= N_DEV, "set XLA_FLAGS before jax is imported"
   mesh = Mesh(np.array(jax.devices()[:N_DEV]), ("data",))
   params = init_params()
@@ -178,8 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            out_specs=(P(), specs))
   def ours_step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> Any:
     grads = jax.grad(loss_fn)(lax.pcast(p, "data", to="varying"), xb, yb)
-    updates, s = tx.update(grads, s, p)
-    return optax.apply_updates(p, updates), s
+    return harness.protocol_step(tx)(p, s, grads)
 
   rows.append(("accumulate(k, opt, axis_name) + shard_map (ours)", "across steps",
                bytes_per_window(ours_step.lower(params, state, x, y).compile(), K)))
@@ -192,8 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            out_specs=(P(), P()))
   def naive_step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> Any:
     grads = lax.pmean(jax.grad(loss_fn)(lax.pcast(p, "data", to="varying"), xb, yb), "data")
-    updates, s = naive_tx.update(grads, s, p)
-    return optax.apply_updates(p, updates), s
+    return harness.protocol_step(naive_tx)(p, s, grads)
 
   rows.append(("naive: pmean every micro-step, then accumulate", "across steps",
                bytes_per_window(
@@ -206,8 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   @jax.jit
   def jit_step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> Any:
-    updates, s = naive_tx.update(jax.grad(loss_fn)(p, xb, yb), s, p)
-    return optax.apply_updates(p, updates), s
+    return harness.protocol_step(naive_tx)(p, s, jax.grad(loss_fn)(p, xb, yb))
 
   rows.append(("accumulate(k, opt) under plain jit (auto-sharded)", "across steps",
                bytes_per_window(jit_step.lower(
@@ -269,14 +255,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       f" (jax {jax.__version__}; from the compiled HLO;"
       " `python benchmarks/bench_communication.py`).",
       "",
-      "| variant | accumulation | bytes reduced per window | MiB | x gradient size"
-      " | MiB all-gathered per window |",
-      "|---|---|---:|---:|---:|---:|",
+      *harness.table(
+          "variant | accumulation | bytes reduced per window | MiB | x gradient size"
+          " | MiB all-gathered per window", "llrrrr",
+          [[r["variant"], r["accumulation"], f"{r['bytes_per_window']:,}",
+            harness.mib(r["bytes_per_window"]), f"{r['bytes_per_window'] / param_bytes:.2f}",
+            harness.mib(r["gathered_per_window"])] for r in result["rows"]]),
   ]
-  for row in result["rows"]:
-    b = row["bytes_per_window"]
-    lines.append(f"| {row['variant']} | {row['accumulation']} | {b:,} | {b / 2**20:.2f} |"
-                 f" {b / param_bytes:.2f} | {row['gathered_per_window'] / 2**20:.2f} |")
   ratios = result["plain_jit_naive_over_ours"]
   lines += ["", "Plain jit on an Explicit mesh, naive / ours, bytes reduced per window: "
             + ", ".join(f"{layout} {r:.2f}x" for layout, r in ratios.items()) + "."]

@@ -24,14 +24,12 @@ Writes ``benchmarks/results/microbatched.{json,md,png}`` (``--out``).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import harness
@@ -169,23 +167,19 @@ def measure(cfgs: list[dict[str, Any]], params: Params, batch: dict[str, jax.Arr
 
 
 # ------------------------------------------------------------------ reports
-def _mib(b: float) -> str:
-  return f"{b / 2**20:.2f}"
-
-
 def table(rows: list[dict[str, Any]]) -> list[str]:
-  lines = ["| config | temporaries (MiB) | vs full | bound 1.3 full / k + 1 gradient (MiB) |"
-           " step (ms) | step vs full | max rel. grad diff vs full |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
-  for r in rows:
-    bound = ""
-    if "temp_bound" in r:
-      met = "met" if r["temp_bytes"] <= r["temp_bound"] else "**missed**"
-      bound = f"{_mib(r['temp_bound'])} {met}"
-    lines.append(f"| {r['config']} | {_mib(r['temp_bytes'])} | {r['temp_ratio_vs_full']:.2f}x |"
-                 f" {bound} | {r['step_ms']:.1f} | {r['step_ratio']:.2f}x |"
-                 f" {r['grad_rel_diff_vs_full']:.1e} |")
-  return lines
+  def bound(r: dict[str, Any]) -> str:
+    if "temp_bound" not in r:
+      return ""
+    met = "met" if r["temp_bytes"] <= r["temp_bound"] else "**missed**"
+    return f"{harness.mib(r['temp_bound'])} {met}"
+
+  return harness.table(
+      "config | temporaries (MiB) | vs full | bound 1.3 full / k + 1 gradient (MiB) | step (ms)"
+      " | step vs full | max rel. grad diff vs full", "lrrrrrr",
+      [[r["config"], harness.mib(r["temp_bytes"]), f"{r['temp_ratio_vs_full']:.2f}x", bound(r),
+        f"{r['step_ms']:.1f}", f"{r['step_ratio']:.2f}x", f"{r['grad_rel_diff_vs_full']:.1e}"]
+       for r in rows])
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -193,21 +187,18 @@ def markdown(result: dict[str, Any]) -> str:
   return "\n".join([
       f"`python benchmarks/bench_microbatched.py {' '.join(s['argv'])}`: transformer d_model"
       f" {s['d_model']}, {s['layers']} blocks (scan), {s['heads']} heads, seq {s['seq']}, vocab"
-      f" {s['vocab']}, {s['params']:,} params (one f32 gradient = {_mib(s['grad_bytes'])} MiB),"
+      f" {s['vocab']}, {s['params']:,} params (one f32 gradient ="
+      f" {harness.mib(s['grad_bytes'])} MiB),"
       f" global batch {s['global_batch']}; {s['backend']} ({s['device']}, {s['cpu_count']}"
       f" cores), jax {s['jax']}, {s['date']}; timing: median of {s['rounds']} interleaved"
       " rounds, ratio to the full-batch step of the same round.", "",
       *table(result["rows"]), ""])
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+def plot(result: dict[str, Any]) -> Any:
   rows = result["rows"]
   y = np.arange(len(rows))
-  fig, axes = plt.subplots(1, 2, figsize=(13, 0.35 * len(rows) + 2))
+  fig, axes = harness.pyplot().subplots(1, 2, figsize=(13, 0.35 * len(rows) + 2), dpi=110)
   axes[0].barh(y, [r["temp_bytes"] / 2**20 for r in rows], color="tab:blue")
   for r, yy in zip(rows, y, strict=True):
     if "temp_bound" in r:
@@ -219,13 +210,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
   axes[1].set_xlabel("step time / full-batch step")
   for ax in axes:
     ax.invert_yaxis()
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  return fig
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = harness.parser(__doc__, quick="d_model 32, 1 block, seq 16, batch 16, k 2 and 4, 2 rounds:"
+                                    " a smoke run")
   ap.add_argument("--d-model", type=int, default=128)
   ap.add_argument("--heads", type=int, default=4)
   ap.add_argument("--layers", type=int, default=2)
@@ -236,9 +226,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   ap.add_argument("--trick-k", type=int, default=8, help="k combined with remat and bf16")
   ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
   ap.add_argument("--iters", type=int, default=3, help="steps per config per round")
-  ap.add_argument("--quick", action="store_true",
-                  help="d_model 32, 1 block, seq 16, batch 16, k 2 and 4, 2 rounds: a smoke run")
-  ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
   args = ap.parse_args(argv)
   if args.quick:
     args.d_model, args.heads, args.layers, args.seq, args.vocab = 32, 2, 1, 16, 64

@@ -30,7 +30,6 @@ Writes ``noise_scale.{json,md}`` to ``benchmarks/results`` (``--out``).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -55,7 +54,6 @@ from bench_accumulate import (
     parse_size,
     run_rounds,
     size_label,
-    standard_step,
     windows_for,
 )
 
@@ -70,8 +68,7 @@ MLP_PROGRAMS = [
     ("mlp_update_and_apply", "MLP gradient + oa.update_and_apply", False),
     ("mlp_update_and_apply_tracked", "MLP gradient + oa.update_and_apply, tracked", True),
 ]
-PAIRS = [("accumulate", "accumulate_tracked"), ("update_and_apply", "update_and_apply_tracked"),
-         ("mlp_update_and_apply", "mlp_update_and_apply_tracked")]
+PAIRS = [(key, f"{key}_tracked") for key, _, tracked in PROGRAMS + MLP_PROGRAMS if not tracked]
 MLP_WIDTH, MLP_LAYERS, MLP_BATCH = 1024, 4, 32
 
 DELTA_NORM = 0.5
@@ -107,9 +104,9 @@ def make_programs() -> list[Program]:
   for key, _, tracked in PROGRAMS + MLP_PROGRAMS:
     tx = oa.accumulate(K_WINDOW, optax.adam(1e-3), track_noise_scale=tracked)
     if key.startswith("accumulate"):
-      step = standard_step(tx)
+      step = harness.protocol_step(tx)
     elif key.startswith("update_and_apply"):
-      step = lambda p, s, g, tx=tx: oa.update_and_apply(tx, g, s, p)
+      step = harness.fast_step(tx)
     else:  # the MLP's gradient computed in the step
       step = lambda p, s, b, tx=tx: oa.update_and_apply(tx, jax.grad(mlp_loss)(p, b), s, p)
     # A jitted init: the eager one returns one zero scalar in three noise-state
@@ -137,22 +134,17 @@ def measure_cost(size: int, rounds: int) -> dict[str, Any]:
     pbytes_here = mlp_bytes if key.startswith("mlp") else pbytes
     programs[key] = {
         "label": label, "tracked": tracked,
-        "mid_s": float(np.median(t.samples["mid"])), "emit_s": float(np.median(t.samples["emit"])),
+        "mid_s": harness.median(t.samples["mid"]), "emit_s": harness.median(t.samples["emit"]),
         "temps_bytes": t.info["temps_bytes"],
         "temps_ratio": t.info["temps_bytes"] / pbytes_here,
         "param_bytes": pbytes_here, "conditionals": t.info["conditionals"],
     }
-  pairs = []
-  for base, tracked in PAIRS:
-    pairs.append({
-        "untracked": base, "tracked": tracked,
-        "mid_ratio": harness.paired_ratio(timers[tracked].samples["mid"],
-                                          timers[base].samples["mid"]),
-        "emit_ratio": harness.paired_ratio(timers[tracked].samples["emit"],
-                                           timers[base].samples["emit"]),
-        "extra_temps_ratio": (programs[tracked]["temps_bytes"]
-                              - programs[base]["temps_bytes"]) / programs[base]["param_bytes"],
-    })
+  pairs = [{"untracked": base, "tracked": tracked,
+            **{f"{phase}_ratio": harness.paired_ratio(timers[tracked].samples[phase],
+                                                      timers[base].samples[phase])
+               for phase in ("mid", "emit")},
+            "extra_temps_ratio": (programs[tracked]["temps_bytes"] - programs[base]["temps_bytes"])
+            / programs[base]["param_bytes"]} for base, tracked in PAIRS]
   return {"size": size, "param_bytes": pbytes, "mlp_param_bytes": mlp_bytes, "rounds": rounds,
           "programs": programs, "pairs": pairs}
 
@@ -219,7 +211,13 @@ def closed_form_table() -> list[dict[str, Any]]:
 # --------------------------------------------------------------- reports
 def markdown(result: dict[str, Any]) -> str:
   meta, cost = result["meta"], result["cost"]
-  lines = [
+
+  def estimate(r: dict[str, Any]) -> list[Any]:
+    b = f"{r['b']:g}" + (f" (weighted {r['sizes']})" if r["weighted"] else "")
+    return [r["d"], r["sigma"], b, r["k"], f"{r['b_simple']:.1f}", f"{r['estimate_mean']:.1f}",
+            f"{r['rel_error']:+.1%}", f"{r['estimate_sd'] / r['b_simple']:.1%}",
+            f"{r['max_seed_rel_error']:.1%}"]
+  return "\n".join([
       "# Gradient noise scale: cost and accuracy",
       "",
       f"`python benchmarks/bench_noise_scale.py {' '.join(meta['argv'])}` on {meta['machine']}"
@@ -236,18 +234,14 @@ def markdown(result: dict[str, Any]) -> str:
       f" {MLP_LAYERS}-layer MLP ({MLP_WIDTH} wide, {cost['mlp_param_bytes'] / 4 / 2**20:.1f}M"
       f" params) on a batch of {MLP_BATCH} inside the step.",
       "",
-      "| program | mid-step ms | emit ms | temporaries / params |",
-      "|---|---:|---:|---:|",
-  ]
-  for p in cost["programs"].values():
-    lines.append(f"| {p['label']} | {1e3 * p['mid_s']:.2f} | {1e3 * p['emit_s']:.2f} |"
-                 f" {p['temps_ratio']:.3f}x |")
-  lines += ["", "| tracked vs untracked | mid-step | emit | extra temporaries / params |",
-            "|---|---:|---:|---:|"]
-  for q in cost["pairs"]:
-    lines.append(f"| {q['untracked']} | {q['mid_ratio']:.3f}x | {q['emit_ratio']:.3f}x |"
-                 f" {q['extra_temps_ratio']:+.4f}x |")
-  lines += [
+      *harness.table("program | mid-step ms | emit ms | temporaries / params", "lrrr", [
+          [p["label"], f"{1e3 * p['mid_s']:.2f}", f"{1e3 * p['emit_s']:.2f}",
+           f"{p['temps_ratio']:.3f}x"] for p in cost["programs"].values()]),
+      "",
+      *harness.table("tracked vs untracked | mid-step | emit | extra temporaries / params",
+                     "lrrr", [[q["untracked"], f"{q['mid_ratio']:.3f}x",
+                               f"{q['emit_ratio']:.3f}x", f"{q['extra_temps_ratio']:+.4f}x"]
+                              for q in cost["pairs"]]),
       "",
       "## Estimate vs closed form",
       "",
@@ -256,26 +250,17 @@ def markdown(result: dict[str, Any]) -> str:
       f" (b: examples per micro-batch, the average for the weighted row); {SEEDS} seeds x"
       f" {WINDOWS} windows, decay {DECAY}.",
       "",
-      "| d | sigma | b | k | B_simple | estimate (mean of seeds) | rel. error |"
-      " single-seed sd | worst seed |",
-      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-  ]
-  for r in result["closed_form"]:
-    b = f"{r['b']:g}" + (f" (weighted {r['sizes']})" if r["weighted"] else "")
-    lines.append(
-        f"| {r['d']} | {r['sigma']} | {b} | {r['k']} | {r['b_simple']:.1f} |"
-        f" {r['estimate_mean']:.1f} | {r['rel_error']:+.1%} |"
-        f" {r['estimate_sd'] / r['b_simple']:.1%} | {r['max_seed_rel_error']:.1%} |")
-  return "\n".join(lines) + "\n"
+      *harness.table("d | sigma | b | k | B_simple | estimate (mean of seeds) | rel. error"
+                     " | single-seed sd | worst seed", "r" * 9,
+                     map(estimate, result["closed_form"])),
+  ]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark and writes the reports; returns the result dict."""
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = harness.parser(__doc__, quick="256K params, 5 rounds")
   ap.add_argument("--size", default="4M", help="params for the cost measurement")
   ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 41)")
-  ap.add_argument("--quick", action="store_true", help="256K params, 5 rounds")
-  ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
   args = ap.parse_args(argv)
   size = parse_size("256K" if args.quick else args.size)
   rounds = args.rounds or (5 if args.quick else 41)
@@ -292,8 +277,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{' weighted' if r['weighted'] else ''}: B_simple {r['b_simple']:7.2f},"
           f" estimate {r['estimate_mean']:7.2f} ({r['rel_error']:+.1%})", flush=True)
   result = {
-      "meta": {"argv": list(argv if argv is not None else sys.argv[1:]),
-               "optax": optax.__version__, **harness.machine(),
+      "meta": {"argv": list(argv if argv is not None else sys.argv[1:]), **harness.machine(),
                "wall_s": round(time.perf_counter() - start, 1)},
       "cost": cost,
       "closed_form": table,

@@ -27,7 +27,6 @@ import itertools
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import harness
@@ -231,7 +230,8 @@ def run_case(case: dict[str, Any], mode: str, candidates: list[int] | None) -> d
 
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = harness.parser(__doc__, quick="tiny sizes (MLP 2 x 32, batch 64; transformer d 16, 1"
+                                    " block, seq 16, batch 8): a smoke run")
   ap.add_argument("--mlp-width", type=int, default=256)
   ap.add_argument("--mlp-layers", type=int, default=4)
   ap.add_argument("--mlp-batch", type=int, default=4096)
@@ -240,10 +240,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   ap.add_argument("--tf-d-model", type=int, default=64)
   ap.add_argument("--tf-layers", type=int, default=2)
   ap.add_argument("--tf-heads", type=int, default=4)
-  ap.add_argument("--quick", action="store_true",
-                  help="tiny sizes (MLP 2 x 32, batch 64; transformer d 16, 1 block, seq 16,"
-                       " batch 8): a smoke run")
-  ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
   args = ap.parse_args(argv)
   if args.quick:
     args.mlp_width, args.mlp_layers, args.mlp_batch = 32, 2, 64
@@ -258,13 +254,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "rows": results,
       "wall_seconds": time.perf_counter() - t_start,
   }
-  harness.write(Path(args.out), "plan_k", result, markdown(result), plot)
+  harness.write(args.out, "plan_k", result, markdown(result), plot)
   print(f"wall {result['wall_seconds']:.0f}s")
   return result
-
-
-def _mib(b: float) -> str:
-  return f"{b / 2**20:.2f}"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -276,43 +268,37 @@ def markdown(result: dict[str, Any]) -> str:
       " candidate within it in the full sweep; *compiles* are the search's (bound"
       " ceil(log2 n) + 1), *search* its wall time (building, lowering and compiling).",
       "",
-      "| model | mode | global batch | candidates | limit (MiB) | planned k (peak MiB) |"
-      " brute force k | compiles (bound) | search (s) | sweep monotone |",
-      "|---|---|---:|---|---:|---:|---:|---:|---:|---|",
-  ]
-  for r in result["rows"]:
-    ks = r["candidates"]
-    cands = f"{len(ks)}: {ks[0]}..{ks[-1]}"
-    lines.append(
-        f"| {r['model']} | {r['mode']} | {r['global_batch']:,} | {cands} |"
-        f" {_mib(r['memory_limit'])} | {r['planned_k']} ({_mib(r['planned_peak_bytes'])}) |"
-        f" {r['brute_force_k']}{'' if r['agrees'] else ' **differs**'} |"
-        f" {r['compiles']} ({r['compile_bound']}) | {r['search_s']:.1f} |"
-        f" {'yes' if r['sweep_monotone'] else '**no**'} |")
-  lines += ["", "Compiled peak of every candidate (MiB; **bold**: planned, *italics*: compiled"
-            " by the search; XLA's `peak_memory_in_bytes` in brackets):", ""]
+      *harness.table(
+        "model | mode | global batch | candidates | limit (MiB) | planned k (peak MiB) |"
+        " brute force k | compiles (bound) | search (s) | sweep monotone", "llrlrrrrrl",
+        [[r["model"], r["mode"], f"{r['global_batch']:,}",
+          f"{len(r['candidates'])}: {r['candidates'][0]}..{r['candidates'][-1]}",
+          harness.mib(r["memory_limit"]),
+          f"{r['planned_k']} ({harness.mib(r['planned_peak_bytes'])})",
+          f"{r['brute_force_k']}{'' if r['agrees'] else ' **differs**'}",
+          f"{r['compiles']} ({r['compile_bound']})", f"{r['search_s']:.1f}",
+          "yes" if r["sweep_monotone"] else "**no**"] for r in result["rows"]]),
+      "", "Compiled peak of every candidate (MiB; **bold**: planned, *italics*: compiled"
+      " by the search; XLA's `peak_memory_in_bytes` in brackets):", ""]
   for r in result["rows"]:
     cells = []
     for row in r["sweep"]:
-      v = f"{row['k']}: {_mib(row['peak_bytes'])}"
+      v = f"{row['k']}: {harness.mib(row['peak_bytes'])}"
       if row["k"] == r["planned_k"]:
         v = f"**{v}**"
       elif row["k"] in r["compiled_ks"]:
         v = f"*{v}*"
-      cells.append(f"{v} [{_mib(row['xla_peak_memory_in_bytes'])}]")
-    lines.append(f"- {r['model']}, {r['mode']} (limit {_mib(r['memory_limit'])}):"
+      cells.append(f"{v} [{harness.mib(row['xla_peak_memory_in_bytes'])}]")
+    lines.append(f"- {r['model']}, {r['mode']} (limit {harness.mib(r['memory_limit'])}):"
                  f" {', '.join(cells)}")
   return "\n".join(lines) + "\n"
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def plot(result: dict[str, Any]) -> Any:
   """Per model and mode: every candidate's compiled peak, the limit and the planned k."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   rows = result["rows"]
-  fig, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 3.6), squeeze=False)
+  fig, axes = harness.pyplot().subplots(1, len(rows), figsize=(4 * len(rows), 3.6),
+                                        squeeze=False, dpi=100)
   for ax, r in zip(axes[0], rows, strict=True):
     ks = [row["k"] for row in r["sweep"]]
     ax.plot(ks, [row["peak_bytes"] / 2**20 for row in r["sweep"]], "o-", ms=4, label="peak")
@@ -324,9 +310,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("peak per device (MiB)")
     ax.set_title(f"{r['model']}\n{r['mode']}", fontsize=8)
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  return fig
 
 
 if __name__ == "__main__":

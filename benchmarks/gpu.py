@@ -39,7 +39,6 @@ from typing import Any
 import harness
 import jax
 import jax.numpy as jnp
-import optax
 
 import optax_accum as oa
 
@@ -81,32 +80,22 @@ def highest_precision_diff(tf: dict[str, Any], params: Any, batch: Any, k: int) 
 
 
 def markdown(result: dict[str, Any]) -> str:
-  meta, bw = result["meta"], result["bandwidth"]
-  lines = [
+  meta, p = result["meta"], result["highest"]
+  return "\n".join([
       "# GPU benchmark" + (" (CPU smoke run: not GPU numbers)" if meta["cpu_smoke"] else ""), "",
       f"`python benchmarks/gpu.py {' '.join(meta['argv'])}` on {meta['device']} (backend"
       f" {meta['backend']}), jax {meta['jax']}, optax {meta['optax']}, {meta['date']},"
-      f" {meta['wall_s']} s. Matmul precision: {result['precision']}.", "",
-      f"Copy bandwidth ({bw['copy_bytes'] // 2 // 2**20} MiB jitted copy into a donated buffer,"
-      f" read + write): **{bw['copy_GBps']:.0f} GB/s**. Train step, params and state donated,"
-      f" adam, window k = {ba.K_WINDOW}; medians over {meta['rounds']} interleaved rounds,"
-      " ratios the median same-round ratio.", "",
-  ]
-  for size in meta["sizes"]:
-    lines += [f"## {ba.size_label(size)} params ({4 * size / 2**20:g} MiB)", "",
-              *ba.rows_table([r for r in result["accumulation"] if r["size"] == size]), ""]
-  lines += ["## Per-call time on a tiny model", "", *ba.host_table(result["host_overhead"]), "",
-            f"## Tracked rows at {ba.size_label(result['tracked_size'])} (limits set for"
-            " XLA:CPU at 4M)", "", *ba.tracked_table(result["tracked"]), "",
-            "## In-step microbatching: transformer", "",
-            ", ".join(f"{k} {v}" for k, v in result["transformer"].items()) + ".", "",
-            *bm.table(result["microbatching"]), ""]
-  p = result["highest"]
-  lines += ["## Microbatched against full batch at matmul precision \"highest\"", "",
-            f"k = {p['k']}: loss rel. diff {p['loss_rel_diff']:.1e}, grad rel. diff"
-            f" {p['grad_rel_diff']:.1e} ({p['dots_highest']} of {p['dots']} dots lowered as"
-            " HIGHEST); at the default precision see the table above.", ""]
-  return "\n".join(lines)
+      f" {meta['wall_s']} s. Matmul precision: {result['precision']}. Train step, params and"
+      f" state donated, window k = {meta['k']}; medians over {meta['rounds']} interleaved"
+      " rounds, ratios the median same-round ratio.", "",
+      *ba.sections(result, limits="; limits set for XLA:CPU at 4M"),
+      "## In-step microbatching: transformer", "",
+      ", ".join(f"{k} {v}" for k, v in result["transformer"].items()) + ".", "",
+      *bm.table(result["microbatching"]), "",
+      "## Microbatched against full batch at matmul precision \"highest\"", "",
+      f"k = {p['k']}: loss rel. diff {p['loss_rel_diff']:.1e}, grad rel. diff"
+      f" {p['grad_rel_diff']:.1e} ({p['dots_highest']} of {p['dots']} dots lowered as"
+      " HIGHEST); at the default precision see the table above.", ""])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -130,13 +119,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   sizes = [ba.parse_size(s) for s in (SMOKE_SIZES if smoke else GPU_SIZES)]
   rounds = args.rounds or (3 if smoke else 15)
   copy = ba.CopyTimer(16 * 2**20) if smoke else ba.CopyTimer(2**30, reps=8)
-  records = []
-  for size in sizes:
-    windows = max(2, min(32, (64 * 2**20) // size))  # many at 1M (dispatch-bound), 2 at 256M
-    recs, compile_s = ba.measure_size(size, "adam", copy, rounds, windows)
-    records += recs
-    log(f"accumulation {ba.size_label(size)}: compile {compile_s:.1f} s")
-  host = ba.host_overhead("adam", rounds, windows=16)
+  # Windows per round: many at 1M (dispatch-bound), 2 at 256M.
+  measured = ba.measure(sizes, ["adam"], copy, rounds,
+                        lambda size: max(2, min(32, (64 * 2**20) // size)), max(sizes))
+  log("accumulation done")
 
   tf = SMOKE_TRANSFORMER if smoke else TRANSFORMER
   params = bm.init_params(jax.random.key(0), vocab=tf["vocab"], d_model=tf["d_model"],
@@ -150,21 +136,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   highest = highest_precision_diff(tf, params, batch, tf["ks"][0])
   log("precision check done")
 
-  copy_s = harness.median(copy.samples)
   result: dict[str, Any] = {
       "meta": {"argv": list(argv if argv is not None else sys.argv[1:]), "cpu_smoke": smoke,
-               "sizes": sizes, "rounds": rounds, "optax": optax.__version__,
+               "sizes": sizes, "optimizers": ["adam"], "rounds": rounds, "k": ba.K_WINDOW,
                **harness.machine()},
-      "precision": precision_meaning(),
-      "bandwidth": {"copy_bytes": copy.bytes_moved, "copy_GBps": copy.bytes_moved / copy_s / 1e9},
-      "accumulation": records, "host_overhead": host, "tracked_size": max(sizes),
-      "tracked": ba.tracked(records, max(sizes)),
+      "precision": precision_meaning(), **measured,
       "transformer": {**tf, "params": sum(x.size for x in jax.tree.leaves(params))},
       "microbatching": mb_rows, "highest": highest,
   }
   result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
   out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_smoke_")) if smoke
-                     else Path(__file__).parent / "results")
+                     else harness.RESULTS)
   harness.write(out, "gpu", result, markdown(result))
   return result
 
