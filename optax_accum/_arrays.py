@@ -70,9 +70,6 @@ def array_type(x: Any) -> ArrayType:
                    frozenset(getattr(spec, "unreduced", None) or ()))
 
 
-def spec_of(x: Any) -> jax.sharding.PartitionSpec:
-  """The PartitionSpec in ``x``'s type."""
-  return array_type(x).spec
 
 
 def strip_axes(partitions: tuple[Any, ...], axes: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -83,9 +80,6 @@ def strip_axes(partitions: tuple[Any, ...], axes: tuple[Any, ...]) -> tuple[Any,
   return tuple(one(e) for e in partitions)
 
 
-def explicit_spec(like: Any) -> Any:
-  """The ``out_sharding`` a new array needs to have ``like``'s type (None if none)."""
-  return array_type(like).explicit_spec
 
 
 def has_explicit_axes(mesh: Any) -> bool:
@@ -93,9 +87,6 @@ def has_explicit_axes(mesh: Any) -> bool:
   return jax.sharding.AxisType.Explicit in (getattr(mesh, "axis_types", ()) or ())
 
 
-def varying_axes(x: Any) -> frozenset[Any]:
-  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere)."""
-  return array_type(x).varying
 
 
 def match_varying(x: jax.Array, target: Any) -> jax.Array:

@@ -6,6 +6,7 @@ Every error names the argument at fault and says how to fix it.
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,30 @@ def check_k(k: Any, name: str = "k") -> int | Callable[[jax.Array], Any]:
         " `emit_now=True`."
     )
   return int(k)
+
+
+def check_schedule_value(value: Any, step: Any) -> None:
+  """Raises if a ``k`` schedule returned a concrete value below 1 (under jit: clamped)."""
+  if isinstance(value, jax.core.Tracer):
+    return
+  concrete = int(jnp.asarray(value))
+  if concrete < 1:
+    raise ValueError(
+        f"The `k` schedule returned {concrete} at gradient_step {int(step)}; a window needs"
+        " at least 1 micro-batch. Make the schedule return an int >= 1 for every step."
+        " (Under jit such values are clamped to 1.)"
+    )
+
+
+def check_schedule_at_zero(schedule: Callable[[jax.Array], Any]) -> None:
+  """Evaluates a ``k`` schedule at step 0 to catch obviously wrong ones early."""
+  try:
+    value = schedule(jnp.zeros([], jnp.int32))
+  except Exception as e:  # the schedule may only work on traced values
+    warnings.warn(f"Could not evaluate the `k` schedule at step 0 ({e!r}); it will be"
+                  " checked when first called.", stacklevel=3)
+    return
+  check_schedule_value(value, 0)
 
 
 def check_flag(value: Any, name: str) -> bool:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _arrays, _rounding
+from optax_accum import _arrays, _rounding, _validation
 from optax_accum import gradient_noise as noise_lib
 
 KSchedule = Callable[[jax.Array], Any]
@@ -116,7 +116,7 @@ def init_window(config: Config, params: optax.Params) -> Window:
     dtype = _arrays.accumulator_dtype(jnp.result_type(p), config.acc_dtype)
     if unreduced is None:
       return jnp.zeros_like(p, dtype=dtype)
-    parts = _arrays.strip_axes(_arrays.spec_of(p).partitions, unreduced)
+    parts = _arrays.strip_axes(_arrays.array_type(p).spec.partitions, unreduced)
     return jnp.zeros(jnp.shape(p), dtype, out_sharding=jax.sharding.PartitionSpec(
         *parts, unreduced=set(unreduced)))
 
@@ -236,15 +236,7 @@ def window_length(k: KSchedule | noise_lib.AdaptiveK, window: Window) -> jax.Arr
   if isinstance(k, noise_lib.AdaptiveK):
     return k(window.noise)
   value = k(window.gradient_step)
-  if not isinstance(value, jax.core.Tracer):
-    concrete = int(jnp.asarray(value))
-    if concrete < 1:
-      raise ValueError(
-          f"The `k` schedule returned {concrete} at gradient_step"
-          f" {int(window.gradient_step)}; a window needs at least 1 micro-batch. Make"
-          " the schedule return an int >= 1 for every step. (Under jit such"
-          " values are clamped to 1.)"
-      )
+  _validation.check_schedule_value(value, window.gradient_step)
   return jnp.maximum(jnp.asarray(value).astype(jnp.int32), 1)
 
 
@@ -284,7 +276,7 @@ def buffer_after(config: Config, acc: optax.Updates, mini_step: jax.Array, grads
     else:
       new = lax.add(old, g)
     if wide != acc.dtype:
-      bits = _rounding.random_bits(acc.shape, [*seed, leaf], _arrays.explicit_spec(acc))
+      bits = _rounding.random_bits(acc.shape, [*seed, leaf], _arrays.array_type(acc).explicit_spec)
       new = _rounding.round_stochastic(new, acc.dtype, bits)
     return new if accept is True else lax.select(jnp.asarray(accept), new, acc)
 
@@ -311,7 +303,8 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
   elif config.axis_name is not None:
     # jit with unreduced buffers: an all-reduce, or a reduce-scatter to sharded params
     window_sum = jax.tree.map(
-        lambda a, t: jax.reshard(a, jax.sharding.PartitionSpec(*_arrays.spec_of(t).partitions)),
+        lambda a, t: jax.reshard(
+            a, jax.sharding.PartitionSpec(*_arrays.array_type(t).spec.partitions)),
         window_sum, ops.acc if ops.params is None else ops.params)
   total_weight, count, window_k, window_sq = ops.total_weight, totals[0], totals[1], totals[2]
   # In the buffer's precision (float64 buffers would lose digits to a float32 1/3).
@@ -363,7 +356,7 @@ def mid(ops: Operands, buffer: optax.Updates, shapes: Any, parks: list[bool] | N
   if not apply:
     leaves, treedef = jax.tree.flatten(shapes)
     out = [None if parks is not None and parks[i] else _arrays.match_varying(
-        jnp.zeros(s.shape, s.dtype, out_sharding=_arrays.explicit_spec(s)), s)
+        jnp.zeros(s.shape, s.dtype, out_sharding=_arrays.array_type(s).explicit_spec), s)
            for i, s in enumerate(leaves)]
     out = out if parks is not None else jax.tree.unflatten(treedef, out)
   return Emitted(out, ops.inner_state, ops.noise, buffer)

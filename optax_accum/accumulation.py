@@ -195,7 +195,7 @@ def accumulate(
   strict_kwargs = optimizer is not None and not isinstance(
       optimizer, optax.GradientTransformationExtraArgs)
   if not isinstance(k, int) and not adaptive:
-    _check_schedule_at_zero(k)
+    _validation.check_schedule_at_zero(k)
 
   def init_fn(params: optax.Params) -> AccumulateState:
     """An empty window and the inner optimizer's initial state."""
@@ -438,21 +438,3 @@ def _extra_args_transform(
         " arguments (it is a plain optax.GradientTransformation)."
     )
   return optax.with_extra_args_support(tx)
-
-
-def _check_schedule_at_zero(schedule: KSchedule) -> None:
-  """Evaluates a schedule at step 0 to catch obviously wrong ones early."""
-  try:
-    concrete = int(jnp.asarray(schedule(jnp.zeros([], jnp.int32))))
-  except Exception as e:  # the schedule may only work on traced values
-    warnings.warn(
-        f"Could not evaluate the `k` schedule at step 0 ({e!r}); it will be"
-        " checked when first called.",
-        stacklevel=3,
-    )
-    return
-  if concrete < 1:
-    raise ValueError(
-        f"The `k` schedule returned {concrete} at gradient_step 0; a window"
-        " needs at least 1 micro-batch. Make the schedule return an int >= 1."
-    )

@@ -627,7 +627,7 @@ def _run(
   def body(carry: _Carry, idx: jax.Array) -> _Carry:
     return _add(config, plan, carry, _unpack(config, step(inputs, idx)), idx)
 
-  varying = any(_arrays.varying_axes(x) for x in leaves.arrays)
+  varying = any(_arrays.array_type(x).varying for x in leaves.arrays)
   carry = _loop(config, body, _init_carry(config, plan, shapes), varying)
   num, grads, stats = _normalize(config, carry, scatter)
   num = jax.tree.map(lambda x, s: x.astype(s.dtype), num, shapes.num)
@@ -644,7 +644,7 @@ def _filled(s: jax.ShapeDtypeStruct, dtype: Any, fill: Any = 0) -> jax.Array:
   A ``lax.scan`` carry must keep its type, and under explicit sharding the
   type includes the sharding (a gradient sharded over a ``"model"`` axis).
   """
-  return jnp.full(s.shape, fill, dtype, out_sharding=_arrays.explicit_spec(s))
+  return jnp.full(s.shape, fill, dtype, out_sharding=_arrays.array_type(s).explicit_spec)
 
 
 def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _Out) -> _Carry:
@@ -819,7 +819,7 @@ def _program(config: _Config, rule: str | AuxRule, shapes: Any, where: str) -> A
 def _leaf_init(config: _Config, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array:
   """A built-in rule's state for one aux leaf before the first micro-batch."""
   if rule in ("stack", "concat"):
-    spec = _arrays.explicit_spec(s)
+    spec = _arrays.array_type(s).explicit_spec
     return jnp.zeros((config.k, *s.shape), s.dtype,
                      out_sharding=None if spec is None else P(None, *spec))
   if rule in ("mean", "sum"):
