@@ -26,6 +26,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import contextlib
 import platform
 from functools import partial
 from typing import Any
@@ -101,11 +102,15 @@ def bytes_per_window(compiled: Any, calls_per_window: int) -> dict[str, Any]:
   return {"bytes_per_window": total, "gathered_per_window": gathered, "all_reduces": where}
 
 
+def explicit_mesh() -> Mesh:
+  return jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Explicit,),
+                       devices=jax.devices()[:N_DEV])
+
+
 def plain_jit_rows(params: Any, x: jax.Array, y: jax.Array,
                    opt: optax.GradientTransformation) -> list[tuple[str, str, dict[str, Any]]]:
   """Ours (defer_reduction + axis_name) and naive, replicated and FSDP, on an Explicit mesh."""
-  mesh = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Explicit,),
-                       devices=jax.devices()[:N_DEV])
+  mesh = explicit_mesh()
 
   def make_step(tx: optax.GradientTransformation, ours: bool) -> Any:
     def step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> Any:
@@ -202,39 +207,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   rows += plain_jit_rows(params, x, y, opt)
 
+  # 4-7. microbatched: one reduction after the loop under shard_map with axis_name, and
+  # under plain jit on an Explicit mesh (the batch's type says where it is split); under
+  # plain jit with Auto axes it lands in the loop, unless axis_name="data" moves it after.
+  def grad_fn(**kw: Any) -> Any:
+    return oa.microbatched(jax.value_and_grad(lambda p, b: loss_fn(p, *b)), K, **kw)
+
   xs = jnp.zeros((N_DEV * PER_DEV * K, WIDTH), jnp.float32)
-  ys = jnp.zeros_like(xs)
-
-  def batch_loss(p: Any, b: Any) -> jax.Array:
-    return loss_fn(p, b[0], b[1])
-
-  # 4. microbatched(axis_name) under shard_map: one reduction after the loop.
-  mb_step = jax.jit(jax.shard_map(
-      oa.microbatched(jax.value_and_grad(batch_loss), K, axis_name="data"), mesh=mesh,
-      in_specs=(P(), P("data")), out_specs=P()))
-  rows.append(("microbatched(fn, k, axis_name) + shard_map (ours)", "in step",
-               bytes_per_window(mb_step.lower(params, (xs, ys)).compile(), 1)))
-  # 5. microbatched under plain jit, Auto axes: without axis_name the all-reduce
-  # lands in the loop; with axis_name="data" it moves after the loop.
-  placed_batch = (jax.device_put(xs, batch), jax.device_put(ys, batch))
-  for name, kw in (("microbatched(fn, k) under plain jit, Auto axes (naive)", {}),
-                   ("microbatched(fn, k, axis_name) under plain jit, Auto axes (ours)",
-                    {"axis_name": "data"})):
-    with jax.set_mesh(mesh):
-      mb_jit = jax.jit(oa.microbatched(jax.value_and_grad(batch_loss), K, **kw))
-      compiled = mb_jit.lower(jit_params, placed_batch).compile()
-    rows.append((name, "in step", bytes_per_window(compiled, 1)))
-  # 6. microbatched under plain jit on an Explicit mesh: the batch's type says
-  # where it is split; one reduction after the loop, no argument.
-  explicit = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Explicit,),
-                           devices=jax.devices()[:N_DEV])
-  with jax.set_mesh(explicit):
-    mb_jit = jax.jit(oa.microbatched(jax.value_and_grad(batch_loss), K))
-    compiled = mb_jit.lower(jax.device_put(params, P()),
-                            (jax.device_put(xs, P("data")), jax.device_put(ys, P("data")))
-                            ).compile()
-  rows.append(("microbatched(fn, k) under plain jit, Explicit axes (ours)", "in step",
-               bytes_per_window(compiled, 1)))
+  for name, fn, on in (
+      ("microbatched(fn, k, axis_name) + shard_map (ours)", jax.shard_map(
+          grad_fn(axis_name="data"), mesh=mesh, in_specs=(P(), P("data")), out_specs=P()), None),
+      ("microbatched(fn, k) under plain jit, Auto axes (naive)", grad_fn(), mesh),
+      ("microbatched(fn, k, axis_name) under plain jit, Auto axes (ours)",
+       grad_fn(axis_name="data"), mesh),
+      ("microbatched(fn, k) under plain jit, Explicit axes (ours)", grad_fn(), explicit_mesh())):
+    with contextlib.nullcontext() if on is None else jax.set_mesh(on):
+      inputs = ((params, (xs, xs)) if on is None else
+                (jax.device_put(params, P()), jax.device_put((xs, xs), P("data"))))
+      rows.append((name, "in step", bytes_per_window(jax.jit(fn).lower(*inputs).compile(), 1)))
 
   result = {
       "k": K,

@@ -168,10 +168,8 @@ def sweep(make_step: MakeStep, args: tuple[Any, ...], ks: list[int], global_batc
     t0 = time.perf_counter()
     compiled = jax.jit(make_step(k)).lower(*call_args).compile()
     m = compiled.memory_analysis()
-    peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
-    assert peak == compiled_peak_bytes(compiled)
-    rows.append({"k": k, "micro_batch_size": global_batch // k, "peak_bytes": int(peak),
+    rows.append({"k": k, "micro_batch_size": global_batch // k,
+                 "peak_bytes": compiled_peak_bytes(compiled),
                  "xla_peak_memory_in_bytes": int(m.peak_memory_in_bytes),
                  "argument_bytes": int(m.argument_size_in_bytes),
                  "output_bytes": int(m.output_size_in_bytes),
