@@ -22,8 +22,6 @@ Run::
   python benchmarks/bench_accumulate.py                  # 1M,4M,16M; sgd, adam
   python benchmarks/bench_accumulate.py --quick          # 256K, 3 rounds (smoke)
   python benchmarks/bench_accumulate.py --sizes 4M --optimizers adam --rounds 41
-
-Writes ``accumulate.{json,md,png}`` to ``benchmarks/results`` (``--out``).
 """
 
 from __future__ import annotations
@@ -290,36 +288,30 @@ def tracked(records: Sequence[dict[str, Any]], size: int,
 
 
 # ------------------------------------------------------------------- reports
-def _x(v: float | None, digits: int = 2) -> str:
-  return "-" if v is None else f"{v:.{digits}f}x"
+def _x(v: float | None, spec: str = "{:.2f}x", scale: float = 1) -> str:
+  return "-" if v is None else spec.format(v * scale)
 
 
 def rows_table(records: Sequence[dict[str, Any]]) -> list[str]:
   """Markdown table of the records of one size and optimizer."""
-  def cell(v: Any, fmt: str) -> str:
-    return "-" if v is None else fmt.format(v)
-
   return harness.table(
       "row | ms | x 3P floor | x plain | x optax.MultiSteps | compiled passes | temps / params"
       " | conditionals", "lrrrrrrr",
       [[r["label"], f"{r['time_s'] * 1e3:.3f}", _x(r["ratio_floor"]), _x(r["ratio_plain"]),
-        _x(r["ratio_optax_multisteps"]), cell(r["compiled_passes"], "{:.1f}P"),
-        _x(r["temps_ratio"]), cell(r["conditionals"], "{}")] for r in records])
+        _x(r["ratio_optax_multisteps"]), _x(r["compiled_passes"], "{:.1f}P"),
+        _x(r["temps_ratio"]), _x(r["conditionals"], "{}")] for r in records])
 
 
 def tracked_table(rows: Sequence[dict[str, Any]]) -> list[str]:
   return harness.table("tracked row | measured | limit |", "lrrc", [
-      [b["name"], _x(b["value"], 3), "-" if b["limit"] is None else f"{b['limit']}x",
+      [b["name"], _x(b["value"], "{:.3f}x"), _x(b["limit"], "{}x"),
        "" if b["passed"] is None else ("PASS" if b["passed"] else "**FAIL**")] for b in rows])
 
 
 def host_table(host: Sequence[dict[str, Any]]) -> list[str]:
-  def us(s: float | None) -> str:
-    return "-" if s is None else f"{s * 1e6:.1f}"
-
   return harness.table("program | mid / step us per call | emit us per call", "lrr", [
-      [PROGRAMS[h["program"]], us(h.get("mid_call_s", h.get("step_call_s"))),
-       us(h.get("emit_call_s"))] for h in host])
+      [PROGRAMS[h["program"]], _x(h.get("mid_call_s", h.get("step_call_s")), "{:.1f}", 1e6),
+       _x(h.get("emit_call_s"), "{:.1f}", 1e6)] for h in host])
 
 
 def sections(result: dict[str, Any], limits: str = "") -> list[str]:
@@ -390,7 +382,7 @@ def windows_for(size: int) -> int:
 def measure(sizes: Sequence[int], opts: Sequence[str], copy: CopyTimer, rounds: int,
             windows: Callable[[int], int], tracked_size: int) -> dict[str, Any]:
   """Every program at every size and optimizer, the per-call time on a tiny model and the
-  copy bandwidth: the result's bandwidth, records, host_overhead and tracked rows."""
+  copy bandwidth: a result with its meta (the caller adds argv and wall_s)."""
   records: list[dict[str, Any]] = []
   for size in sizes:
     for opt in opts:
@@ -402,7 +394,9 @@ def measure(sizes: Sequence[int], opts: Sequence[str], copy: CopyTimer, rounds: 
             f" {get['update_and_apply_mid']:.2f}x, optax.MultiSteps mid"
             f" {get['optax_multisteps_mid']:.2f}x", flush=True)
   copy_s = harness.median(copy.samples)
-  return {"bandwidth": {"copy_bytes": copy.bytes_moved, "copy_time_s": copy_s,
+  return {"meta": {"sizes": list(sizes), "optimizers": list(opts), "rounds": rounds,
+                   "leaves": LEAVES, "k": K_WINDOW, **harness.machine()},
+          "bandwidth": {"copy_bytes": copy.bytes_moved, "copy_time_s": copy_s,
                         "copy_GBps": copy.bytes_moved / copy_s / 1e9},
           "records": records,
           "host_overhead": [h for opt in opts for h in host_overhead(opt, rounds, windows=16)],
@@ -426,12 +420,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       ap.error(f"unknown optimizer {opt!r}; choose from {sorted(OPTIMIZERS)}")
   tracked_size = parse_size("4M") if parse_size("4M") in sizes else sizes[len(sizes) // 2]
   t_start = time.perf_counter()
-  measured = measure(sizes, opts, CopyTimer(64 * 2**20), rounds, windows_for, tracked_size)
-  result: dict[str, Any] = {
-      "meta": {"argv": list(argv if argv is not None else sys.argv[1:]), "sizes": sizes,
-               "optimizers": opts, "rounds": rounds, "leaves": LEAVES, "k": K_WINDOW,
-               **harness.machine()}, **measured}
-  result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
+  result = measure(sizes, opts, CopyTimer(64 * 2**20), rounds, windows_for, tracked_size)
+  result["meta"].update(argv=list(argv if argv is not None else sys.argv[1:]),
+                        wall_s=round(time.perf_counter() - t_start, 1))
   harness.write(args.out, "accumulate", result, markdown(result), plot)
   return result
 

@@ -6,45 +6,30 @@ Run on a machine with one NVIDIA GPU (a few minutes on an H200)::
                                          # benchmarks/results/gpu.md
   python benchmarks/gpu.py --cpu-smoke   # tiny sizes on the CPU: checks the script
 
-What it measures, with the machinery of ``bench_accumulate.py`` and
-``bench_microbatched.py`` (every number from this run):
-
-1. Accumulation train steps at 1M, 16M and 256M f32 params (8 leaves), adam,
-   k = 4, params and state donated: ``oa.accumulate`` + ``apply_updates``,
-   ``oa.update_and_apply``, ``oa.MultiSteps`` against plain adam,
-   ``optax.MultiSteps`` and the 3P floor (the copy bandwidth of a 1 GiB
-   jitted copy, same rounds); conditionals kept per program (XLA's GPU
-   compiler turns a conditional of cheap elementwise branches into selects);
-   per-call time on a tiny model (dispatch-bound).
-2. ``oa.microbatched`` against the full batch and
-   ``optax.microbatching.microbatch`` on the value-and-grad of a transformer
-   (d_model 1024, 4 blocks, 16 heads, seq 512, vocab 8192, batch 64; k = 4, 16):
-   temporaries, same-round step ratios, gradient differences.
-3. The matmul precision in force (f32 matmuls are TF32 by default on NVIDIA
-   GPUs since Ampere), and microbatched against full batch under ``"highest"``:
-   what "equal to the large batch" means on a GPU.
-
+It runs ``bench_accumulate.py``'s train steps (adam, k = 4) at 1M, 16M and 256M
+params against the 3P floor of a 1 GiB copy, with the per-call time on a tiny
+model; ``bench_microbatched.py``'s comparison on a larger transformer
+(``TRANSFORMER``, k = 4 and 16); and microbatched against the full batch at
+matmul precision ``"highest"`` (f32 matmuls are TF32 by default on NVIDIA GPUs
+since Ampere). ``benchmarks/NOTES.md`` ("On a GPU") says what each shows.
 Without a GPU it exits with an error unless ``--cpu-smoke`` is given.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import bench_accumulate as ba
+import bench_microbatched as bm
 import harness
 import jax
 import jax.numpy as jnp
 
 import optax_accum as oa
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_accumulate as ba
-import bench_microbatched as bm
 
 GPU_SIZES = ("1M", "16M", "256M")
 SMOKE_SIZES = ("64K", "256K")
@@ -99,12 +84,11 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--cpu-smoke", action="store_true",
-                  help="tiny sizes on the CPU (checks the script; not GPU numbers)")
+  ap = harness.parser(__doc__)
+  ap.set_defaults(out=None)  # benchmarks/results, or a temp dir with --cpu-smoke
+  ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU, results in"
+                  " a temp dir without --out (checks the script; not GPU numbers)")
   ap.add_argument("--rounds", type=int, default=None, help="accumulation rounds (default 15)")
-  ap.add_argument("--out", type=Path, default=None,
-                  help="output folder (default benchmarks/results; --cpu-smoke: a temp dir)")
   args = ap.parse_args(argv)
   smoke = args.cpu_smoke
   if not smoke and jax.default_backend() != "gpu":
@@ -136,17 +120,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   highest = highest_precision_diff(tf, params, batch, tf["ks"][0])
   log("precision check done")
 
-  result: dict[str, Any] = {
-      "meta": {"argv": list(argv if argv is not None else sys.argv[1:]), "cpu_smoke": smoke,
-               "sizes": sizes, "optimizers": ["adam"], "rounds": rounds, "k": ba.K_WINDOW,
-               **harness.machine()},
-      "precision": precision_meaning(), **measured,
-      "transformer": {**tf, "params": sum(x.size for x in jax.tree.leaves(params))},
-      "microbatching": mb_rows, "highest": highest,
-  }
-  result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
-  out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_smoke_")) if smoke
-                     else harness.RESULTS)
+  result = {**measured, "precision": precision_meaning(),
+            "transformer": {**tf, "params": sum(x.size for x in jax.tree.leaves(params))},
+            "microbatching": mb_rows, "highest": highest}
+  result["meta"].update(argv=list(argv if argv is not None else sys.argv[1:]), cpu_smoke=smoke,
+                        wall_s=round(time.perf_counter() - t_start, 1))
+  out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_smoke_")) if smoke else harness.RESULTS)
   harness.write(out, "gpu", result, markdown(result))
   return result
 
