@@ -21,18 +21,16 @@ Run::
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
+import bench_accumulate as ba
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 import optax_accum as oa
-
-sys.path.insert(0, str(Path(__file__).parent))
-import harness
 
 
 def _round_to_nearest_window(grads: np.ndarray) -> np.ndarray:
@@ -55,7 +53,7 @@ def _stochastic_window(grads: np.ndarray) -> np.ndarray:
 
 
 def window_errors(ks: list[int], n: int) -> list[dict[str, Any]]:
-  """Rows of table 2: bias and spread of one window's mean, per rounding and k."""
+  """Rows of table 1: bias and spread of one window's mean, per rounding and k."""
   rows = []
   rng = np.random.default_rng(0)
   for k in ks:
@@ -72,20 +70,16 @@ def window_errors(ks: list[int], n: int) -> list[dict[str, Any]]:
 
 
 def mid_step_times(n: int, rounds: int) -> dict[str, Any]:
-  """Table 3: ``update_and_apply`` mid-steps, bf16 buffer over f32 buffer."""
+  """Table 2: ``update_and_apply`` mid-steps, bf16 buffer over f32 buffer
+  (``bench_accumulate``'s compiled, donated train step, timed call by call)."""
   params = {f"w{i}": jnp.full((n // 8,), 0.1) for i in range(8)}
   grads = jax.tree.map(lambda p: p * 0.01, params)
-  runs = {}
+  timers = {}
   for name, dt in (("f32 buffer", None), ("bf16 buffer", jnp.bfloat16)):
     tx = oa.accumulate(1 << 30, optax.adam(1e-3), accumulator_dtype=dt)  # never emits
-    step = jax.jit(harness.fast_step(tx), donate_argnums=(0, 1))
-    box = {"p": jax.tree.map(jnp.copy, params), "s": tx.init(params)}
-
-    def run(step: Any = step, box: dict[str, Any] = box) -> None:
-      box["p"], box["s"] = step(box["p"], box["s"], grads)
-      jax.block_until_ready(box["s"].acc_grads)
-    runs[name] = run
-  secs = harness.interleaved(runs, rounds)
+    timers[name] = ba.compile_program(ba.Program(name, 1 << 30, harness.fast_step(tx), tx.init),
+                                      params, grads)
+  secs = harness.interleaved({name: t.call for name, t in timers.items()}, rounds)
   return {"median_ms": {k: 1e3 * harness.median(v) for k, v in secs.items()},
           "bf16_over_f32": harness.paired_ratio(secs["bf16 buffer"], secs["f32 buffer"])}
 

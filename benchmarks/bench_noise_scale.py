@@ -2,16 +2,12 @@
 
 What is measured (all in one process):
 
-* Cost. Four jitted train steps ``step(params, state, grads) -> (params,
-  state)``, params and state donated, ``k = 4``, adam, 4M f32 params in 8
-  leaves (bench_accumulate.py's harness, imported): ``oa.accumulate`` through
-  the optax protocol (``tx.update`` + ``optax.apply_updates``) and
-  ``oa.update_and_apply``, each without and with ``track_noise_scale``.
-  The same two fast-path steps with the gradient computed inside: a 4-layer
-  MLP (1024 wide, 4.2M params, 8 leaves) on a batch of 32, squared error.
-  Interleaved rounds in a fresh random order; per phase (mid-step, emitting
-  step) the median over rounds of the per-round ratio tracked / untracked.
-  Compiled temporaries of each program (``memory_analysis``) over param bytes.
+* Cost. ``bench_accumulate.py``'s train steps (4M f32 params in 8 leaves,
+  adam, k = 4, timed per phase): ``oa.accumulate`` through the optax protocol
+  and ``oa.update_and_apply``, each without and with ``track_noise_scale``,
+  and ``update_and_apply`` with the gradient of a 4-layer MLP (1024 wide,
+  4.2M params) on a batch of 32 computed inside. Per phase, the median
+  same-round ratio tracked / untracked; temporaries over the param bytes.
 * The estimate. Linear regression ``0.5 (x.w - y)^2``, ``x ~ N(0, I_d)``,
   ``y = x.w* + sigma eps``, at the fixed point ``w = w* + delta`` (inner
   learning rate 0), where ``B_simple = d + 1 + sigma^2 d / |delta|^2``
@@ -24,17 +20,15 @@ Run::
 
   python benchmarks/bench_noise_scale.py            # about a minute
   python benchmarks/bench_noise_scale.py --quick    # 256K params, 5 rounds
-
-Writes ``noise_scale.{json,md}`` to ``benchmarks/results`` (``--out``).
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+import bench_accumulate as ba
 import harness
 import jax
 import jax.numpy as jnp
@@ -43,19 +37,6 @@ import optax
 from jax import lax
 
 import optax_accum as oa
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_accumulate import (
-    K_WINDOW,
-    CopyTimer,
-    Program,
-    compile_program,
-    make_tree,
-    parse_size,
-    run_rounds,
-    size_label,
-    windows_for,
-)
 
 # (key, label, tracked) of each program.
 PROGRAMS = [
@@ -98,11 +79,11 @@ def mlp_loss(params: dict[str, jax.Array], batch: tuple[jax.Array, jax.Array]) -
   return jnp.mean((x - y) ** 2)
 
 
-def make_programs() -> list[Program]:
+def make_programs() -> list[ba.Program]:
   """Every program of ``PROGRAMS + MLP_PROGRAMS``: untracked and tracked."""
   progs = []
   for key, _, tracked in PROGRAMS + MLP_PROGRAMS:
-    tx = oa.accumulate(K_WINDOW, optax.adam(1e-3), track_noise_scale=tracked)
+    tx = oa.accumulate(ba.K_WINDOW, optax.adam(1e-3), track_noise_scale=tracked)
     if key.startswith("accumulate"):
       step = harness.protocol_step(tx)
     elif key.startswith("update_and_apply"):
@@ -111,7 +92,7 @@ def make_programs() -> list[Program]:
       step = lambda p, s, b, tx=tx: oa.update_and_apply(tx, jax.grad(mlp_loss)(p, b), s, p)
     # A jitted init: the eager one returns one zero scalar in three noise-state
     # fields, which cannot be donated twice (a core bug, reported).
-    progs.append(Program(key, K_WINDOW, step, jax.jit(tx.init)))
+    progs.append(ba.Program(key, ba.K_WINDOW, step, jax.jit(tx.init)))
   return progs
 
 
@@ -121,11 +102,11 @@ def measure_cost(size: int, rounds: int) -> dict[str, Any]:
   mlp = mlp_params(kp)
   batch = (jax.random.normal(kx, (MLP_BATCH, MLP_WIDTH)),
            jax.random.normal(ky, (MLP_BATCH, MLP_WIDTH)))
-  params, grads = make_tree(size), make_tree(size, fill=1e-3)
-  timers = {p.key: compile_program(p, *((mlp, batch) if p.key.startswith("mlp")
-                                        else (params, grads))) for p in make_programs()}
-  copy = CopyTimer(64 * 2**20)
-  run_rounds(list(timers.values()), copy, rounds, windows_for(size))
+  params, grads = ba.make_tree(size), ba.make_tree(size, fill=1e-3)
+  timers = {p.key: ba.compile_program(p, *((mlp, batch) if p.key.startswith("mlp")
+                                           else (params, grads))) for p in make_programs()}
+  copy = ba.CopyTimer(64 * 2**20)
+  ba.run_rounds(list(timers.values()), copy, rounds, ba.windows_for(size))
   pbytes = 4 * size
   mlp_bytes = 4 * sum(x.size for x in jax.tree.leaves(mlp))
   programs = {}
@@ -224,7 +205,8 @@ def markdown(result: dict[str, Any]) -> str:
       f" ({meta['cpu_count']} CPUs, load {meta['loadavg']}), jax {meta['jax']},"
       f" optax {meta['optax']}; {meta['wall_s']} s.",
       "",
-      f"## Cost: {size_label(cost['size'])} params, adam, k = {K_WINDOW}, train step, donated",
+      f"## Cost: {ba.size_label(cost['size'])} params, adam, k = {ba.K_WINDOW}, train step,"
+      " donated",
       "",
       f"Medians over {cost['rounds']} interleaved rounds; ratios are medians of the per-round"
       " ratio tracked / untracked (same round, seconds apart). Bars: mid-step within 1.1x,"
@@ -262,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   ap.add_argument("--size", default="4M", help="params for the cost measurement")
   ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 41)")
   args = ap.parse_args(argv)
-  size = parse_size("256K" if args.quick else args.size)
+  size = ba.parse_size("256K" if args.quick else args.size)
   rounds = args.rounds or (5 if args.quick else 41)
 
   start = time.perf_counter()
@@ -271,11 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{q['untracked']:>16s}: tracked/untracked mid {q['mid_ratio']:.3f}x,"
           f" emit {q['emit_ratio']:.3f}x, extra temporaries {q['extra_temps_ratio']:+.4f}x"
           " params", flush=True)
-  table = closed_form_table()
-  for r in table:
-    print(f"d={r['d']:3d} sigma={r['sigma']:<5} b={r['b']:<4g} k={r['k']:2d}"
-          f"{' weighted' if r['weighted'] else ''}: B_simple {r['b_simple']:7.2f},"
-          f" estimate {r['estimate_mean']:7.2f} ({r['rel_error']:+.1%})", flush=True)
+  table = closed_form_table()  # printed with the markdown
   result = {
       "meta": {"argv": list(argv if argv is not None else sys.argv[1:]), **harness.machine(),
                "wall_s": round(time.perf_counter() - start, 1)},
