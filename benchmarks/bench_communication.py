@@ -63,14 +63,11 @@ LAYOUTS = {
 
 
 def init_params() -> dict[str, jax.Array]:
+  """Two ``WIDTH x WIDTH`` layers with biases: ``w1, b1, w2, b2``."""
   rng = np.random.default_rng(0)
-  return {
-      "w1": jnp.asarray(rng.normal(size=(WIDTH, WIDTH)) / np.sqrt(WIDTH), jnp.float32),
-      "b1": jnp.zeros(WIDTH, jnp.float32),
-      "w2": jnp.asarray(rng.normal(size=(WIDTH, WIDTH)) / np.sqrt(WIDTH), jnp.float32),
-      "b2": jnp.zeros(WIDTH, jnp.float32),
-  }
-
+  layer = lambda: jnp.asarray(rng.normal(size=(WIDTH, WIDTH)) / np.sqrt(WIDTH), jnp.float32)
+  return {name: layer() if name[0] == "w" else jnp.zeros(WIDTH, jnp.float32)
+          for name in ("w1", "b1", "w2", "b2")}
 
 
 def loss_fn(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:

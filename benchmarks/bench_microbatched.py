@@ -18,8 +18,6 @@ Run::
 
   python benchmarks/bench_microbatched.py                   # ~3 minutes on 2 CPU cores
   python benchmarks/bench_microbatched.py --quick --out /tmp/mb   # smoke, seconds
-
-Writes ``benchmarks/results/microbatched.{json,md,png}`` (``--out``).
 """
 
 from __future__ import annotations

@@ -16,8 +16,6 @@ same script runs on a GPU or TPU, where the peaks are that backend's)::
 
   python benchmarks/bench_plan_k.py
   python benchmarks/bench_plan_k.py --quick --out /tmp/plan_k   # smoke, seconds
-
-Writes ``benchmarks/results/plan_k.{json,md,png}`` (``--out``).
 """
 
 from __future__ import annotations
@@ -122,11 +120,8 @@ def transformer_case(args: argparse.Namespace, remat: bool) -> dict[str, Any]:
   base = optax.adam(cfg.lr)
   batch = demo.batch_types(cfg)
 
-  def in_step(k: int) -> Callable[..., Any]:
-    return demo.build_step("microbatched", loss_terms, base, k)[1]
-
-  def across(k: int) -> Callable[..., Any]:
-    return demo.build_step("accumulate", loss_terms, base, k)[1]
+  def arm(name: str) -> MakeStep:
+    return lambda k: demo.build_step(name, loss_terms, base, k)[1]
 
   across_state = jax.eval_shape(demo.build_step("accumulate", loss_terms, base, 2)[0].init,
                                 params)
@@ -136,8 +131,8 @@ def transformer_case(args: argparse.Namespace, remat: bool) -> dict[str, Any]:
       "global_batch": cfg.batch_size,
       "params": _count(params),
       "modes": {
-          "in-step": (in_step, (params, jax.eval_shape(base.init, params), batch)),
-          "across steps": (across, (params, across_state, batch)),
+          "in-step": (arm("microbatched"), (params, jax.eval_shape(base.init, params), batch)),
+          "across steps": (arm("accumulate"), (params, across_state, batch)),
       },
   }
 

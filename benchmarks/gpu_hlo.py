@@ -6,16 +6,13 @@ CPU machine sees the optimized HLO an H200 would run. This script compiles
 train steps ``step(params, state, grads) -> (params, state)`` (params and state
 donated, adam, k = 4, 4M params in 8 leaves) for the H200 and, in the same
 process, for the CPU: ``oa.accumulate`` with the mean, weighted and
-noise-tracking reductions and the mean into a bfloat16 buffer
-(``accumulator_dtype=jnp.bfloat16``), each through the optax protocol
-(``update`` + ``apply_updates``) and ``oa.update_and_apply``, plus
-``optax.MultiSteps`` and plain adam, with f32 and bf16 params. Per program
-(``optax_accum.debug``): conditionals kept (XLA's GPU compiler turns a
-conditional of cheap elementwise branches into selects, and then the inner
-optimizer runs on every step), leaf-sized data copies, temporaries over the
-parameter bytes, the bytes held per parameter (argument + output - alias +
-temporaries) and the bytes a mid-step and an emitting step move per parameter
-(``debug.step_bytes``).
+noise-tracking reductions and the mean into a bfloat16 buffer, each through
+the optax protocol and ``oa.update_and_apply``, plus ``optax.MultiSteps`` and
+plain adam, with f32 and bf16 params. Per program (``optax_accum.debug``):
+conditionals kept (``benchmarks/NOTES.md`` says why they may not be), leaf-sized
+data copies, temporaries over the parameter bytes, bytes held per parameter
+(``planning.compiled_peak_bytes``), and the bytes a mid-step and an emitting
+step move per parameter (``debug.step_bytes``).
 
 Expected on the accelerator for every ``oa.accumulate`` program: a conditional
 kept (the window's) and temporaries <= 0.05x the parameter bytes, except the
@@ -51,7 +48,6 @@ import os
 os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
 os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
 
-import functools
 import importlib.metadata
 import subprocess
 import sys
@@ -63,15 +59,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from bench_accumulate import K_WINDOW, LEAVES, parse_size, size_label
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
 from optax_accum import debug
 from optax_accum.planning import compiled_peak_bytes
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_accumulate import K_WINDOW, LEAVES, parse_size, size_label
 
 # The H200's properties for XLA's GPU compiler (a stream_executor
 # GpuTargetConfigProto in text form): SM 9.0, 132 SMs, 4.8 TB/s, 50 MiB L2.
@@ -177,20 +171,17 @@ def analyse(compiled: Any, n_params: int, param_bytes: int, leaf_bytes: int) -> 
           "bytes_per_param_emit": moved["emit"] / n_params}
 
 
-def _abstract(x: Any, **kw: Any) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(x.shape, x.dtype, **kw)
-
-
 def compile_all(n_params: int, k: int, sharding: NamedSharding | None) -> list[dict[str, Any]]:
   """Every program at f32 and bf16 params, for the accelerator (``sharding``) or the CPU."""
-  rows = []
+  rows: list[dict[str, Any]] = []
+  kw = {} if sharding is None else {"sharding": sharding}
   for dtype in (jnp.float32, jnp.bfloat16):
-    kw = {} if sharding is None else {"sharding": sharding}
     leaf = jax.ShapeDtypeStruct((n_params // LEAVES,), dtype, **kw)
     params = {f"w{i:02d}": leaf for i in range(LEAVES)}
     param_bytes = n_params * jnp.dtype(dtype).itemsize
     for key, label, (init, step) in programs(k):
-      state = jax.tree.map(functools.partial(_abstract, **kw), jax.eval_shape(init, params))
+      state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, **kw),
+                           jax.eval_shape(init, params))
       compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
       rows.append({"program": key, "label": label, "dtype": jnp.dtype(dtype).name,
                    **analyse(compiled, n_params, param_bytes, param_bytes // LEAVES)})

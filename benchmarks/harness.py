@@ -39,7 +39,8 @@ def parser(doc: str, quick: str | None = None) -> argparse.ArgumentParser:
   """The script's first docstring line as description, ``--out`` (default
   ``benchmarks/results``) and, with its help text, ``--quick``."""
   ap = argparse.ArgumentParser(description=doc.split("\n")[0])
-  ap.add_argument("--out", type=Path, default=RESULTS)
+  ap.add_argument("--out", type=Path, default=RESULTS,
+                  help="folder for the results files (default benchmarks/results)")
   if quick:
     ap.add_argument("--quick", action="store_true", help=quick)
   return ap
