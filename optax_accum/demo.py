@@ -1,7 +1,7 @@
 """Demo: train a small character-level transformer five ways, then choose ``k`` adaptively.
 
 Run ``python -m optax_accum.demo`` (after ``pip install "optax_accum[demo]"``;
-about two minutes on two CPU cores; ``--help`` lists the sizes). The
+about three minutes on two CPU cores; ``--help`` lists the sizes). The
 model is a Flax NNX decoder-only transformer; the text is the source code of
 Python's own standard library, cut into lines of varying length and padded to
 ``--seq-len``. The loss is token-weighted: the sum of per-token cross-entropy
