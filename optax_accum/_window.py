@@ -174,7 +174,8 @@ def micro_step(
   if weight is not None:
     total_weight = total_weight + jnp.where(accept, weight, 0.0)
   window_weight = total_weight
-  if weighted and config.axis_name is not None and _arrays.explicit_axes(config.axis_name) is None:
+  manual = config.axis_name is not None and _arrays.explicit_axes(config.axis_name) is None
+  if weighted and manual:
     # Per-device weights (shard_map / pmap): the devices agree on the
     # window's total with one scalar all-reduce per micro-step.
     window_weight = lax.psum(total_weight, config.axis_name)
@@ -191,8 +192,8 @@ def micro_step(
   ops = Operands(window.acc_grads, window.mini_step, grads, count, window_weight, noise,
                  inner_state, params)
   seed = (window.gradient_step, window.mini_step)  # the narrow buffer's rounding
-  if config.axis_name is not None and _arrays.explicit_axes(config.axis_name) is None:
-    seed += (lax.axis_index(config.axis_name),)  # each device rounds independently
+  if manual:  # shard_map / pmap: each device rounds independently
+    seed += (lax.axis_index(config.axis_name),)
   add = jax.named_scope(SCOPES["add"])(lambda ops: buffer_after(
       config, ops.acc, ops.mini_step, ops.grads, accept, weight, seed=seed))
   run_emit = jax.jit(functools.partial(emit, config, apply=apply, extra_args=extra_args or {}))
@@ -202,10 +203,10 @@ def micro_step(
   # it: a mid-step adds the micro-batch, the closing one adds it where the
   # inner optimizer reads it and writes the updates. (A buffer that one branch
   # passes through while the other writes it costs a copy of the buffer on
-  # every step on the H200 compiler: 1.0x the params in temporaries, shown by
-  # `python ../shared/tools/memory_table.py` from the gpu venv.) Otherwise the
-  # micro-batch is added before the conditional and the buffer stays out of
-  # it (in the branches, XLA:CPU copies it on every step: `--cpu`).
+  # every step on the H200 compiler: 1.0x the params in temporaries; the
+  # temporaries column of `benchmarks/gpu_hlo.py`.) Otherwise the micro-batch
+  # is added before the conditional and the buffer stays out of it (in the
+  # branches, XLA:CPU copies it on every step: the same script's CPU table).
   if parks is None:
     ops = ops._replace(acc=add(ops))
   window_sum = add if parks is not None else lambda ops: ops.acc
