@@ -23,11 +23,11 @@ pages needs from it:
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 from typing import Any
 
+from coverage_check import _resolve  # the one resolver of a documented dotted name
 from docutils import nodes
 from sphinx.application import Sphinx
 from sphinx.util import logging
@@ -126,22 +126,6 @@ def external_url(target: str) -> str | None:
   for module in ("typing", "collections.abc", "functools", "dataclasses"):
     if target.startswith(module + ".") and target.count(".") == module.count(".") + 1:
       return f"{PYTHON}{module}.html#{target}"
-  return None
-
-
-def _resolve(fullname: str) -> Any:
-  parts = fullname.split(".")
-  for i in range(len(parts), 0, -1):
-    try:
-      obj = importlib.import_module(".".join(parts[:i]))
-    except ImportError:
-      continue
-    try:
-      for attr in parts[i:]:
-        obj = getattr(obj, attr)
-    except AttributeError:
-      return None
-    return obj
   return None
 
 
