@@ -6,8 +6,9 @@ Every error names the argument at fault and says how to fix it.
 from __future__ import annotations
 
 import difflib
+import itertools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -136,6 +137,30 @@ def check_flag(value: Any, name: str) -> bool:
   return bool(value)
 
 
+def check_argnums(argnums: Any, name: str, *, empty_ok: bool = False) -> tuple[int, ...]:
+  """``argnums`` (an int or a sequence of ints: positions of arguments) as a tuple, else raises."""
+  nums = argnums if isinstance(argnums, Sequence) and not isinstance(argnums, str) else (argnums,)
+  if not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in nums):
+    raise TypeError(
+        f"`{name}` must be an int or a sequence of ints (positions of the function's"
+        f" arguments); got {argnums!r}. Pass e.g. `{name}=1`."
+    )
+  if not nums and not empty_ok:
+    raise ValueError(f"`{name}` is empty; name at least one argument by its position.")
+  return tuple(int(a) for a in nums)
+
+
+def resolve_argnums(nums: tuple[int, ...], nargs: int, name: str) -> tuple[int, ...]:
+  """``nums`` for a call with ``nargs`` positional arguments: each in range, counted from 0."""
+  for a in nums:
+    if not -nargs <= a < nargs:
+      raise ValueError(
+          f"`{name}` contains {a}, but the function was called with {nargs} positional"
+          f" argument(s). Pass those arguments positionally, or set `{name}` to their positions."
+      )
+  return tuple(a % nargs for a in nums)
+
+
 def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
   """Raises unless ``optimizer`` is None or an optax transformation."""
   if optimizer is None or (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
@@ -237,23 +262,14 @@ def _path_str(path: tuple[Any, ...]) -> str:
 
 
 def _raise_tree_mismatch(g_paths: list[str], b_paths: list[str], g_def: Any, b_def: Any) -> None:
-  """Raises the first path at which the gradients' tree differs from the accumulator's."""
-  for gp, bp in zip(g_paths, b_paths, strict=False):
-    if gp != bp:
-      raise ValueError(
-          "The gradients tree does not match the accumulator built by"
-          f" `init(params)`: first difference at {gp} (gradients) vs {bp}"
-          " (state). Pass gradients with the same structure as the params"
-          " given to `init`, or re-run `init` on the new params."
-      )
-  side, extra = (("gradients", g_paths[len(b_paths)]) if len(g_paths) > len(b_paths) else
-                 ("state", b_paths[len(g_paths)]) if len(b_paths) > len(g_paths) else
-                 ("state", "<node types>"))
+  """Raises naming the first path at which the gradients' tree differs from the accumulator's."""
+  pairs = itertools.zip_longest(g_paths, b_paths, fillvalue="nothing")
+  first = next((f"{g} in the gradients, {b} in the state" for g, b in pairs if g != b),
+               f"the node types (structures {g_def} vs {b_def})")
   raise ValueError(
-      "The gradients tree does not match the accumulator built by"
-      f" `init(params)`: first difference at {extra} (only in the {side};"
-      f" structures {g_def} vs {b_def}). Pass gradients with the same"
-      " structure as the params given to `init`."
+      "The gradients tree does not match the accumulator built by `init(params)`: first"
+      f" difference at {first}. Pass gradients with the same structure as the params given"
+      " to `init`, or re-run `init` on the new params."
   )
 
 

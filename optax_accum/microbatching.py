@@ -100,16 +100,6 @@ def _check_choice(value: Any, name: str, choices: tuple[str, ...], hint: str) ->
   return value
 
 
-def _as_argnums(argnums: Any, name: str) -> tuple[int, ...]:
-  nums = argnums if isinstance(argnums, Sequence) and not isinstance(argnums, str) else (argnums,)
-  if not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in nums):
-    raise TypeError(
-        f"`{name}` must be an int or a sequence of ints (positions of `fn`'s"
-        f" arguments); got {argnums!r}. Pass e.g. `{name}=1`."
-    )
-  return tuple(int(a) for a in nums)
-
-
 def _check_batch(batches: dict[int, Any], k: int) -> tuple[int, tuple[Any, ...]]:
   """The batch size, which ``k`` must divide, and the mesh axes the batch is split over."""
   size, axes = _per_device.batch_rows(batches)
@@ -177,20 +167,18 @@ def _unstack_concat(stacked: jax.Array, split: str, what: str) -> jax.Array:
   return stacked.reshape((-1, *stacked.shape[2:]))
 
 
-def _is_float(dtype: Any) -> bool:
-  return jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating)
-
-
 def _acc_dtype(dtype: Any, requested: jnp.dtype | None) -> Any:
-  """The dtype that sums values of ``dtype``: the shared rule for floats and complex.
+  """The dtype that sums values of ``dtype``: ``accumulate``'s rule for floats and complex.
 
   ``requested=None`` never narrows (bf16/f16 -> f32, f64 -> f64, complex stays
   complex); an explicit dtype is used as given. Other dtypes (integer aux
   sums) keep their own, which is exact.
   """
-  if _is_float(dtype):
-    return _arrays.accumulator_dtype(dtype, requested)
-  return dtype
+  return _arrays.accumulator_dtype(dtype, requested if _inexact(dtype) else None)
+
+
+def _inexact(dtype: Any) -> bool:
+  return jnp.issubdtype(dtype, jnp.inexact)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,17 +457,11 @@ def microbatched(
   old = {**_DEPRECATED_OPTIONS, **deprecated_options}
   if not callable(fn):
     raise TypeError(f"`fn` must be callable (e.g. jax.value_and_grad(loss)); got {fn!r}.")
-  batch_nums = _as_argnums(batch_argnums, "batch_argnums")
-  if not batch_nums:
-    raise ValueError("`batch_argnums` is empty; name at least one batch argument of `fn`.")
-  for name, flag in (("has_aux", has_aux), ("return_noise_stats", return_noise_stats)):
-    if not isinstance(flag, bool):
-      raise TypeError(f"`{name}` must be a bool; got {flag!r}.")
   config = _Config(
       k=_check_num_microbatches(num_microbatches),
-      batch_argnums=batch_nums,
-      rng_argnums=_as_argnums(rng_argnums, "rng_argnums"),
-      has_aux=has_aux,
+      batch_argnums=_validation.check_argnums(batch_argnums, "batch_argnums"),
+      rng_argnums=_validation.check_argnums(rng_argnums, "rng_argnums", empty_ok=True),
+      has_aux=_validation.check_flag(has_aux, "has_aux"),
       normalize=_check_choice(
           normalize, "normalize", _validation.REDUCTIONS,
           "Use 'mean' for a mean loss, 'sum' for a summed loss, or 'weighted' when"
@@ -492,7 +474,7 @@ def microbatched(
       acc_dtype=_validation.check_accumulator_dtype(old["accumulator_dtype"]),
       axis_name=axis_name,
       unroll=old["unroll"],
-      return_noise_stats=return_noise_stats,
+      return_noise_stats=_validation.check_flag(return_noise_stats, "return_noise_stats"),
   )
 
   @functools.wraps(fn)
@@ -516,16 +498,8 @@ def microbatched(
 # ------------------------------------------------- stage 1: split the batch
 def _positions(config: _Config, nargs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """The positions of the batch arguments and of the keys, for ``nargs`` arguments."""
-  for name, nums in (("batch_argnums", config.batch_argnums), ("rng_argnums", config.rng_argnums)):
-    for a in nums:
-      if not -nargs <= a < nargs:
-        raise ValueError(
-            f"`{name}` contains {a}, but the wrapped function was called with"
-            f" {nargs} positional argument(s). Pass the batch (and keys)"
-            f" positionally, or set `{name}` to their positions."
-        )
-  b_nums, r_nums = (tuple(a % nargs for a in nums)
-                    for nums in (config.batch_argnums, config.rng_argnums))
+  b_nums = _validation.resolve_argnums(config.batch_argnums, nargs, "batch_argnums")
+  r_nums = _validation.resolve_argnums(config.rng_argnums, nargs, "rng_argnums")
   if set(b_nums) & set(r_nums):
     raise ValueError(
         f"`batch_argnums` {b_nums} and `rng_argnums` {r_nums} overlap; an"
@@ -656,7 +630,7 @@ def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _Out) -> _Carry:
   den = None
   if shapes.den is not None:
     # An integer token count is summed as a float, like the value it divides.
-    den = zeros(jax.ShapeDtypeStruct((), shapes.den.dtype if _is_float(shapes.den.dtype)
+    den = zeros(jax.ShapeDtypeStruct((), shapes.den.dtype if _inexact(shapes.den.dtype)
                                      else jnp.float32))
   aux = [] if plan is None else [
       rule.init(s) for rule, s in zip(plan.programs, plan.shapes, strict=True)]
@@ -824,10 +798,10 @@ def _leaf_init(config: _Config, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array
                      out_sharding=None if spec is None else P(None, *spec))
   if rule in ("mean", "sum"):
     dtype = _acc_dtype(s.dtype, config.acc_dtype)
-    return _filled(s, dtype if rule == "sum" or _is_float(dtype) else jnp.float32)  # int mean
+    return _filled(s, dtype if rule == "sum" or _inexact(dtype) else jnp.float32)  # int mean
   if rule == "last":
     return _filled(s, s.dtype)
-  if _is_float(s.dtype):
+  if _inexact(s.dtype):
     start = -jnp.inf if rule == "max" else jnp.inf
   elif jnp.issubdtype(s.dtype, jnp.bool_):
     start = rule == "min"
@@ -842,7 +816,7 @@ def _leaf_finalize(config: _Config, rule: str, c: jax.Array, s: jax.ShapeDtypeSt
     c = c / config.k
   if rule in _CROSS_DEVICE and config.axis_name is not None:
     c = _CROSS_DEVICE[rule](c, config.axis_name)
-  return c if rule == "mean" and not _is_float(s.dtype) else c.astype(s.dtype)
+  return c if rule == "mean" and not _inexact(s.dtype) else c.astype(s.dtype)
 
 
 # ---------------------------------------------- plain jit: the batch on a mesh

@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 
 import jax
 
+from optax_accum import _validation
+
 __all__ = ["HEADROOM", "Plan", "PlanRow", "compiled_peak_bytes", "plan_k"]
 
 #: With ``memory_limit=None`` the limit is this fraction of the device's
@@ -244,7 +246,10 @@ def plan_k(
     raise TypeError(f"`make_step` must be a function k -> step; got {type(make_step).__name__}.")
   if not isinstance(across_steps, bool):
     raise TypeError(f"`across_steps` must be a bool; got {across_steps!r}.")
-  nums = _check_batch_argnums(batch_argnums, len(args))
+  nums = _validation.resolve_argnums(
+      _validation.check_argnums(batch_argnums, "batch_argnums"), len(args), "batch_argnums")
+  if len(set(nums)) != len(nums):
+    raise ValueError(f"`batch_argnums` names an argument twice: {batch_argnums!r}.")
   rows, per_device = _batch_rows(args, nums)
   ks = _check_candidates(candidates, rows, per_device)
   limit = _resolve_limit(memory_limit)
@@ -276,24 +281,6 @@ def plan_k(
 
 
 # ----------------------------------------------------------------------------- checks
-
-def _check_batch_argnums(batch_argnums: Any, nargs: int) -> tuple[int, ...]:
-  nums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
-  if (isinstance(batch_argnums, bool) or not isinstance(nums, Sequence) or not nums
-      or not all(isinstance(i, int) and not isinstance(i, bool) for i in nums)):
-    raise ValueError("`batch_argnums` must be an int or a non-empty tuple of ints (positions"
-                     f" of the batch arguments in args); got {batch_argnums!r}.")
-  out = []
-  for i in nums:
-    if not -nargs <= i < nargs:
-      raise ValueError(f"`batch_argnums` {i} is out of range for {nargs} argument(s) passed"
-                       " after make_step; pass the step's arguments with the global batch at"
-                       " that position.")
-    out.append(i % nargs)
-  if len(set(out)) != len(out):
-    raise ValueError(f"`batch_argnums` names an argument twice: {batch_argnums!r}.")
-  return tuple(out)
-
 
 def _per_device_rows(leaf: Any) -> int:
   try:

@@ -26,7 +26,6 @@ params, for ``jax.jit(tx.init, out_shardings=...)``.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from optax_accum import _arrays, _per_device, _validation, debug
+from optax_accum import _arrays, _per_device, _validation
 from optax_accum._arrays import strip_axes
 from optax_accum.accumulation import AccumulateState
 from optax_accum.gradient_noise import NoiseScaleState
@@ -445,12 +444,7 @@ def local_value_and_grad(
   if not callable(fn):
     raise TypeError(f"`fn` must be callable (the loss of the model); got {fn!r}.")
   axes = _arrays.axis_names(axis_name)
-  b_nums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
-  if not b_nums or 0 in b_nums or not all(isinstance(i, int) and i > 0 for i in b_nums):
-    raise ValueError(
-        f"`batch_argnums` must name the batch arguments of `fn` by position (> 0:"
-        f" argument 0 is the params being differentiated); got {batch_argnums!r}."
-    )
+  b_nums = _validation.check_argnums(batch_argnums, "batch_argnums")
   has_aux = _validation.check_flag(has_aux, "has_aux")
   if combine not in ("mean", "sum"):
     raise ValueError(
@@ -469,7 +463,12 @@ def local_value_and_grad(
             " shard_map or pmap use jax.value_and_grad on"
             " `jax.lax.pcast(params, axis_name, to='varying')` instead."
         )
-      _check_data_axes_only(axes, b_nums, (params, *args))
+      nums = _validation.resolve_argnums(b_nums, 1 + len(args), "batch_argnums")
+      if 0 in nums:
+        raise ValueError(
+            f"`batch_argnums={batch_argnums!r}` names argument 0 of `fn`, the params being"
+            " differentiated; name the batch arguments (1 or more).")
+      _check_data_axes_only(axes, nums, (params, *args))
       share = 1 / math.prod(mesh.shape[a] for a in axes) if combine == "mean" else 1
 
       def per_device(params: Any, *args: Any) -> Any:
@@ -484,7 +483,7 @@ def local_value_and_grad(
 
       # JAX returns unreduced gradients only from a shard_map manual over every mesh axis.
       out_specs = ((PartitionSpec(), PartitionSpec()), PartitionSpec(unreduced=set(axes)))
-      (loss, aux), grads = _per_device.run(per_device, (params, *args), b_nums, axes, out_specs,
+      (loss, aux), grads = _per_device.run(per_device, (params, *args), nums, axes, out_specs,
                                            manual=mesh.axis_names)
       return ((loss, aux), grads) if has_aux else (loss, grads)
 
@@ -494,10 +493,6 @@ def local_value_and_grad(
 def _check_data_axes_only(axes: tuple[Any, ...], b_nums: tuple[int, ...],
                           args: tuple[Any, ...]) -> None:
   """Raises unless ``fn``'s arguments are sharded over no mesh axis but the data ``axes``."""
-  if max(b_nums) >= len(args):
-    raise ValueError(
-        f"`batch_argnums={b_nums}` names argument {max(b_nums)} but `fn` got"
-        f" {len(args)} arguments.")
   inputs = _arrays.ArrayLeaves.of(args)
   for path, x in zip(inputs.paths, inputs.arrays, strict=True):
     batch = path[0].idx in b_nums  # path[0]: fn's argnum
@@ -608,13 +603,3 @@ def broadcast_like(x: jax.Array, like: jax.Array) -> jax.Array:
     return x
   return jax.reshard(jnp.broadcast_to(x, jnp.shape(like)), jax.typeof(like).sharding.spec)
 
-
-def __getattr__(name: str) -> Any:
-  # Deprecated aliases, kept for one release: HLO inspection moved to optax_accum.debug.
-  if name in ("Collective", "hlo_collectives"):
-    warnings.warn(
-        f"`optax_accum.sharding.{name}` moved to `optax_accum.debug.{name}`; the alias"
-        " will be removed in the next release. Import it from `optax_accum.debug`.",
-        DeprecationWarning, stacklevel=2)
-    return getattr(debug, name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

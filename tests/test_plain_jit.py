@@ -538,3 +538,20 @@ def test_local_grads_reject_a_tensor_parallel_layout() -> None:
     with pytest.raises(ValueError, match=r"argument 0\['b1'\] of `fn` is sharded over the"
                        r" mesh axes \['model'\].*defer_reduction"):
       grad_fn(params, x)
+
+
+def test_local_grads_name_bad_batch_argnums() -> None:
+  loss = lambda p, x: jnp.mean(x @ p["w1"])
+  with pytest.raises(TypeError, match=r"`batch_argnums` must be an int or a sequence of ints"):
+    local_value_and_grad(loss, "data", batch_argnums="1")
+  with pytest.raises(ValueError, match=r"`batch_argnums` is empty"):
+    local_value_and_grad(loss, "data", batch_argnums=())
+  with jax.set_mesh(data_mesh()):
+    params = place_params(REPLICATED)
+    x = jax.device_put(make_data(1)[0][0], P("data"))
+    with pytest.raises(ValueError, match=r"names argument 0 of `fn`, the params"):
+      local_value_and_grad(loss, "data", batch_argnums=0)(params, x)
+    with pytest.raises(ValueError, match=r"`batch_argnums` contains 2, but .* 2 positional"):
+      local_value_and_grad(loss, "data", batch_argnums=2)(params, x)
+    _, grads = local_value_and_grad(loss, "data", batch_argnums=-1)(params, x)
+    assert jax.typeof(grads["w1"]).sharding.spec.unreduced == {"data"}

@@ -435,9 +435,9 @@ def test_bad_arguments_name_the_argument_and_the_fix(state_types):
   for bad in (0, -1, True, float("nan"), "1GB"):
     with pytest.raises(ValueError, match="`memory_limit` must be a positive number of bytes"):
       oa.plan_k(in_step, *args, batch_argnums=2, memory_limit=bad)
-  with pytest.raises(ValueError, match="`batch_argnums` 3 is out of range for 3"):
+  with pytest.raises(ValueError, match=r"`batch_argnums` contains 3, but .* 3 positional"):
     oa.plan_k(in_step, *args, batch_argnums=3, memory_limit=2**30)
-  with pytest.raises(ValueError, match="`batch_argnums` must be an int"):
+  with pytest.raises(TypeError, match="`batch_argnums` must be an int"):
     oa.plan_k(in_step, *args, batch_argnums="2", memory_limit=2**30)
   with pytest.raises(ValueError, match=r"k=3 does not divide the global batch of 256"):
     oa.plan_k(in_step, *args, batch_argnums=2, memory_limit=2**30, candidates=[2, 3])
