@@ -13,8 +13,7 @@ floor, which a cache-sized working set can beat).
 
 Per row: median time and the median same-round ratio to each anchor
 (``optax.MultiSteps``' mid-step for a mid row, its emitting step for an
-emitting row); per program, temporaries over P, conditionals kept and the
-compiled passes of the row's phase (``debug.step_bytes`` over P); per-call time
+emitting row); per program, temporaries over P and conditionals kept; per-call time
 on a tiny model, where dispatch dominates; last, the tracked rows at 4M, adam.
 
 Run::
@@ -40,7 +39,7 @@ import jax.numpy as jnp
 import optax
 
 import optax_accum as oa
-from optax_accum.debug import conditionals, step_bytes
+from optax_accum.debug import conditionals
 
 Tree = Any
 LEAVES = 8
@@ -169,7 +168,7 @@ def compile_program(prog: Program, params: Tree, grads: Tree) -> Timer:
   state = prog.init(params)
   compiled = jax.jit(prog.step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
   info = {"temps_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-          "conditionals": conditionals(compiled), "step_bytes": step_bytes(compiled)}
+          "conditionals": conditionals(compiled)}
   return Timer(prog, compiled, [jax.tree.map(jnp.copy, params), state], grads, info)
 
 
@@ -242,13 +241,11 @@ def summarize(timers: Sequence[Timer], copy_samples: Sequence[float], copy_bytes
         "label": LABELS[row], "program": program, "phase": phase,
         "time_s": harness.median(s), "ratio_floor": harness.paired_ratio(s, floor),
         "ratio_plain": ratio(s, "plain"), "ratio_optax_multisteps": ratio(s, anchor[phase]),
-        "rounds": len(s), "temps_ratio": None, "conditionals": None, "compiled_passes": None,
+        "rounds": len(s), "temps_ratio": None, "conditionals": None,
     }
     if program is not None:
       info = by_prog[program].info
-      rec.update(temps_ratio=info["temps_bytes"] / pbytes, conditionals=info["conditionals"],
-                 compiled_passes=info["step_bytes"]["emit" if phase == "emit" else "mid"]
-                 / pbytes)
+      rec.update(temps_ratio=info["temps_bytes"] / pbytes, conditionals=info["conditionals"])
     out.append(rec)
   return out
 
@@ -295,11 +292,11 @@ def _x(v: float | None, spec: str = "{:.2f}x", scale: float = 1) -> str:
 def rows_table(records: Sequence[dict[str, Any]]) -> list[str]:
   """Markdown table of the records of one size and optimizer."""
   return harness.table(
-      "row | ms | x 3P floor | x plain | x optax.MultiSteps | compiled passes | temps / params"
-      " | conditionals", "lrrrrrrr",
+      "row | ms | x 3P floor | x plain | x optax.MultiSteps | temps / params | conditionals",
+      "lrrrrrr",
       [[r["label"], f"{r['time_s'] * 1e3:.3f}", _x(r["ratio_floor"]), _x(r["ratio_plain"]),
-        _x(r["ratio_optax_multisteps"]), _x(r["compiled_passes"], "{:.1f}P"),
-        _x(r["temps_ratio"]), _x(r["conditionals"], "{}")] for r in records])
+        _x(r["ratio_optax_multisteps"]), _x(r["temps_ratio"]), _x(r["conditionals"], "{}")]
+       for r in records])
 
 
 def tracked_table(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -319,8 +316,7 @@ def sections(result: dict[str, Any], limits: str = "") -> list[str]:
   meta, bw = result["meta"], result["bandwidth"]
   lines = [f"Copy bandwidth ({bw['copy_bytes'] // 2 // 2**20} MiB into a donated buffer, read +"
            f" write): **{bw['copy_GBps']:.1f} GB/s**; the 3P floor is 3 x parameter bytes over"
-           " it, per round. Compiled passes: `optax_accum.debug.step_bytes` of the row's phase"
-           " over the parameter bytes.", ""]
+           " it, per round.", ""]
   for size in meta["sizes"]:
     for opt in meta["optimizers"]:
       recs = [r for r in result["records"] if (r["size"], r["optimizer"]) == (size, opt)]

@@ -10,9 +10,8 @@ noise-tracking reductions and the mean into a bfloat16 buffer, each through
 the optax protocol and ``oa.update_and_apply``, plus ``optax.MultiSteps`` and
 plain adam, with f32 and bf16 params. Per program (``optax_accum.debug``):
 conditionals kept (``benchmarks/NOTES.md`` says why they may not be), leaf-sized
-data copies, temporaries over the parameter bytes, bytes held per parameter
-(``planning.compiled_peak_bytes``), and the bytes a mid-step and an emitting
-step move per parameter (``debug.step_bytes``).
+data copies, temporaries over the parameter bytes and bytes held per parameter
+(``planning.compiled_peak_bytes``).
 
 Expected on the accelerator for every ``oa.accumulate`` program: a conditional
 kept (the window's) and temporaries <= 0.05x the parameter bytes, except the
@@ -162,13 +161,10 @@ def temps_limit(program: str, dtype: str) -> float:
 
 
 def analyse(compiled: Any, n_params: int, param_bytes: int, leaf_bytes: int) -> dict[str, Any]:
-  moved = debug.step_bytes(compiled)
   return {"conditionals": debug.conditionals(compiled),
           "copies": sum(not c.fill for c in debug.copies(compiled, min_bytes=leaf_bytes)),
           "temps_ratio": compiled.memory_analysis().temp_size_in_bytes / param_bytes,
-          "bytes_per_param_held": compiled_peak_bytes(compiled) / n_params,
-          "bytes_per_param_mid": moved["mid"] / n_params,
-          "bytes_per_param_emit": moved["emit"] / n_params}
+          "bytes_per_param_held": compiled_peak_bytes(compiled) / n_params}
 
 
 def compile_all(n_params: int, k: int, sharding: NamedSharding | None) -> list[dict[str, Any]]:
@@ -200,14 +196,12 @@ def table(rows: list[dict[str, Any]], expect: bool) -> list[str]:
     note = "" if r["temps_limit"] == TEMPS_LIMIT else f" (<= {r['temps_limit']}x by design)"
     return ("met" if r["met"] else "**differs**") + note
 
-  head = ("program | params | conditionals | data copies | temps / params | bytes held / param"
-          " | bytes per param: mid / emit")
+  head = "program | params | conditionals | data copies | temps / params | bytes held / param"
   return harness.table(
       head + (f" | temps <= {TEMPS_LIMIT}x, conditional kept" if expect else ""),
-      "llrrrrr" + "l" * expect,
+      "llrrrr" + "l" * expect,
       [[r["label"], r["dtype"], r["conditionals"], r["copies"], f"{r['temps_ratio']:.2f}x",
         f"{r['bytes_per_param_held']:.1f}",
-        f"{r['bytes_per_param_mid']:.1f} / {r['bytes_per_param_emit']:.1f}",
         *([verdict(r)] if expect else [])] for r in rows])
 
 
@@ -219,7 +213,7 @@ def markdown(result: dict[str, Any]) -> str:
       " Train steps `step(params, state, grads) -> (params, state)`, params and state donated,"
       f" adam, window k = {meta['k']}, {size_label(meta['params'])} params in {LEAVES} leaves;"
       " one compiled program per row (mid and emitting steps are its two runtime paths)."
-      " Counted with `optax_accum.debug`; bytes per parameter: `debug.step_bytes` over the"
+      " Counted with `optax_accum.debug`; bytes held: `planning.compiled_peak_bytes` over the"
       " parameter count.", "",
       f"## {tgt['title']}", "", *table(result["accelerator"], expect=True), "",
       f"## CPU (same process: jaxlib {meta['versions']['jaxlib']})", "",

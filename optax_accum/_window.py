@@ -32,8 +32,8 @@ from optax_accum import gradient_noise as noise_lib
 KSchedule = Callable[[jax.Array], Any]
 
 # Named scopes: they reach the compiled program's op_name metadata, so a
-# profile (or optax_accum.debug.step_kernels) tells which kernels run on
-# mid-steps (add, mid) and which on emitting steps.
+# profile tells which kernels run on mid-steps (add, mid) and which on
+# emitting steps.
 SCOPES = {"add": "optax_accum_add", "mid": "optax_accum_mid", "emit": "optax_accum_emit"}
 
 

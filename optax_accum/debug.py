@@ -13,11 +13,9 @@ question about it:
 * :func:`copies`: the ``copy`` instructions of at least a given size, and
   where they run (does a step copy a parameter-sized buffer it could update
   in place?).
-* :func:`step_kernels`: how many kernels an ``accumulate`` mid-step and an
-  emitting step launch (what a dispatch-bound small model pays per call).
-* :func:`step_bytes`: how many bytes they read and write (what a
-  bandwidth-bound large model pays per call, on the backend it was compiled
-  for).
+* :func:`opcodes`: how many instructions of each opcode it holds (a
+  ``select`` count near the parameter leaves' is a conditional turned into
+  selects).
 
 All of them share one parser: the module is split into computations, and the
 computations reachable from the entry are walked through ``conditional``
@@ -29,13 +27,10 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from optax_accum import _window
-
-__all__ = ["Collective", "Copy", "conditionals", "copies", "hlo_collectives", "opcodes",
-           "step_bytes", "step_kernels"]
+__all__ = ["Collective", "Copy", "conditionals", "copies", "hlo_collectives", "opcodes"]
 
 Context = tuple[tuple[str, Any], ...]
 
@@ -51,12 +46,7 @@ _COLLECTIVES = (
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 # dtype, dims and (optional) layout of each array in an HLO type.
 _ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\](\{[^}]*\})?")
-_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _COMMENT = re.compile(r"/\*.*?\*/")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-# The named scopes of optax_accum's conditional's branches (read once: a program
-# traced under other names is not ours).
-_STEP_SCOPES = (f"/{_window.SCOPES['mid']}/", f"/{_window.SCOPES['emit']}/")
 _OPCODE = re.compile(r"\s*([\w\-]+)\(")
 _CALLEES = re.compile(
     r"\b(branch_computations|true_computation|false_computation|body|condition|to_apply|calls)"
@@ -117,19 +107,10 @@ class _Instruction(NamedTuple):
   attributes: str  # what follows the operands: callees, metadata
 
 
-def _type_bytes(type_str: str, main_memory_only: bool = False) -> int:
-  """Bytes of the arrays of an HLO type.
-
-  ``main_memory_only``: only the arrays in device main memory. A layout's
-  ``S(n)``, n > 0, puts an array in another memory space (a TPU's on-chip
-  VMEM or SMEM), whose reads and writes do not touch main memory.
-  """
-  total = 0
-  for dtype, dims, layout in _ARRAY_TYPE.findall(type_str):
-    space = _MEMORY_SPACE.search(layout)
-    if dtype in _DTYPE_BYTES and not (main_memory_only and space and space.group(1) != "0"):
-      total += math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
-  return total
+def _type_bytes(type_str: str) -> int:
+  """Bytes of the arrays of an HLO type."""
+  return sum(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
+             for dtype, dims, _ in _ARRAY_TYPE.findall(type_str) if dtype in _DTYPE_BYTES)
 
 
 def _closing(text: str, start: int) -> int:
@@ -211,37 +192,27 @@ class _Site(NamedTuple):
   instruction: _Instruction
   defs: dict[str, _Instruction]  # the names defined in ``computation``
   body: list[_Instruction]  # for a fusion: its fused computation's instructions
-  step: str | None  # in a branch of optax_accum's conditional: "mid" or "emit"
 
 
 def _walk(compiled: Any) -> Iterator[_Site]:
   """Every instruction reachable from the entry, once per path, in program order.
 
-  ``compiled``: a compiled step or its text. optax_accum's conditional is the
-  outermost one with a branch under one of its named scopes; as for any
-  ``lax.cond``, its branch 1 (the true branch) is the emitting step.
+  ``compiled``: a compiled step or its text.
   """
   entry, bodies = _parse_module(compiled if isinstance(compiled, str) else compiled.as_text())
 
-  def ours(branch: str) -> bool:  # does a branch run under optax_accum's mid or emit scope?
-    names = (f"/{n}/" for i in bodies.get(branch, []) for n in _OP_NAME.findall(i.attributes))
-    return any(scope in name for name in names for scope in _STEP_SCOPES)
-
-  def visit(name: str, context: Context, fused: bool, step: str | None) -> Iterator[_Site]:
+  def visit(name: str, context: Context, fused: bool) -> Iterator[_Site]:
     instructions = bodies.get(name, [])
     defs = {i.name: i for i in instructions}
     for instruction in instructions:
       callees = list(_callees(instruction))
       is_fusion = instruction.opcode == "fusion"
       body = bodies.get(callees[0][0], []) if is_fusion and callees else []
-      yield _Site(name, context, fused, instruction, defs, body, step)
-      split = step is None and instruction.opcode == "conditional" and len(callees) == 2 and any(
-          ours(c) for c, _ in callees)
+      yield _Site(name, context, fused, instruction, defs, body)
       for callee, where in callees:
-        yield from visit(callee, (*context, *where), fused or is_fusion,
-                         ("mid", "emit")[where[0][1]] if split else step)
+        yield from visit(callee, (*context, *where), fused or is_fusion)
 
-  yield from visit(entry, (), False, None)
+  yield from visit(entry, (), False)
 
 
 def hlo_collectives(compiled: Any) -> list[Collective]:
@@ -371,157 +342,6 @@ def copies(compiled: Any, min_bytes: int = 0) -> list[Copy]:
     found.append(Copy(size, shape, site.computation, site.context,
                       source.opcode if source else "?", _is_fill(source, site.defs)))
   return found
-
-
-_LAUNCHING = ("fusion", "copy", "custom-call", *_COLLECTIVES)
-
-
-def _per_step(compiled: Any, weight: Callable[[_Site], int]) -> dict[str, int]:
-  """Sums ``weight(site)`` over the sites a mid-step and an emitting step run.
-
-  A site in a branch of optax_accum's conditional runs on that branch's step;
-  any other (outside every conditional, or in one not ours), on both.
-  """
-  total = {"mid": 0, "emit": 0}
-  for site in _walk(compiled):
-    amount = weight(site)
-    for step in total:
-      total[step] += amount if site.step in (None, step) else 0
-  return total
-
-
-def step_kernels(compiled: Any) -> dict[str, int]:
-  """Kernels a mid-step and an emitting step of ``accumulate`` launch.
-
-  Counts the launching instructions (fusions, copies, custom calls,
-  collectives) outside fusions on each path: those in a branch of
-  optax_accum's conditional (the one whose branches carry the named scopes
-  ``optax_accum_mid`` and ``optax_accum_emit``) run on the step that branch
-  serves; all others (outside every conditional, or in a conditional of
-  unknown role) count on both. On a GPU each launch is host time, which
-  dominates the step of a small model; on a TPU the step is one program and
-  the count is its number of fusions.
-
-  Args:
-    compiled: ``jax.jit(f).lower(...).compile()`` (or its ``as_text()``).
-
-  Returns:
-    ``{"mid": n, "emit": n}``.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, optax, optax_accum as oa
-    >>> from optax_accum.debug import step_kernels
-    >>> tx = oa.accumulate(4, optax.adam(1e-3))
-    >>> params = {"w": jnp.ones((256, 256))}
-    >>> step = jax.jit(lambda p, s, g: oa.update_and_apply(tx, g, s, p))
-    >>> k = step_kernels(step.lower(params, tx.init(params), params).compile())
-    >>> k["mid"] < k["emit"]  # a mid-step adds into the buffer; an emit runs Adam
-    True
-  """
-  return _per_step(compiled,
-                   lambda site: int(not site.fused and site.instruction.opcode in _LAUNCHING))
-
-
-# Instructions outside fusions that move no data themselves (control flow
-# runs its bodies, which are walked; an async op's data is counted at its
-# ``-done``).
-_NO_DATA = frozenset({
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "conditional", "while",
-    "call", "after-all", "opt-barrier", "partition-id", "replica-id", "add-dependency",
-    "domain", "async-update",
-})
-_SLICING = ("slice", "dynamic-slice", "gather")
-
-
-def _operand_bytes(name: str, defs: dict[str, _Instruction]) -> int:
-  source = defs.get(name)
-  return 0 if source is None else _type_bytes(source.type_str, main_memory_only=True)
-
-
-def _fusion_bytes(site: _Site) -> int:
-  """Bytes a fusion reads and writes, each operand and result counted once.
-
-  An operand the fused body only slices counts as its slices; the buffer an
-  in-place ``dynamic-update-slice`` root updates counts as the update only.
-  """
-  body = site.body
-  params = {int(i.operands[0]): i.name for i in body if i.opcode == "parameter"}
-  users: dict[str, list[_Instruction]] = {}
-  for i in body:
-    for o in i.operands:
-      users.setdefault(o, []).append(i)
-  root = body[-1] if body else None
-  in_place = root is not None and root.opcode == "dynamic-update-slice"
-  total = 0
-  for index, name in enumerate(site.instruction.operands):
-    uses = users.get(params.get(index, ""), [])
-    whole = _operand_bytes(name, site.defs)
-    if whole and uses and all(
-        u.opcode in _SLICING and u.operands[0] == params[index] for u in uses):
-      total += sum(_type_bytes(u.type_str) for u in uses)
-    elif in_place and uses == [root] and root.operands[0] == params.get(index):
-      continue  # updated in place: only the update is written
-    else:
-      total += whole
-  if in_place:
-    return total + _operand_bytes(root.operands[1], {i.name: i for i in body})
-  return total + _type_bytes(site.instruction.type_str, main_memory_only=True)
-
-
-def _site_bytes(site: _Site) -> int:
-  i = site.instruction
-  if site.fused or i.opcode in _NO_DATA or i.opcode.endswith("-start"):
-    return 0
-  if i.opcode == "fusion":
-    return _fusion_bytes(site)
-  if i.opcode.endswith("-done"):  # the data of the async op: its result, from its source
-    start = site.defs.get(i.operands[0]) if i.operands else None
-    source = site.defs.get(start.operands[0]) if start and start.operands else None
-    moved = _type_bytes(i.type_str)
-    from_main = source is not None and _type_bytes(source.type_str, main_memory_only=True) > 0
-    return (moved if from_main else 0) + _type_bytes(i.type_str, main_memory_only=True)
-  if i.opcode == "dynamic-update-slice":  # in place: read and write the update
-    return 2 * _operand_bytes(i.operands[1], site.defs)
-  read = sum(_operand_bytes(o, site.defs) for o in i.operands)
-  return read + _type_bytes(i.type_str, main_memory_only=True)
-
-
-def step_bytes(compiled: Any) -> dict[str, int]:
-  """Bytes a mid-step and an emitting step of ``accumulate`` read and write.
-
-  Sums, over the instructions each step runs (placed as in
-  :func:`step_kernels`), the bytes of every operand and result of each
-  kernel outside fusions that live in device main memory (DRAM, HBM): what
-  the step moves when nothing stays in a cache between kernels. Each kernel
-  counts each operand once in full, except an operand its fused body only
-  slices (counted as the slices) and the buffer an in-place
-  ``dynamic-update-slice`` updates (counted as the update). An asynchronous
-  copy counts once, at its ``-done``, from its source to its result; arrays
-  in another memory space (a TPU's VMEM: layout ``S(1)``) are not main
-  memory, so a prefetch into VMEM counts as one read. A ``while`` body
-  counts once. Compare a step with the plain optimizer step
-  compiled for the same backend: this is the backend's own pass count (on
-  XLA:CPU Adam is three loops per leaf, 10 parameter-sized passes; where it
-  is one fused kernel, 7).
-
-  Args:
-    compiled: ``jax.jit(f).lower(...).compile()`` (or its ``as_text()``).
-
-  Returns:
-    ``{"mid": bytes, "emit": bytes}``.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, optax, optax_accum as oa
-    >>> from optax_accum.debug import step_bytes
-    >>> tx = oa.accumulate(4, optax.sgd(0.1))
-    >>> params = {"w": jnp.ones((256, 256))}  # 256 KiB
-    >>> step = jax.jit(lambda p, s, g: oa.update_and_apply(tx, g, s, p),
-    ...                donate_argnums=(0, 1))
-    >>> moved = step_bytes(step.lower(params, tx.init(params), params).compile())
-    >>> round(moved["mid"] / 2**18)  # read g and the buffer, write the buffer
-    3
-  """
-  return _per_step(compiled, _site_bytes)
 
 
 def _is_fill(source: _Instruction | None, defs: dict[str, _Instruction]) -> bool:

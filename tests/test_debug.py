@@ -10,29 +10,24 @@ types, index comments, nested calls) independently of the XLA version.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-import optax_accum as oa
-from optax_accum import _window
 from optax_accum.debug import (
   Collective,
   Copy,
   conditionals,
   copies,
   hlo_collectives,
-  step_bytes,
-  step_kernels,
+  opcodes,
 )
 
 N_DEV = 8
@@ -247,38 +242,6 @@ false_computation=%false_branch
 BYTES = 16 * 8 * 2  # bf16[16,8]
 
 
-def _uaa_program(leaves: int = 8) -> Any:
-  tx = oa.accumulate(4, optax.adam(1e-3))
-  params = {f"w{i}": jnp.full((4096,), 0.1 * i) for i in range(leaves)}
-  step = jax.jit(lambda p, s, g: oa.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
-  return step.lower(params, tx.init(params), params).compile()
-
-
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's fusion decisions")
-def test_step_kernels_puts_the_inner_optimizer_on_the_emitting_step() -> None:
-  """XLA:CPU runs Adam as three loops per leaf and the buffer add as one. With
-  ``update_and_apply`` the add runs before the window's one conditional: a
-  mid-step launches it (one kernel per leaf) and no Adam loop; the emitting
-  step launches the add and Adam's loops. Counting branch 1 as the emit (the
-  rule for one conditional) puts the inner optimizer there."""
-  program = _uaa_program(8)
-  assert conditionals(program) == 1
-  k = step_kernels(program)
-  assert 8 <= k["mid"] < 8 + 8, k
-  assert k["emit"] >= 3 * 8 + 8, k
-
-
-def test_step_kernels_without_our_scopes_counts_both_steps(
-    monkeypatch: pytest.MonkeyPatch) -> None:
-  """Branches it cannot place (not optax_accum's) count on both steps."""
-  monkeypatch.setattr(_window, "SCOPES", {k: f"other_{k}" for k in _window.SCOPES})
-  k = step_kernels(_uaa_program(8))
-  assert k["mid"] == k["emit"], k
-  plain_cond = jax.jit(lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x))
-  k = step_kernels(plain_cond.lower(True, jnp.ones(4)).compile())
-  assert k["mid"] == k["emit"] >= 2, k  # sin and cos both counted
-
-
 def test_parser_collectives_on_hand_written_hlo() -> None:
   assert hlo_collectives(HLO) == [
       Collective("all-gather-start", BYTES + 8 * BYTES, "true_branch", (("conditional", 1),)),
@@ -300,28 +263,20 @@ def test_parser_conditionals_and_copies_on_hand_written_hlo() -> None:
   assert math.prod(got[0].shape) * 2 == got[0].bytes
 
 
+def test_opcodes_count_every_path_and_see_a_cond_turned_into_selects() -> None:
+  counts = opcodes(HLO)
+  # Copies: one in main, one in the true branch, and one inside each of two fusions.
+  assert counts["conditional"] == 1 and counts["copy"] == 4 and counts["while"] == 1
+  kept = jax.jit(lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x)).lower(True, X).compile()
+  selects = jax.jit(lambda p, x: jnp.where(p, jnp.sin(x), jnp.cos(x))).lower(True, X).compile()
+  assert opcodes(kept).get("select", 0) == 0 and opcodes(selects)["select"] >= 1
+
+
 def test_parser_rejects_text_without_an_entry() -> None:
   with pytest.raises(ValueError, match="ENTRY"):
     hlo_collectives("HloModule m\n")
   with pytest.raises(ValueError, match="ENTRY"):
     conditionals("not HLO at all")
-
-
-# --- the old import path --------------------------------------------------------------------
-
-
-def test_sharding_alias_warns_and_is_the_same_function() -> None:
-  import optax_accum.sharding as sharding
-
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    alias = sharding.hlo_collectives
-    collective = sharding.Collective
-  assert alias is hlo_collectives and collective is Collective
-  assert [w.category for w in caught] == [DeprecationWarning, DeprecationWarning]
-  assert "optax_accum.debug" in str(caught[0].message)
-  with pytest.raises(AttributeError):
-    sharding.no_such_name  # noqa: B018
 
 
 @cpu_only
@@ -330,108 +285,3 @@ def test_accepts_compiled_or_text(fn: Callable[[Any], Any]) -> None:
   f = jax.jit(lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x))
   compiled = f.lower(True, X).compile()
   assert fn(compiled) == fn(compiled.as_text())
-
-
-# ------------------------------------------------------------------ step_bytes
-# Hand-written: a fusion reading a 64 KiB parameter only through a slice, an
-# in-place dynamic-update-slice fusion, an async copy, a conditional of
-# unknown role (both of its branches count on both steps), and a TPU-style
-# prefetch into another memory space read by a fusion.
-BYTES_HLO = """\
-HloModule bytes
-
-%sliced (param_0: f32[16384]) -> f32[1024] {
-  %param_0 = f32[16384]{0} parameter(0)
-  ROOT %s = f32[1024]{0} slice(%param_0), slice={[0:1024]}
-}
-
-%dus (param_0.1: f32[16384], param_1.1: f32[1024], param_2.1: s32[]) -> f32[16384] {
-  %param_0.1 = f32[16384]{0} parameter(0)
-  %param_1.1 = f32[1024]{0} parameter(1)
-  %param_2.1 = s32[] parameter(2)
-  ROOT %d = f32[16384]{0} dynamic-update-slice(%param_0.1, %param_1.1, %param_2.1)
-}
-
-%double (param_0.2: f32[16384]) -> f32[16384] {
-  %param_0.2 = f32[16384]{0} parameter(0)
-  ROOT %m = f32[16384]{0} add(%param_0.2, %param_0.2)
-}
-
-%yes (a: f32[16384]) -> f32[16384] {
-  %a = f32[16384]{0} parameter(0)
-  ROOT %f = f32[16384]{0} fusion(%a), kind=kLoop, calls=%double
-}
-
-%no (b: f32[16384]) -> f32[16384] {
-  ROOT %b = f32[16384]{0} parameter(0)
-}
-
-ENTRY %main (x: f32[16384], i: s32[], p: pred[]) -> \\
-(f32[1024], f32[16384], f32[16384], f32[16384]) {
-  %x = f32[16384]{0} parameter(0)
-  %i = s32[] parameter(1)
-  %p = pred[] parameter(2)
-  %head = f32[1024]{0} fusion(%x), kind=kLoop, calls=%sliced
-  %upd = f32[16384]{0} fusion(%x, %head, %i), kind=kLoop, calls=%dus
-  %cs = (f32[16384]{0}, f32[16384]{0}, u32[]) copy-start(%upd)
-  %cd = f32[16384]{0} copy-done(%cs)
-  %c = f32[16384]{0} conditional(%p, %cd, %cd), true_computation=%yes, false_computation=%no
-  %vs = (f32[16384]{0:S(1)}, f32[16384]{0}, u32[]{:S(2)}) copy-start(%x)
-  %vd = f32[16384]{0:S(1)} copy-done(%vs)
-  %v = f32[16384]{0} fusion(%vd), kind=kLoop, calls=%double
-  ROOT %t = (f32[1024]{0}, f32[16384]{0}, f32[16384]{0}, f32[16384]{0}) tuple(%head, %cd, %c, %v)
-}
-""".replace("\\\n", "")
-
-
-def test_step_bytes_on_hand_written_hlo() -> None:
-  kib = 1024 * 4  # f32[1024]
-  want = (
-      2 * kib  # the slice: reads 1024 of 16384 elements, writes 1024
-      + 2 * kib + 4  # the in-place update: reads and writes the update; reads the index
-      + 2 * 16 * kib  # the async copy: 64 KiB each way, counted at its copy-done
-      + 2 * 16 * kib  # the true branch's fusion (a conditional of unknown role)
-      + 16 * kib  # the prefetch into on-chip memory (S(1)): one read of main memory
-      + 16 * kib  # the fusion reading the prefetched copy: only its result is written
-  )
-  assert step_bytes(BYTES_HLO) == {"mid": want, "emit": want}
-
-
-@cpu_only
-@pytest.mark.parametrize("inner", ["sgd", "adam"])
-def test_step_bytes_counts_each_steps_passes(inner: str) -> None:
-  """Parameter-sized passes per step, from the design (XLA:CPU's fusion).
-
-  ``update_and_apply`` mid-step: read g and the buffer, write the buffer
-  (3P); its emitting step does the plain step's work plus at least one read
-  of the buffer; the protocol's mid-step adds ``apply_updates`` (read params
-  and the masked updates, write params: 3P) and XLA:CPU's copy of the buffer
-  out of the conditional (2P): 8P; ``optax.MultiSteps`` runs the
-  optimizer on every step, so its mid-step costs at least the plain step.
-  """
-  opt = {"sgd": optax.sgd(0.1), "adam": optax.adam(1e-3)}[inner]
-  params = {f"w{i}": jnp.full((8192,), 0.1 * i) for i in range(4)}
-  pbytes = 4 * 8192 * 4
-  tx = oa.accumulate(4, opt)
-  ms = optax.MultiSteps(opt, 4).gradient_transformation()
-
-  def passes(step: Callable[..., Any], state: Any) -> dict[str, float]:
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
-    return {k: v / pbytes for k, v in step_bytes(compiled).items()}
-
-  def protocol(t: Any) -> Callable[..., Any]:
-    def step(p: Any, s: Any, g: Any) -> Any:
-      u, s = t.update(g, s, p)
-      return optax.apply_updates(p, u), s
-    return step
-
-  plain = passes(protocol(opt), opt.init(params))
-  uaa = passes(lambda p, s, g: oa.update_and_apply(tx, g, s, p), tx.init(params))
-  std = passes(protocol(tx), tx.init(params))
-  optax_ms = passes(protocol(ms), ms.init(params))
-  assert plain["mid"] == plain["emit"] >= (3 if inner == "sgd" else 7)
-  assert uaa["mid"] == pytest.approx(3, abs=0.01)
-  assert std["mid"] == pytest.approx(8, abs=0.01)
-  assert uaa["emit"] >= plain["emit"] + 1 - 0.01
-  assert std["emit"] > uaa["emit"]  # the updates go through memory to apply_updates
-  assert optax_ms["mid"] >= plain["mid"]
