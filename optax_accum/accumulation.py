@@ -236,9 +236,8 @@ def accumulate(
       )
     mode = extra_args.pop(MODE, None)
     flushing, apply = mode == _FLUSH, mode == _APPLY and config.inner is not None
-    if extra_args:
-      _validation.check_keywords(extra_args, strict_kwargs, "the update of `accumulate`",
-                                 ("weight", "emit_now"))
+    _validation.check_keywords(extra_args, strict_kwargs, "the update of `accumulate`",
+                               ("weight", "emit_now"))
     weight, emit_now = _validation.check_update(
         config, updates, state.acc_grads, weight=weight, emit_now=emit_now, flushing=flushing,
         skip_nonfinite=skip_nonfinite)

@@ -141,8 +141,7 @@ class MultiSteps:
       on the emitting step.
     """
     mode = extra_args.pop(MODE, None)
-    if extra_args:
-      _validation.check_keywords(extra_args, self._strict_kwargs, "MultiSteps.update", ())
+    _validation.check_keywords(extra_args, self._strict_kwargs, "MultiSteps.update", ())
     _validation.check_update(self._config, updates, state.acc_grads, flushing=mode == _FLUSH)
     skip_state, noise = self._unpack(state.skip_state)
     accept: Any = mode != _FLUSH  # a flush carries no micro-batch
