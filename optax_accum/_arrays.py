@@ -63,7 +63,9 @@ def array_type(x: Any) -> ArrayType:
   """
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
   sharding = getattr(aval, "sharding", None)
-  spec = getattr(sharding, "spec", None) or jax.sharding.PartitionSpec()
+  spec = getattr(sharding, "spec", None)
+  if spec is None:  # (not `or`: a rank-0 spec, typed unreduced or not, is an empty tuple)
+    spec = jax.sharding.PartitionSpec()
   explicit = spec if has_explicit_axes(getattr(sharding, "mesh", None)) else None
   varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
   return ArrayType(spec, explicit, frozenset(varying or ()),

@@ -10,10 +10,19 @@ replicated input, ``shard_map``'s autodiff would sum it over the devices on
 every call). Around it: the batch's rows and which axes they are split over
 (:func:`batch_rows`, :func:`data_axes`), and where gradients reduced per
 device go back to (:func:`param_specs`, :func:`scatter_dim`).
+
+Outside ``shard_map`` a value that differs per device (a device's partial sum
+of the gradient, the accumulation buffer of ``accumulate(..., axis_name=...)``
+under plain jit) is an ordinary array with one copy per device stacked along a
+leading axis sharded over the data axes (:func:`zeros`, :func:`stack`,
+:func:`total`): every device holds its own slice, nothing moves until
+:func:`total` sums them, and the host can read, save and restore it as any
+other array.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +37,91 @@ from optax_accum import _arrays
 def spec_entry(axes: tuple[Any, ...]) -> Any:
   """Mesh axes as one entry of a ``PartitionSpec``: a name, or a tuple of names."""
   return axes[0] if len(axes) == 1 else axes
+
+
+def stacked_spec(spec: PartitionSpec, axes: tuple[Any, ...]) -> PartitionSpec:
+  """The layout of one copy per device of an array laid out as ``spec``.
+
+  A leading axis over the data ``axes``; the copy's own dims keep their
+  sharding over the other mesh axes and are whole over ``axes``.
+  """
+  return PartitionSpec(spec_entry(axes), *_arrays.strip_axes(spec.partitions, axes))
+
+
+def device_count(axes: tuple[Any, ...]) -> int:
+  """The number of devices along the data ``axes`` of the current mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def zeros(shape: tuple[int, ...], dtype: Any, spec: PartitionSpec, axes: tuple[Any, ...]
+          ) -> jax.Array:
+  """Zeros, one copy of ``shape`` per device: ``(device_count(axes), *shape)``.
+
+  Copies of size 0 are replicated instead: they hold nothing, and JAX 0.10
+  cannot read a sharded array of size 0 back to the host (each shard reports
+  the global shape: ``np.asarray`` raises).
+  """
+  layout = stacked_spec(spec, axes) if math.prod(shape) else PartitionSpec()
+  return jnp.zeros((device_count(axes), *shape), dtype, out_sharding=layout)
+
+
+def stack(x: jax.Array, axes: tuple[Any, ...]) -> jax.Array:
+  """A partial sum typed unreduced over ``axes`` as its per-device copies, stacked.
+
+  No data moves: inside a ``shard_map`` manual over every mesh axis, each
+  device's block of an unreduced input is its own partial sum, and returned
+  with a leading axis of 1 it is that device's slice of an ordinary array.
+  (JAX 0.10 has no cast from unreduced to device-varying, so the body runs
+  unchecked, ``check_vma=False``.) Copies already stacked are returned as
+  they are; of size 0, laid out as :func:`zeros` lays them out.
+  """
+  array_type = _arrays.array_type(x)
+  if x.size == 0:  # laid out as `zeros` lays out copies of size 0
+    return zeros(x.shape if array_type.unreduced else x.shape[1:], x.dtype, PartitionSpec(), axes)
+  if not array_type.unreduced:
+    return x
+  parts = array_type.spec.partitions
+  return jax.shard_map(
+      lambda block: block[None], mesh=jax.sharding.get_abstract_mesh(),
+      in_specs=PartitionSpec(*parts, unreduced=set(axes)),
+      out_specs=PartitionSpec(spec_entry(axes), *parts), check_vma=False)(x)
+
+
+def total(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+  """The sum of the per-device copies ``x`` (stacked along dim 0), laid out as ``spec``.
+
+  An all-reduce over the devices, or a reduce-scatter where ``spec`` shards
+  the result over them (FSDP): the one cross-device step.
+  """
+  return jax.reshard(jnp.sum(x, axis=0, dtype=x.dtype), spec)
+
+
+def sq_norms(tree: Any) -> jax.Array:
+  """Each device's squared norm of its copies in ``tree``: a float32 vector, one per device."""
+  def one(x: jax.Array) -> jax.Array:
+    x = jnp.abs(x) if jnp.iscomplexobj(x) else x
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return jnp.sum(x * x, axis=tuple(range(1, x.ndim))).astype(jnp.float32)
+  return sum(one(x) for x in jax.tree.leaves(tree) if x.size)
+
+
+def param_layout(stacked: Any, params: Any) -> Any:
+  """The spec of each param, or (``params`` None) of one copy in ``stacked``."""
+  if params is None:
+    return jax.tree.map(lambda x: PartitionSpec(*_arrays.array_type(x).spec[1:]), stacked)
+  return jax.tree.map(lambda p: _arrays.array_type(p).spec, params)
+
+
+def micro_batch_sq_norms(grads: Any, weight: jax.Array | None) -> tuple[jax.Array, Any]:
+  """Each device's micro-batch, for the noise estimate: its mean gradient's squared norm, weight.
+
+  A device's copy in ``grads`` is its share of the mean over every device's
+  rows, ``1 / n`` of its own micro-batch's mean (``n`` devices), and it
+  holds ``1 / n`` of the weight, as when the devices' micro-batches are alike.
+  """
+  n = jax.tree.leaves(grads)[0].shape[0]
+  return sq_norms(grads) * n**2, None if weight is None else weight / n
 
 
 def make_varying(tree: Any, axes: tuple[Any, ...]) -> Any:

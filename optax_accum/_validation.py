@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _arrays
+from optax_accum import _arrays, _per_device
 
 REDUCTIONS = ("mean", "sum", "weighted")
 
@@ -24,47 +24,44 @@ _INT32_MAX = 2**31 - 1
 
 def check_update(
     config: Any, grads: Any, buffer: Any, *, weight: Any = None, emit_now: Any = False,
-    flushing: bool = False, skip_nonfinite: bool = False,
-) -> tuple[jax.Array | None, Any]:
-  """Every check of an update's values; returns ``(weight, emit_now)``, checked.
+    flushing: bool = False,
+) -> tuple[Any, jax.Array | None, Any]:
+  """Every check of an update's values; returns ``(grads, weight, emit_now)``, checked.
 
   The gradients must match the buffer's tree and shapes, fit its dtypes (no part of a
   value dropped: a complex gradient into a real buffer, or one wider than the buffer
   ``init`` built, float64 into float32, unless ``accumulator_dtype`` asked for it) and
-  live where the window expects them (:func:`_check_placement`). A flush carries zeros
-  and no weight. Each message names the tree path at fault and the fix.
+  live where the window expects them (:func:`_check_placement`). An integer param's
+  gradient (``float0``) counts as zero, and so does a flush's (it carries no
+  micro-batch): both come back as zeros like the buffer. Each message names the tree
+  path at fault and the fix. Call it inside the inputs' mesh (``_arrays.mesh_context``).
   """
   g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
   b_leaves, b_def = jax.tree_util.tree_flatten_with_path(buffer)
   if g_def != b_def:
     _raise_tree_mismatch([_path_str(p) for p, _ in g_leaves],
                          [_path_str(p) for p, _ in b_leaves], g_def, b_def)
-  check_no_float0(grads)
+  zeros = lambda b, dtype=None: _arrays.match_varying(jnp.zeros_like(b, dtype), b)
+  if flushing:  # (shaped like the buffer: one copy per device under plain jit)
+    return jax.tree.map(lambda g, b: zeros(b, None if _is_float0(g) else jnp.result_type(g)),
+                        grads, buffer), None, True
+  grads = jax.tree.map(lambda g, b: zeros(b) if _is_float0(g) else g, grads, buffer)
+  g_leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+  stacked = _arrays.explicit_axes(config.axis_name)  # plain jit: one buffer copy per device
   for (path, g), (_, b) in zip(g_leaves, b_leaves, strict=True):
-    if jnp.shape(g) != jnp.shape(b):
+    if stacked is not None:
+      _check_stacked(_path_str(path), g, b, stacked)
+    elif jnp.shape(g) != jnp.shape(b):
+      lead = sorted(_leading_axes(g), key=str) if jnp.shape(g)[1:] == jnp.shape(b) else []
       raise ValueError(
           f"The gradients leaf at {_path_str(path)} has shape {jnp.shape(g)} but"
           f" the accumulator holds shape {jnp.shape(b)}. Pass gradients shaped"
-          " like the params given to `init`."
-      )
-    g_dtype, b_dtype = jnp.result_type(g), jnp.result_type(b)
-    if jnp.issubdtype(g_dtype, jnp.complexfloating) and not jnp.issubdtype(
-        b_dtype, jnp.complexfloating):
-      raise TypeError(
-          f"The gradient at {_path_str(path)} is {g_dtype} but the accumulator"
-          f" is {b_dtype}: the imaginary part would be dropped. Build the"
-          " transform with a complex `accumulator_dtype` (or None, the default,"
-          " and complex params)."
-      )
-    if config.acc_dtype is None and jnp.promote_types(g_dtype, b_dtype) != b_dtype:
-      raise TypeError(
-          f"The gradient at {_path_str(path)} is {g_dtype}, wider than the"
-          f" {b_dtype} accumulator that `init` built from the params: it would"
-          " lose precision. Pass `accumulator_dtype` explicitly (a narrower"
-          " one is then accepted), or init with params of the gradients' dtype."
-      )
-  if flushing:
-    return None, True
+          " like the params given to `init`." + (
+              " (Or are these one copy per device, from"
+              " `optax_accum.sharding.local_value_and_grad`? Then build the transform"
+              f" with `accumulate(..., axis_name={_per_device.spec_entry(tuple(lead))!r})`.)"
+              if lead else ""))
+    _check_dtype(config, _path_str(path), jnp.result_type(g), jnp.result_type(b))
   weight = check_weight(weight, config.reduction)
   if isinstance(emit_now, (bool, np.bool_)):
     emit_now = bool(emit_now)
@@ -76,8 +73,83 @@ def check_update(
     )
   else:
     emit_now = jnp.asarray(emit_now).astype(jnp.bool_)
-  _check_placement(config, g_leaves, b_leaves, skip_nonfinite)
-  return weight, emit_now
+  _check_placement(config, g_leaves)
+  return grads, weight, emit_now
+
+
+def _is_float0(x: Any) -> bool:
+  return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
+def _check_dtype(config: Any, path: str, g_dtype: Any, b_dtype: Any) -> None:
+  """Raises if a gradient of ``g_dtype`` would lose part of its value in the buffer."""
+  if jnp.issubdtype(g_dtype, jnp.complexfloating) and not jnp.issubdtype(
+      b_dtype, jnp.complexfloating):
+    raise TypeError(
+        f"The gradient at {path} is {g_dtype} but the accumulator"
+        f" is {b_dtype}: the imaginary part would be dropped. Build the"
+        " transform with a complex `accumulator_dtype` (or None, the default,"
+        " and complex params)."
+    )
+  if config.acc_dtype is None and jnp.promote_types(g_dtype, b_dtype) != b_dtype:
+    raise TypeError(
+        f"The gradient at {path} is {g_dtype}, wider than the"
+        f" {b_dtype} accumulator that `init` built from the params: it would"
+        " lose precision. Pass `accumulator_dtype` explicitly (a narrower"
+        " one is then accepted), or init with params of the gradients' dtype."
+    )
+
+
+def _check_stacked(path: str, g: Any, b: Any, axes: tuple[Any, ...]) -> None:
+  """Raises unless ``g`` fits the buffer ``b`` of plain jit with ``axis_name``.
+
+  ``b`` holds one copy per device along a leading dim sharded over the data
+  ``axes``; ``g`` is such copies too (``local_value_and_grad``) or a partial
+  sum typed unreduced over ``axes`` (``defer_reduction``).
+  """
+  n = _per_device.device_count(axes)
+  where = f"`axis_name={_per_device.spec_entry(axes)!r}`"
+  if jnp.ndim(b) == 0 or jnp.shape(b)[0] != n:
+    raise ValueError(
+        f"The accumulator at {path} has shape {jnp.shape(b)}: it is not one copy per"
+        f" device for the {n} device(s) of {where}. A state saved on another number of"
+        " devices must be laid out for this mesh first:"
+        " `state = optax_accum.sharding.reshard_state(restored, tx.init(params))`.")
+  if _leading_axes(b) != set(axes) and jnp.size(b):  # (copies of size 0 are replicated)
+    raise ValueError(
+        f"The accumulator at {path} is {jax.typeof(b)}, not sharded over {where} along"
+        " its leading dim (one copy per device). Place a restored state as `init` lays"
+        " it out: `jax.device_put(restored, optax_accum.sharding.state_shardings(tx,"
+        " params))`, and call `tx.init` inside the mesh (`jax.set_mesh`, or params"
+        " placed on it).")
+  unreduced = _arrays.array_type(g).unreduced
+  if unreduced and unreduced != set(axes):
+    raise ValueError(
+        f"The gradient at {path} is unreduced over {sorted(unreduced, key=str)} but the"
+        f" accumulator reduces over {where}. Pass the same axes to `defer_reduction`"
+        " and to `accumulate(..., axis_name=...)`.")
+  if unreduced and jnp.shape(g) == jnp.shape(b)[1:]:
+    return
+  if jnp.shape(g) == jnp.shape(b) and (_leading_axes(g) == set(axes) or not jnp.size(g)):
+    return
+  if jnp.shape(g) == jnp.shape(b)[1:]:
+    raise ValueError(
+        f"The gradient at {path} is already reduced over {where} (its type"
+        f" {jax.typeof(g)} is the whole gradient): jax.grad with respect to replicated"
+        " params reduces it on every micro-step, which is what `accumulate(...,"
+        " axis_name=...)` under jit avoids. Take the gradients with"
+        f" `optax_accum.sharding.local_value_and_grad(loss, {_per_device.spec_entry(axes)!r})`.")
+  raise ValueError(
+      f"The gradients leaf at {path} has shape {jnp.shape(g)} ({jax.typeof(g)}) but the"
+      f" accumulator holds one copy per device, {jnp.shape(b)}. Pass the gradients of"
+      " `optax_accum.sharding.local_value_and_grad` (one copy per device) or of"
+      " `defer_reduction` (typed unreduced), for the params given to `init`.")
+
+
+def _leading_axes(x: Any) -> set[Any]:
+  """The mesh axes ``x``'s leading dim is sharded over."""
+  parts = _arrays.array_type(x).spec.partitions
+  return set(_arrays.axis_names(parts[0])) if parts and parts[0] is not None else set()
 
 
 def check_k(k: Any, name: str = "k") -> int | Callable[[jax.Array], Any]:
@@ -217,17 +289,17 @@ def check_weight(weight: Any, reduction: str) -> jax.Array | None:
 def check_no_float0(grads: Any, where: str = "gradient") -> None:
   """Raises on a ``float0`` leaf: the cotangent of an integer leaf (``allow_int=True``).
 
-  Nothing can be summed or stepped on it (optax's optimizers reject it too):
-  the integer leaves must stay out of what is differentiated.
+  ``microbatched`` sums its function's gradients, and nothing can be summed
+  on ``float0`` (``accumulate`` counts it as zero instead).
   """
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    if getattr(g, "dtype", None) == jax.dtypes.float0:
+    if _is_float0(g):
       raise TypeError(
           f"The {where} at {_path_str(path)} has dtype float0: it is the cotangent of an"
-          " integer leaf (jax.grad(..., allow_int=True)), which cannot be accumulated"
-          " or stepped on. Leave integer leaves out of what you differentiate and"
-          " optimise: split them off first, e.g. `params, static ="
-          " eqx.partition(model, eqx.is_inexact_array)`, and differentiate `params`."
+          " integer leaf (jax.grad(..., allow_int=True)), which `microbatched` cannot"
+          " sum. Leave integer leaves out of what you differentiate: split them off"
+          " first, e.g. `params, static = eqx.partition(model, eqx.is_inexact_array)`,"
+          " and differentiate `params`."
       )
 
 
@@ -273,23 +345,20 @@ def _raise_tree_mismatch(g_paths: list[str], b_paths: list[str], g_def: Any, b_d
   )
 
 
-def _check_placement(config: Any, g_leaves: list[Any], b_leaves: list[Any],
-                     skip_nonfinite: bool) -> None:
+def _check_placement(config: Any, g_leaves: list[Any]) -> None:
   """Raises unless the gradients live where the window expects them: their types say it.
 
-  Under plain jit with Explicit axes the gradients and the buffer ``init`` built are
-  unreduced over exactly those axes; without ``axis_name`` over none; inside
-  ``shard_map`` device-local (:func:`_check_local`).
+  Without ``axis_name`` no gradient is a per-device partial sum; inside ``shard_map``
+  each is device-local (:func:`_check_local`). (Plain jit: :func:`_check_stacked`.)
   """
   axis_name = config.axis_name
-  axes = None if axis_name is None else _arrays.explicit_axes(axis_name)
-  if axis_name is not None and axes is None:  # shard_map / pmap
-    _check_local(g_leaves, axis_name)
+  if axis_name is not None:
+    if _arrays.explicit_axes(axis_name) is None:  # shard_map / pmap
+      _check_local(g_leaves, axis_name)
     return
-  want = frozenset(axes or ())
   for path, g in g_leaves:
     have = _arrays.array_type(g).unreduced
-    if have and not want:
+    if have:
       names = sorted(have, key=str)
       raise ValueError(
           f"The gradient at {_path_str(path)} is unreduced over {names} (each"
@@ -298,36 +367,6 @@ def _check_placement(config: Any, g_leaves: list[Any], b_leaves: list[Any],
           f"{names[0] if len(names) == 1 else tuple(names)!r})` so the window is"
           " reduced once when it closes."
       )
-    if not have and want:
-      raise ValueError(
-          f"The gradient at {_path_str(path)} is already reduced over {sorted(want)}"
-          f" (its type {jax.typeof(g)} has no {{U:...}}): jax.grad with respect to"
-          " replicated params reduces it on every micro-step, which is what"
-          " `accumulate(..., axis_name=...)` under jit avoids. Take the gradients with"
-          f" `optax_accum.sharding.local_value_and_grad(loss, {axis_name!r})`."
-      )
-    if have != want:
-      raise ValueError(
-          f"The gradient at {_path_str(path)} is unreduced over {sorted(have)} but the"
-          f" accumulator reduces over {sorted(want)}. Pass the same axes to"
-          " `local_value_and_grad` and to `accumulate(..., axis_name=...)`."
-      )
-  for path, b in b_leaves if want else ():
-    if _arrays.array_type(b).unreduced != want:
-      raise ValueError(
-          f"The accumulator at {_path_str(path)} is {jax.typeof(b)}, not unreduced over"
-          f" {sorted(want)}: `init` ran outside the mesh. Call `tx.init(params)` (or"
-          " jax.jit(tx.init)) inside `jax.set_mesh(mesh)`, or lay the state out with"
-          " `jax.jit(tx.init, out_shardings=optax_accum.state_shardings(tx, params))`"
-          " there."
-      )
-  if want and (skip_nonfinite or config.noise_decay is not None):
-    raise ValueError(
-        f"`{'skip_nonfinite' if skip_nonfinite else 'track_noise_scale'}` needs each"
-        f" device's gradient values, but under jit with `axis_name={axis_name!r}` they are"
-        " unreduced partial sums (JAX has no finiteness or squared-norm rule for those)."
-        " Use shard_map with `axis_name` (optax_accum.per_device_state), or drop the option."
-    )
 
 
 def _check_local(g_leaves: list[Any], axis_name: Any) -> None:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _arrays, _rounding, _validation
+from optax_accum import _arrays, _per_device, _rounding, _validation
 from optax_accum import gradient_noise as noise_lib
 
 KSchedule = Callable[[jax.Array], Any]
@@ -108,25 +108,29 @@ def init_window(config: Config, params: optax.Params) -> Window:
   """An empty window: a zero buffer shaped (and sharded) like ``params``.
 
   Under ``jax.jit`` with explicit sharding and ``axis_name`` naming data axes,
-  the buffer is typed *unreduced* over them: each device keeps its partial sum.
+  each device keeps its own partial sum: the buffer (and the noise estimate's
+  open-window sums) holds one copy per device, stacked along a leading axis
+  sharded over them (``_per_device.zeros``).
   """
-  unreduced = _arrays.explicit_axes(config.axis_name, check=False)
+  stacked = _arrays.explicit_axes(config.axis_name, check=False)
 
-  def zeros(p: jax.Array) -> jax.Array:
-    dtype = _arrays.accumulator_dtype(jnp.result_type(p), config.acc_dtype)
-    if unreduced is None:
+  def zeros(p: Any, dtype: Any = None) -> jax.Array:
+    dtype = dtype or _arrays.accumulator_dtype(jnp.result_type(p), config.acc_dtype)
+    if stacked is None:
       return jnp.zeros_like(p, dtype=dtype)
-    parts = _arrays.strip_axes(_arrays.array_type(p).spec.partitions, unreduced)
-    return jnp.zeros(jnp.shape(p), dtype, out_sharding=jax.sharding.PartitionSpec(
-        *parts, unreduced=set(unreduced)))
+    return _per_device.zeros(jnp.shape(p), dtype, _arrays.array_type(p).spec, stacked)
 
+  noise = () if config.noise_decay is None else noise_lib.init()
+  if noise and stacked is not None:
+    noise = noise._replace(window_sq_norms=zeros(noise.window_sq_norms, jnp.float32),
+                           window_count=zeros(noise.window_count, jnp.int32))
   return Window(
       mini_step=jnp.zeros([], jnp.int32),
       gradient_step=jnp.zeros([], jnp.int32),
       acc_grads=jax.tree.map(zeros, params),
       # Unused state costs host time on every call: only weighted windows keep it.
       acc_weight=jnp.zeros([], jnp.float32) if config.reduction == "weighted" else (),
-      noise=() if config.noise_decay is None else noise_lib.init(),
+      noise=noise,
   )
 
 
@@ -174,7 +178,8 @@ def micro_step(
   if weight is not None:
     total_weight = total_weight + jnp.where(accept, weight, 0.0)
   window_weight = total_weight
-  manual = config.axis_name is not None and _arrays.explicit_axes(config.axis_name) is None
+  stacked = _arrays.explicit_axes(config.axis_name)  # plain jit: per-device copies, stacked
+  manual = config.axis_name is not None and stacked is None
   if weighted and manual:
     # Per-device weights (shard_map / pmap): the devices agree on the
     # window's total with one scalar all-reduce per micro-step.
@@ -182,8 +187,11 @@ def micro_step(
   # A window of total weight 0 (only padding) is not a step: it closes without
   # emitting (zero updates, the inner state kept). The only place that rule lives.
   emits = jnp.logical_and(closes, window_weight != 0) if weighted else closes
-  noise = window.noise if config.noise_decay is None else noise_lib.add_micro_batch(
-      window.noise, noise_lib.sq_norm(grads), accept, weight)
+  noise = window.noise
+  if config.noise_decay is not None:
+    sq_norm, device_weight = (noise_lib.sq_norm(grads), weight) if stacked is None else (
+        _per_device.micro_batch_sq_norms(grads, weight))
+    noise = noise_lib.add_micro_batch(noise, sq_norm, accept, device_weight)
 
   # 2. Add and 3. emit or not. `emit` is wrapped in jax.jit and traced once
   # here by eval_shape: its output shapes make the mid-step's zeros, and the
@@ -264,14 +272,10 @@ def buffer_after(config: Config, acc: optax.Updates, mini_step: jax.Array, grads
   def add(acc: jax.Array, g: jax.Array, leaf: int) -> jax.Array:
     wide = jnp.float32 if _rounding.is_narrow(acc.dtype) else acc.dtype
     g = lax.convert_element_type(g, wide)
-    zero = lax.full_like(acc, 0, wide)  # (a scalar 0 is not allowed with unreduced types)
+    zero = lax.full_like(acc, 0, wide)
     old = lax.select(stale, zero, lax.convert_element_type(acc, wide))
     if weight is not None:
-      w = lax.convert_element_type(weight, wide)
-      unreduced = _arrays.array_type(acc).unreduced
-      if unreduced:  # an unreduced array multiplies by a *reduced* scalar
-        w = jax.reshard(w, jax.sharding.PartitionSpec(reduced=set(unreduced)))
-      g = lax.select(weight != 0, g * w, zero)
+      g = lax.select(weight != 0, g * lax.convert_element_type(weight, wide), zero)
     if config.running_mean:  # optax.MultiSteps' Welford update
       new = old + (g - old) * inv_next.astype(wide)
     else:
@@ -295,18 +299,16 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
   """
   tracking = config.noise_decay is not None
   window_k = ops.noise.window_count if tracking else ops.count
+  window_sq = ops.noise.window_sq_norms if tracking else jnp.zeros([], jnp.float32)
+  stacked = _arrays.explicit_axes(config.axis_name)
+  if stacked is not None:  # plain jit: the devices' copies summed, laid out like the params
+    window_sum = jax.tree.map(_per_device.total, window_sum, _per_device.param_layout(
+        window_sum, ops.params))
+    window_k, window_sq = jnp.sum(window_k), jnp.sum(window_sq)
   # Per device under shard_map / pmap (the total weight is global already).
-  totals = jnp.stack([ops.count.astype(jnp.float32), window_k.astype(jnp.float32),
-                      ops.noise.window_sq_norms if tracking else jnp.zeros([], jnp.float32)])
-  if config.axis_name is not None and _arrays.explicit_axes(config.axis_name) is None:
-    # shard_map / pmap: the scalars are per device
+  totals = jnp.stack([ops.count.astype(jnp.float32), window_k.astype(jnp.float32), window_sq])
+  if config.axis_name is not None and stacked is None:
     totals, window_sum = all_reduce(config.axis_name, totals, window_sum)
-  elif config.axis_name is not None:
-    # jit with unreduced buffers: an all-reduce, or a reduce-scatter to sharded params
-    window_sum = jax.tree.map(
-        lambda a, t: jax.reshard(
-            a, jax.sharding.PartitionSpec(*_arrays.array_type(t).spec.partitions)),
-        window_sum, ops.acc if ops.params is None else ops.params)
   total_weight, count, window_k, window_sq = ops.total_weight, totals[0], totals[1], totals[2]
   # In the buffer's precision (float64 buffers would lose digits to a float32 1/3).
   wide = jnp.finfo(jnp.result_type(jnp.float32, *filter(

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _arrays, _validation, _window
+from optax_accum import _arrays, _per_device, _validation, _window
 from optax_accum import gradient_noise as noise_lib
 from optax_accum._window import KSchedule
 from optax_accum.precision import all_finite
@@ -199,19 +199,18 @@ def accumulate(
 
   def init_fn(params: optax.Params) -> AccumulateState:
     """An empty window and the inner optimizer's initial state."""
-    with _arrays.mesh_context(params):
+    with _arrays.mesh_context(params):  # every leaf on the params' mesh, as `update` returns it
       window = _window.init_window(config, params)
-      inner_state = () if config.inner is None else config.inner.init(params)
-    return AccumulateState(
-        mini_step=window.mini_step,
-        gradient_step=window.gradient_step,
-        acc_grads=window.acc_grads,
-        acc_weight=window.acc_weight,
-        num_skipped=jnp.zeros([], jnp.int32) if skip_nonfinite else (),
-        emitted=jnp.zeros([], jnp.bool_),
-        inner_opt_state=inner_state,
-        noise_stats=window.noise,
-    )
+      return AccumulateState(
+          mini_step=window.mini_step,
+          gradient_step=window.gradient_step,
+          acc_grads=window.acc_grads,
+          acc_weight=window.acc_weight,
+          num_skipped=jnp.zeros([], jnp.int32) if skip_nonfinite else (),
+          emitted=jnp.zeros([], jnp.bool_),
+          inner_opt_state=() if config.inner is None else config.inner.init(params),
+          noise_stats=window.noise,
+      )
 
   def update_fn(
       updates: optax.Updates,
@@ -238,12 +237,15 @@ def accumulate(
     flushing, apply = mode == _FLUSH, mode == _APPLY and config.inner is not None
     _validation.check_keywords(extra_args, strict_kwargs, "the update of `accumulate`",
                                ("weight", "emit_now"))
-    weight, emit_now = _validation.check_update(
-        config, updates, state.acc_grads, weight=weight, emit_now=emit_now, flushing=flushing,
-        skip_nonfinite=skip_nonfinite)
     with _arrays.mesh_context((updates, params)):
+      updates, weight, emit_now = _validation.check_update(
+          config, updates, state.acc_grads, weight=weight, emit_now=emit_now, flushing=flushing)
+      stacked = _arrays.explicit_axes(config.axis_name)
+      if stacked is not None:  # a partial sum typed unreduced, as its per-device copies
+        updates = jax.tree.map(lambda g: _per_device.stack(g, stacked), updates)
       accept = False if flushing else (
-          _accept(updates, weight, config.axis_name) if skip_nonfinite else True)
+          _accept(updates, weight, None if stacked else config.axis_name)
+          if skip_nonfinite else True)
       window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads,
                               state.acc_weight, state.noise_stats)
       out = _window.micro_step(config, updates, window, state.inner_opt_state, params,
@@ -267,7 +269,9 @@ def _accept(grads: Any, weight: jax.Array | None, axis_name: Any) -> jax.Array:
   accept = all_finite(grads)
   if weight is not None:
     accept = jnp.logical_and(accept, jnp.isfinite(weight))
-  if axis_name is not None:  # every device must agree, or the windows drift apart
+  # Every device must agree, or the windows drift apart: one scalar reduction
+  # (per-device copies under plain jit reduce in all_finite itself).
+  if axis_name is not None:
     accept = lax.pmin(accept.astype(jnp.int32), axis_name).astype(jnp.bool_)
   return accept
 

@@ -142,7 +142,9 @@ class MultiSteps:
     """
     mode = extra_args.pop(MODE, None)
     _validation.check_keywords(extra_args, self._strict_kwargs, "MultiSteps.update", ())
-    _validation.check_update(self._config, updates, state.acc_grads, flushing=mode == _FLUSH)
+    with _arrays.mesh_context((updates, params)):
+      updates = _validation.check_update(self._config, updates, state.acc_grads,
+                                         flushing=mode == _FLUSH)[0]
     skip_state, noise = self._unpack(state.skip_state)
     accept: Any = mode != _FLUSH  # a flush carries no micro-batch
     if accept and self._should_skip is not None:

@@ -5,11 +5,13 @@ Three ways to run :func:`~optax_accum.accumulate` data-parallel:
 * **plain jit, explicit sharding** (the batch sharded over ``AxisType.Explicit``
   mesh axes, ``jax.make_mesh``'s default; ``jax.set_mesh`` optional): take the
   gradients with :func:`local_value_and_grad` ``(loss, "data")``: the model
-  runs unmodified on each device's rows and the gradients come back
-  *unreduced* (each device holds its share); ``accumulate(k, opt,
-  axis_name="data")`` keeps its buffer unreduced, mid-steps move no gradient
-  bytes between devices, and the emitting step reduces once (an all-reduce,
-  or a reduce-scatter for FSDP-sharded params).
+  runs unmodified on each device's rows and the gradients come back as one
+  copy per device (each device's share, stacked along a leading axis sharded
+  over ``"data"``); ``accumulate(k, opt, axis_name="data")`` keeps its buffer
+  the same way, mid-steps move no gradient bytes between devices, and the
+  emitting step reduces once (an all-reduce, or a reduce-scatter for
+  FSDP-sharded params). The state is ordinary arrays: the host reads, saves
+  and restores it; :func:`reshard_state` moves it to another device count.
   A model written for explicit sharding over more axes (tensor parallel)
   differentiates :func:`defer_reduction` ``(params, "data")`` instead.
 * **shard_map with** ``axis_name``: each device keeps its own buffer.
@@ -31,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
@@ -44,6 +47,7 @@ __all__ = [
     "defer_reduction",
     "local_value_and_grad",
     "per_device_state",
+    "reshard_state",
     "shard_map_specs",
     "state_shardings",
 ]
@@ -90,10 +94,7 @@ def _lay_out_like_params(
   leaf gets ``other``; ``optax.MaskedNode`` placeholders stay as they are.
   ``per_param``, the argument ``name``, must have the params' tree structure.
   """
-  if jax.tree.structure(per_param) != jax.tree.structure(params):
-    raise ValueError(
-        f"`{name}` must have the structure of `params` (one entry per param); got"
-        f" {jax.tree.structure(per_param)} for params {jax.tree.structure(params)}.")
+  _check_like_params(per_param, params, name)
   abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)),
                           params)
   state = jax.eval_shape(tx.init, abstract)
@@ -107,6 +108,13 @@ def _lay_out_like_params(
     # placeholder: match the params' tree structure instead.
     layout = _lay_out_by_structure(state, per_param, abstract, other)
   return state, layout
+
+
+def _check_like_params(per_param: Any, params: Any, name: str) -> None:
+  if jax.tree.structure(per_param) != jax.tree.structure(params):
+    raise ValueError(
+        f"`{name}` must have the structure of `params` (one entry per param); got"
+        f" {jax.tree.structure(per_param)} for params {jax.tree.structure(params)}.")
 
 
 def _lay_out_by_structure(state: Any, per_param: Any, abstract: Any, other: Any) -> Any:
@@ -214,6 +222,16 @@ def state_shardings(
   sharding_leaves = jax.tree.leaves(shardings)
   if not sharding_leaves:
     raise ValueError("`params` has no leaves; there is nothing to lay out.")
+  mesh = getattr(sharding_leaves[0], "mesh", None)
+  if isinstance(mesh, jax.sharding.Mesh) and _arrays.has_explicit_axes(mesh):
+    # Explicit axes put the layout in the types: what `init` builds on the mesh.
+    _check_like_params(shardings, params, "shardings")
+    abstract = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p),
+                                                              sharding=s), params, shardings)
+    with jax.set_mesh(mesh):
+      state = jax.eval_shape(tx.init, abstract)
+    return jax.tree.map(lambda v: v if _is_masked(v) else NamedSharding(
+        mesh, _arrays.array_type(v).spec), state, is_leaf=_is_masked)
   return _lay_out_like_params(tx, params, shardings, _replicated_like(sharding_leaves[0]),
                               "shardings")[1]
 
@@ -235,6 +253,114 @@ def _map_per_device(state: Any, fn: Any) -> Any:
                          acc_weight=jax.tree.map(fn, node.acc_weight), noise_stats=noise)
 
   return jax.tree.map(visit, state, is_leaf=lambda n: isinstance(n, AccumulateState))
+
+
+def reshard_state(restored: Any, like: Any) -> Any:
+  """A restored state laid out like ``like``: resume on another number of devices.
+
+  ``like`` is the state ``tx.init(params)`` builds where the job resumes (the
+  new mesh, or one device); ``restored`` is a state of the same transform
+  saved anywhere else, as host arrays (or ``jax.Array`` s this process can
+  read), in any pytree form a checkpoint returns: the state itself, or the
+  nested dicts and lists of ``orbax`` or ``flax.serialization.msgpack_restore``
+  (leaves are matched by their names and positions; one of size 0, which
+  orbax does not save, may be missing).
+
+  Each per-device partial sum (the buffer of ``accumulate(...,
+  axis_name=...)`` under plain jit, ``shard_map`` or ``pmap``, and the open
+  window's weight and noise sums) is summed over the devices it was saved
+  from and put on the first device of the new layout, the others at zero:
+  the window's total, what its emitting step reduces, is kept (to float
+  rounding). A buffer saved on one device without ``axis_name`` counts as
+  one device's. Every other leaf is taken as it is (under ``pmap``, the copy
+  on device 0). Each leaf is placed with ``like``'s sharding. A state laid
+  out as ``like`` already comes back unchanged, bit for bit.
+
+  Under plain jit (``local_value_and_grad``, ``defer_reduction``), and with
+  ``reduction="weighted"`` anywhere, the partial sums are shares of the
+  window's gradient, so the resumed window is exact. Under ``shard_map`` and
+  ``pmap`` with ``"mean"`` or ``"sum"`` they sum each device's own mean:
+  change the device count there between windows (``mini_step == 0``).
+
+  Args:
+    restored: the saved state (or the subtree of a checkpoint holding it).
+    like: the state for the new layout, e.g. ``tx.init(params)``.
+
+  Returns:
+    A state with ``like``'s structure, shapes, dtypes and shardings.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, optax_accum as oa
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from optax_accum.sharding import reshard_state
+    >>> tx = oa.accumulate(4, optax.sgd(0.1), axis_name="data")
+    >>> def init_on(n):  # the state on a mesh of n devices
+    ...   mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    ...   return tx.init(jax.device_put({"w": jnp.zeros(3)}, NamedSharding(mesh, P())))
+    >>> saved = jax.device_get(init_on(8))   # on the host, as a checkpoint holds it
+    >>> saved = saved._replace(mini_step=np.int32(2),   # mid-window: 8 partial sums of ones
+    ...                        acc_grads={"w": np.ones((8, 3), np.float32)})
+    >>> state = reshard_state(saved, init_on(2))
+    >>> state.acc_grads["w"].shape, state.acc_grads["w"].tolist(), int(state.mini_step)
+    ((2, 3), [[8.0, 8.0, 8.0], [0.0, 0.0, 0.0]], 2)
+  """
+  saved = {_names(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
+  per_device = _per_device_paths(like)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+  out = []
+  for path, target in leaves:
+    if _names(path) not in saved and jnp.size(target) == 0:  # (orbax saves no size-0 array)
+      saved[_names(path)] = np.zeros(jnp.shape(target), target.dtype)
+    if _names(path) not in saved:
+      raise ValueError(
+          f"`restored` has no leaf at {jax.tree_util.keystr(path)}, which `like` holds. Pass"
+          " the state saved from the same transform (`like` is its `tx.init(params)` on the"
+          " new mesh).")
+    new = _fit_leaf(np.asarray(saved[_names(path)]), target, _names(path) in per_device,
+                    jax.tree_util.keystr(path))
+    sharding = getattr(target, "sharding", None)
+    out.append(jax.device_put(new, sharding) if sharding is not None else jnp.asarray(new))
+  return treedef.unflatten(out)
+
+
+def _names(path: tuple[Any, ...]) -> tuple[Any, ...]:
+  """A key path by names and positions alone: a NamedTuple's field and a dict's key alike."""
+  return tuple(next(getattr(k, a) for a in ("name", "key", "idx") if hasattr(k, a))
+               for k in path)
+
+
+def _per_device_paths(like: Any) -> set[tuple[Any, ...]]:
+  """The leaves of ``like`` that hold per-device partial sums (see :func:`_map_per_device`)."""
+  marked = _map_per_device(like, lambda x: _PerDevice())
+  found = jax.tree_util.tree_flatten_with_path(marked, is_leaf=lambda n: isinstance(
+      n, _PerDevice))[0]
+  return {_names(path) for path, leaf in found if isinstance(leaf, _PerDevice)}
+
+
+class _PerDevice:
+  """A marker leaf: this position holds a per-device partial sum."""
+
+
+def _fit_leaf(saved: np.ndarray, target: Any, per_device: bool, where: str) -> np.ndarray:
+  """One saved leaf in ``target``'s shape: partial sums combined, pmap copies dropped."""
+  shape, dtype = tuple(jnp.shape(target)), jnp.dtype(target.dtype)
+  if saved.shape == shape:
+    return saved.astype(dtype)
+  wide = np.result_type(saved.dtype, np.float64 if np.issubdtype(dtype, np.inexact) else np.int64)
+  if per_device and saved.ndim == len(shape) + 1 and saved.shape[1:] == shape:
+    return saved.sum(0, dtype=wide).astype(dtype)
+  if per_device and saved.ndim + (saved.ndim < len(shape)) == len(shape) and (
+      saved.shape[saved.ndim - len(shape) + 1:] == shape[1:]):
+    new = np.zeros(shape, dtype)
+    new[0] = saved.sum(0, dtype=wide) if saved.ndim == len(shape) else saved
+    return new
+  if not per_device and saved.ndim == len(shape) and saved.shape[1:] == shape[1:]:
+    return np.broadcast_to(saved[0], shape).astype(dtype)  # pmap: a copy per device
+  raise ValueError(
+      f"The restored leaf at {where} has shape {saved.shape}, which cannot be laid out as"
+      f" {shape} ({'a per-device partial sum' if per_device else 'a copy of the same value'})."
+      " Pass the state saved from the same transform and params (`like` is its"
+      " `tx.init(params)` on the new mesh).")
 
 
 def _check_has_accumulate_state(state: Any, where: str) -> None:
@@ -261,8 +387,8 @@ def per_device_state(
   the same on every device and stays replicated.
 
   ``init`` must run inside ``shard_map`` (see the example). The wrapped
-  ``accumulate`` checks that the incoming gradients are device-local
-  (``check_grads_are_local``): gradients taken with respect
+  ``accumulate`` checks that the incoming gradients are device-local:
+  gradients taken with respect
   to replicated params inside ``shard_map`` are already summed over the
   devices (JAX inserts that all-reduce on every micro-step), which would both
   spend the communication this transform saves and scale the result by the
@@ -380,19 +506,23 @@ def local_value_and_grad(
     batch_argnums: int | Sequence[int] = 1,
     has_aux: bool = False,
     combine: str = "mean",
+    allow_int: bool = False,
 ) -> Callable[..., Any]:
-  """Like ``jax.value_and_grad(fn)``, with gradients left unreduced over ``axis_name``.
+  """Like ``jax.value_and_grad(fn)``, with one gradient per device, unreduced.
 
   For data parallelism under plain ``jax.jit`` on a mesh whose ``axis_name``
   axes are Explicit (``jax.make_mesh``'s default), with the batch sharded
   over them, with or without ``jax.set_mesh``. Each device runs ``fn``, an
   unmodified model's loss, on its own rows of the batch (a ``shard_map``
-  over ``axis_name``) and keeps its share of the global mean gradient:
-  the gradients come back typed *unreduced* (``float32[...]{U:data}``),
-  nothing is communicated, and :func:`~optax_accum.accumulate` with the same
-  ``axis_name`` reduces the window once, when it closes (an all-reduce, or a
-  reduce-scatter onto FSDP-sharded params). Params sharded over
-  ``axis_name`` are all-gathered for the forward pass, as FSDP does.
+  over ``axis_name``) and keeps its share of the global mean gradient: each
+  gradient leaf comes back with a leading axis of one copy per device,
+  sharded over ``axis_name`` (``float32[8@data, ...]`` on 8 devices; their
+  sum is the global gradient), nothing is communicated, and
+  :func:`~optax_accum.accumulate` with the same ``axis_name`` reduces the
+  window once, when it closes (an all-reduce, or a reduce-scatter onto
+  FSDP-sharded params). Params sharded over ``axis_name`` are all-gathered
+  for the forward pass, as FSDP does. One device (a ``(1,)`` mesh) runs the
+  same code.
 
   Args:
     fn: ``fn(params, *args) -> loss`` (``(loss, aux)`` with ``has_aux``), the
@@ -411,11 +541,13 @@ def local_value_and_grad(
       e.g. a token-weighted loss, the sum of its token losses over the
       *global* token count passed in as an argument (then
       ``accumulate(..., reduction="weighted")`` takes that count as ``weight``).
+    allow_int: as for ``jax.grad``: integer params get a ``float0`` gradient
+      (``accumulate`` counts it as zero) instead of an error.
 
   Returns:
     ``f(params, *args) -> (loss, grads)`` (``((loss, aux), grads)`` with
-    ``has_aux``): the global loss, and its gradients unreduced over
-    ``axis_name``.
+    ``has_aux``): the global loss, and each device's share of its gradient,
+    stacked (``grads["w"].sum(0)`` is the gradient of the global loss).
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax, optax_accum as oa
@@ -435,7 +567,7 @@ def local_value_and_grad(
     ...   return (*oa.update_and_apply(tx, grads, state, params), value)
     >>> x = jax.device_put(np.ones((16, 3), np.float32), NamedSharding(mesh, P("data")))
     >>> print(jax.typeof(grad_fn(params, x)[1]["w"]))
-    float32[3,2]{U:data}
+    float32[8@data,3,2]
     >>> for _ in range(2):
     ...   params, state, value = step(params, state, x)
     >>> float(value), params["b"].tolist()  # one SGD step on the mean gradient (3, 3)
@@ -446,6 +578,7 @@ def local_value_and_grad(
   axes = _arrays.axis_names(axis_name)
   b_nums = _validation.check_argnums(batch_argnums, "batch_argnums")
   has_aux = _validation.check_flag(has_aux, "has_aux")
+  allow_int = _validation.check_flag(allow_int, "allow_int")
   if combine not in ("mean", "sum"):
     raise ValueError(
         f"`combine` must be 'mean' (fn returns the mean over its rows) or 'sum' (fn returns"
@@ -477,12 +610,14 @@ def local_value_and_grad(
           loss, aux = out if has_aux else (out, None)
           return loss * share, aux  # this device's share of the global loss
 
-        (loss, aux), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        (loss, aux), grads = jax.value_and_grad(scaled, has_aux=True, allow_int=allow_int)(
+            params)
         aux = jax.tree.map(lambda a: jax.lax.pmean(a, axes), aux)
-        return (jax.lax.psum(loss, axes), aux), grads
+        return (jax.lax.psum(loss, axes), aux), jax.tree.map(lambda g: g[None], grads)
 
-      # JAX returns unreduced gradients only from a shard_map manual over every mesh axis.
-      out_specs = ((PartitionSpec(), PartitionSpec()), PartitionSpec(unreduced=set(axes)))
+      # Manual over every mesh axis: the model runs on whole params, as written.
+      out_specs = ((PartitionSpec(), PartitionSpec()),
+                   PartitionSpec(_per_device.spec_entry(axes)))
       (loss, aux), grads = _per_device.run(per_device, (params, *args), nums, axes, out_specs,
                                            manual=mesh.axis_names)
       return ((loss, aux), grads) if has_aux else (loss, grads)
@@ -504,10 +639,10 @@ def _check_data_axes_only(axes: tuple[Any, ...], b_nums: tuple[int, ...],
           " `fn` is sharded over"
           f" the mesh axes {sorted(other)}, which are not"
           f" `axis_name={_per_device.spec_entry(axes)!r}`."
-          " It runs `fn` on whole params per device (JAX returns unreduced gradients"
-          " only from a shard_map manual over every mesh axis), so it cannot keep a"
-          " tensor-parallel layout. For such a model written for explicit sharding use"
-          " `defer_reduction`; or shard only over the data axes (FSDP over them is fine).")
+          " It runs `fn` on whole params per device (a shard_map manual over every"
+          " mesh axis), so it cannot keep a tensor-parallel layout. For such a model"
+          " written for explicit sharding use `defer_reduction`; or shard only over the"
+          " data axes (FSDP over them is fine).")
 
 
 def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
@@ -517,18 +652,17 @@ def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
   axis makes its gradient a cross-device sum, and XLA inserts that all-reduce
   into every call. Resharding the params to ``P(..., reduced={axis})`` first
   makes ``jax.grad`` return per-device partial sums instead
-  (``float32[...]{U:data}``): they can be added, carried and passed to the
-  next jitted call, and :func:`~optax_accum.accumulate` with ``axis_name``
-  reduces them once, when the window closes. (``microbatched`` needs none of
+  (``float32[...]{U:data}``), and :func:`~optax_accum.accumulate` with
+  ``axis_name`` keeps each device's as its copy in the buffer (no data moves)
+  and reduces them once, when the window closes. (``microbatched`` needs none of
   this: under plain jit it reads the data axes from the batch's type.)
   Params sharded over ``axis_name`` (FSDP) are all-gathered over it here.
 
   Prefer :func:`local_value_and_grad`: it runs the model unmodified (here
   every bias add needs :func:`broadcast_like`) and needs no ``jax.set_mesh``.
   This is the way for a model written for explicit sharding over more mesh
-  axes than the data ones (tensor parallelism): JAX 0.10 returns unreduced
-  gradients only from a ``shard_map`` manual over every axis, which
-  ``local_value_and_grad`` cannot be for such a model.
+  axes than the data ones (tensor parallelism), which ``local_value_and_grad``
+  (a ``shard_map`` manual over every axis) cannot run.
 
   Args:
     params: the params, placed on an explicit mesh (``jax.set_mesh``).
@@ -551,10 +685,10 @@ def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
     ...   def step(params, state, x):
     ...     grads = jax.grad(lambda p: jnp.mean(x @ p["w"]))(defer_reduction(params, "data"))
     ...     return oa.update_and_apply(tx, grads, state, params)
-    ...   print(jax.typeof(state.acc_grads["w"]))
+    ...   print(jax.typeof(state.acc_grads["w"]))  # one partial sum per device
     ...   for _ in range(2):
     ...     params, state = step(params, state, x)
-    float32[3]{U:data}
+    float32[8@data,3]
     >>> params["w"]  # one SGD step on the mean gradient (1, 1, 1)
     Array([0.9, 0.9, 0.9], dtype=float32)
   """

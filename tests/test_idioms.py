@@ -400,16 +400,25 @@ def test_equinox_static_fields_and_filter_accumulate_equals_large_batch() -> Non
   assert_close({"w": model.w, "b": model.b}, expected)
 
 
-def test_integer_leaves_get_an_error_naming_the_leaf() -> None:
+def test_integer_leaves_count_as_zero_gradients() -> None:
   """``jax.grad(loss, allow_int=True)`` gives float0 cotangents for integer leaves (a
-  step counter, an Equinox integer field): every entry point names the leaf and the fix."""
+  step counter, an Equinox integer field): accumulate and MultiSteps train the other
+  leaves as the large batch does and leave the integer one as it is; microbatched, which
+  must sum them, names the leaf and the fix."""
   params = {"w": jnp.ones(3), "count": jnp.asarray(3)}
   loss_fn = lambda p, x: jnp.sum(p["w"] * x.sum() * p["count"])
-  grads = jax.grad(loss_fn, allow_int=True)(params, jnp.ones((4, 1)))
+  xs = [jnp.full((4, 1), float(i + 1)) for i in range(K)]
+  whole = jax.grad(loss_fn, allow_int=True)(params, jnp.concatenate(xs))
+  expected = params["w"] - 0.1 * whole["w"] / K  # the large batch's mean gradient
   for tx in (oa.accumulate(K, optax.sgd(0.1)), oa.MultiSteps(optax.sgd(0.1), K)):
-    state = tx.init(params)
-    with pytest.raises(TypeError, match=r"\['count'\] has dtype float0.*eqx.partition"):
-      tx.update(grads, state, params)
+    p, state = params, tx.init(params)
+    for x in xs:
+      grads = jax.grad(loss_fn, allow_int=True)(p, x)
+      assert grads["count"].dtype == jax.dtypes.float0
+      updates, state = jax.jit(tx.update)(grads, state, p)
+      p = optax.apply_updates(p, updates)
+    np.testing.assert_allclose(p["w"], expected, rtol=1e-6)
+    assert p["count"].dtype == params["count"].dtype and int(p["count"]) == 3
   vg = oa.microbatched(jax.value_and_grad(loss_fn, allow_int=True), 2)
   with pytest.raises(TypeError, match=r"\['count'\] has dtype float0.*eqx.partition"):
     vg(params, jnp.ones((4, 1)))

@@ -101,8 +101,8 @@ def test_two_processes_match_single_process_large_batch(tmp_path: Path, mode: st
   for pid, r in enumerate(results):
     assert not r["timed_out"] and r["returncode"] == 0, f"process {pid}:\n{r['log'][-3000:]}"
     assert "2 local / 4 global devices" in r["log"]
-    # Each device's buffer: one per device under shard_map, a partial sum under jit.
-    buffer = {"shard_map": "buffer float32[4,8,4]", "plain_jit": "buffer float32[8,4]{U:data}"}
+    # One buffer per device, stacked: by the shard_map specs, or by `init` under jit.
+    buffer = {"shard_map": "buffer float32[4,8,4]", "plain_jit": "buffer float32[4@data,8,4]"}
     assert f"{mode}: {buffer[mode]}" in r["log"], r["log"][-3000:]
     assert r["log"].count("emitted=True") == windows
   expected = _reference(_load_script(), windows, k, global_batch)

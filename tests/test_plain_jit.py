@@ -227,6 +227,12 @@ def param_layout(spec: P, ndim: int) -> tuple[Any, ...]:
   return (*spec, *(None,) * (ndim - len(spec))), frozenset()
 
 
+def buffer_layout(spec: P, ndim: int) -> tuple[Any, ...]:
+  """One copy per device of a param laid out as ``spec``: a leading dim over "data"."""
+  partitions, _ = param_layout(spec, ndim)
+  return ("data", *(None if entry == "data" else entry for entry in partitions)), frozenset()
+
+
 def window_ends(windows: Sequence[Sequence[int]]) -> list[bool]:
   return [i == len(w) - 1 for w in windows for i in range(len(w))]
 
@@ -245,9 +251,9 @@ def test_replicated_matches_large_batch(reduction: str, apply: bool) -> None:
   plan = [range(w * k, (w + 1) * k) for w in range(windows)]
   assert emitted == window_ends(plan)
   assert int(state.gradient_step) == windows
-  for name, p in params.items():  # the params come back replicated; the buffer is unreduced
+  for name, p in params.items():  # params come back replicated; the buffer: a copy per device
     assert layout(p) == param_layout(P(), p.ndim), name
-    assert layout(state.acc_grads[name]) == ((None,) * p.ndim, {"data"}), name
+    assert layout(state.acc_grads[name]) == buffer_layout(P(), p.ndim), name
   expected = large_batch_reference(make_params(), plan, data, reduction)
   # "sum" takes k times larger steps: params of size ~4, float32 rounding ~4e-6.
   assert_trees_close(params, expected, atol=1e-5 if reduction == "sum" else 2e-6)
@@ -309,10 +315,7 @@ def test_fsdp_matches_large_batch_and_keeps_shardings(apply: bool) -> None:
     ndim = params[name].ndim
     assert layout(params[name]) == param_layout(spec, ndim), name
     assert layout(trace[name]) == param_layout(spec, ndim), name  # momentum laid out like it
-    # The buffer: the param's layout without "data", each device's partial sum over it.
-    partitions, _ = param_layout(spec, ndim)
-    without_data = tuple(None if entry == "data" else entry for entry in partitions)
-    assert layout(state.acc_grads[name]) == (without_data, {"data"}), name
+    assert layout(state.acc_grads[name]) == buffer_layout(spec, ndim), name
   assert_trees_close(params, large_batch_reference(make_params(), plan, data, "mean"))
 
 
@@ -325,7 +328,7 @@ def test_init_under_the_mesh_lays_the_state_out_like_the_params() -> None:
       for name, spec in FSDP.items():
         trace = state.inner_opt_state[0].trace[name]
         assert layout(trace) == param_layout(spec, trace.ndim), name
-        assert layout(state.acc_grads[name])[1] == {"data"}, name
+        assert layout(state.acc_grads[name]) == buffer_layout(spec, trace.ndim), name
 
 
 def test_state_shardings_keeps_the_buffer_unreduced() -> None:
@@ -440,15 +443,19 @@ def _one_step(mesh: Mesh, tx: optax.GradientTransformation, **step_options: Any)
 
 def test_reduced_gradients_with_axis_name_raise() -> None:
   tx = oa.accumulate(2, inner_opt(), axis_name="data")
-  with pytest.raises(ValueError, match=r"already reduced over \['data'\].*local_value_and_grad"):
+  with pytest.raises(ValueError,
+                     match=r"already reduced over `axis_name='data'`.*local_value_and_grad"):
     _one_step(data_mesh(), tx, grads_by="plain")
 
 
-def test_unreduced_gradients_without_axis_name_raise() -> None:
+def test_per_device_gradients_without_axis_name_raise() -> None:
   tx = oa.accumulate(2, inner_opt())
+  with pytest.raises(ValueError, match=r"one copy per device.*local_value_and_grad.*"
+                     r"axis_name='data'"):
+    _one_step(data_mesh(), tx)
   with pytest.raises(ValueError, match=r"unreduced over \['data'\].*without `axis_name`"
                      r".*axis_name='data'"):
-    _one_step(data_mesh(), tx)
+    _one_step(data_mesh(), tx, grads_by="deferred", model=sharded_per_example_loss)
 
 
 def test_axis_name_on_an_auto_axis_raises() -> None:
@@ -481,7 +488,7 @@ def test_no_set_mesh_trains_like_the_large_batch() -> None:
   tx = oa.accumulate(k, inner_opt(), axis_name="data")
   params = {name: jax.device_put(v, NamedSharding(mesh, P())) for name, v in make_params().items()}
   state = tx.init(params)  # the mesh is read from the params' shardings
-  assert layout(state.acc_grads["w1"])[1] == {"data"}
+  assert layout(state.acc_grads["w1"]) == buffer_layout(P(), 2)
   step = make_step(tx, apply=False)
   for i in range(2 * k):
     batch = [jax.device_put(a[i], NamedSharding(mesh, P("data"))) for a in data]
@@ -516,7 +523,7 @@ def test_local_grads_fsdp_over_data_matches_large_batch(reduction: str) -> None:
                            apply=False, weighted=reduction == "weighted")
   for name, spec in FSDP_DATA.items():
     assert layout(params[name]) == param_layout(spec, params[name].ndim), name
-    assert layout(state.acc_grads[name]) == ((None,) * params[name].ndim, {"data"}), name
+    assert layout(state.acc_grads[name]) == buffer_layout(spec, params[name].ndim), name
   plan = [range(w * k, (w + 1) * k) for w in range(windows)]
   assert_trees_close(params, large_batch_reference(make_params(), plan, data, reduction))
 
@@ -554,4 +561,4 @@ def test_local_grads_name_bad_batch_argnums() -> None:
     with pytest.raises(ValueError, match=r"`batch_argnums` contains 2, but .* 2 positional"):
       local_value_and_grad(loss, "data", batch_argnums=2)(params, x)
     _, grads = local_value_and_grad(loss, "data", batch_argnums=-1)(params, x)
-    assert jax.typeof(grads["w1"]).sharding.spec.unreduced == {"data"}
+    assert layout(grads["w1"]) == buffer_layout(P(), 2)
