@@ -6,9 +6,10 @@ axes are ``AxisType.Explicit`` and set with ``jax.set_mesh``: the gradients
 are taken with respect to ``defer_reduction(params, "data")`` (all-gathered
 over ``data`` for the forward pass, as FSDP does), so they come back
 *unreduced*: each device's partial sum, with no communication.
-``accumulate(k, opt, axis_name="data")`` adds them to a buffer that stays
-unreduced, and when the window closes reduce-scatters it once to the params'
-own sharding and steps the optimizer there; its momentum is laid out like the
+``accumulate(k, opt, axis_name="data")`` adds each device's into its own copy
+of the buffer (one per device, stacked along a leading axis sharded over
+``data``: ordinary arrays, which checkpoint as they are), and when the window
+closes reduce-scatters their sum once to the params' own sharding and steps the optimizer there; its momentum is laid out like the
 params. The run is checked against single-device large-batch training (SGD
 with momentum on the gradient of each whole window: a gradient reduced twice,
 or summed instead of averaged, would show).
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
   with jax.set_mesh(mesh):
     params = {name: jax.device_put(v, SPECS[name]) for name, v in host_params.items()}
-    state = jax.jit(tx.init)(params)  # under the mesh: buffer {U:data}, momentum like params
+    state = jax.jit(tx.init)(params)  # buffer: a copy per device; momentum like params
     losses = []
     for w in range(args.windows):
       window_loss = 0.0

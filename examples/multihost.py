@@ -10,8 +10,8 @@ once per window, in the emitting branch of
 
 * ``--mode plain_jit``: plain ``jax.jit`` on an ``AxisType.Explicit`` mesh
   (``jax.make_mesh``'s default; no ``jax.set_mesh``), the unmodified model;
-  gradients from ``local_value_and_grad(loss_fn, "data")`` come back
-  unreduced (``{U:data}``).
+  gradients from ``local_value_and_grad(loss_fn, "data")`` come back as
+  one copy per device (each device's share), as does the buffer.
 * ``--mode shard_map`` (the default): gradients with respect to
   ``pcast(params, "data", to="varying")`` inside ``shard_map``, the buffer
   per device (``per_device_state``).
@@ -160,12 +160,12 @@ def plain_jit_step(k: int, host_params: Any) -> tuple[Any, Any, Any, Any]:
   mesh = jax.make_mesh((jax.device_count(),), ("data",))  # Explicit axes by default
   tx = oa.accumulate(k, optax.sgd(LR, momentum=MOMENTUM), axis_name="data")
   params = replicated(mesh, host_params)
-  state = tx.init(params)  # the mesh comes from the params: the buffer is typed {U:data}
+  state = tx.init(params)  # the mesh comes from the params: a buffer copy per device
   grad_fn = local_value_and_grad(loss_fn, "data", batch_argnums=(1, 2))
 
   @jax.jit
   def train_step(p: Any, s: Any, x: Any, y: Any) -> tuple[Any, Any, Any]:
-    # Each device's share of the gradient (unreduced): no all-reduce here. The
+    # Each device's share of the gradient, stacked: no all-reduce here. The
     # window is reduced once, in the emitting branch, to the params' sharding.
     _, grads = grad_fn(p, x, y)
     p, s = oa.update_and_apply(tx, grads, s, p)

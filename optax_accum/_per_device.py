@@ -106,6 +106,18 @@ def sq_norms(tree: Any) -> jax.Array:
   return sum(one(x) for x in jax.tree.leaves(tree) if x.size)
 
 
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every copy in ``tree`` is free of NaN and Inf: one scalar crosses devices.
+
+  Each device sums ``x - x`` over its own copies (0 where finite, NaN where
+  not), as ``precision.all_finite`` does per leaf; only the devices' sums are
+  reduced.
+  """
+  per_device = [jnp.sum(x - x, axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(tree)
+                if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+  return jnp.isfinite(jnp.sum(sum(per_device))) if per_device else jnp.asarray(True)
+
+
 def param_layout(stacked: Any, params: Any) -> Any:
   """The spec of each param, or (``params`` None) of one copy in ``stacked``."""
   if params is None:

@@ -244,8 +244,7 @@ def accumulate(
       if stacked is not None:  # a partial sum typed unreduced, as its per-device copies
         updates = jax.tree.map(lambda g: _per_device.stack(g, stacked), updates)
       accept = False if flushing else (
-          _accept(updates, weight, None if stacked else config.axis_name)
-          if skip_nonfinite else True)
+          _accept(updates, weight, config.axis_name, stacked) if skip_nonfinite else True)
       window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads,
                               state.acc_weight, state.noise_stats)
       out = _window.micro_step(config, updates, window, state.inner_opt_state, params,
@@ -264,14 +263,16 @@ def accumulate(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _accept(grads: Any, weight: jax.Array | None, axis_name: Any) -> jax.Array:
-  """Whether this micro-batch counts when non-finite ones are skipped."""
-  accept = all_finite(grads)
+def _accept(grads: Any, weight: jax.Array | None, axis_name: Any, stacked: Any) -> jax.Array:
+  """Whether this micro-batch counts when non-finite ones are skipped.
+
+  Every device must agree, or the windows drift apart: one scalar reduction
+  (over the per-device copies under plain jit, a ``pmin`` under shard_map).
+  """
+  accept = _per_device.all_finite(grads) if stacked else all_finite(grads)
   if weight is not None:
     accept = jnp.logical_and(accept, jnp.isfinite(weight))
-  # Every device must agree, or the windows drift apart: one scalar reduction
-  # (per-device copies under plain jit reduce in all_finite itself).
-  if axis_name is not None:
+  if axis_name is not None and not stacked:
     accept = lax.pmin(accept.astype(jnp.int32), axis_name).astype(jnp.bool_)
   return accept
 

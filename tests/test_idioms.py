@@ -10,6 +10,10 @@ here instead of in a user's script. ``tests/conftest.py`` forces 8 host devices.
 
 from __future__ import annotations
 
+import ast
+import importlib
+import re
+import warnings
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -449,3 +453,40 @@ def test_orbax_restore_into_an_abstract_target_mid_window(tmp_path: Path) -> Non
   for i in range(K + 1, K * WINDOWS):
     params, state = step(params, state, x[i], y[i])
   assert_close(params, reference(init_params(), make_data()))
+
+
+# --- error messages -----------------------------------------------------------------------
+
+
+def _raised_texts(tree: ast.AST) -> list[str]:
+  """The string parts of every ``raise`` and ``warnings.warn`` message in a module."""
+  texts = []
+  for node in ast.walk(tree):
+    call = node.exc if isinstance(node, ast.Raise) else node
+    if isinstance(node, ast.Raise) or (
+        isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "warn"):
+      texts += [n.value for n in ast.walk(call)
+                if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+  return texts
+
+
+def test_error_messages_name_only_public_names_that_exist() -> None:
+  """A fix an error names is one the user can call: public, present, not deprecated."""
+  package = Path(oa.__file__).parent
+  named = set()
+  for module in package.glob("*.py"):
+    text = " ".join(_raised_texts(ast.parse(module.read_text())))
+    named |= {m.group(1) for m in re.finditer(r"\b(optax_accum(?:\.\w+)+|oa(?:\.\w+)+)", text)}
+  assert "optax_accum.sharding.reshard_state" in named  # the scan sees the messages
+  for dotted in sorted(named):
+    parts = dotted.replace("oa.", "optax_accum.", 1).split(".")
+    assert not any(p.startswith("_") for p in parts), dotted
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", DeprecationWarning)  # no deprecated alias
+      obj = importlib.import_module(parts[0])
+      for i, part in enumerate(parts[1:], 1):
+        try:
+          obj = getattr(obj, part)
+        except AttributeError:
+          obj = importlib.import_module(".".join(parts[: i + 1]))
+    assert obj is not None, dotted

@@ -562,3 +562,77 @@ def test_local_grads_name_bad_batch_argnums() -> None:
       local_value_and_grad(loss, "data", batch_argnums=2)(params, x)
     _, grads = local_value_and_grad(loss, "data", batch_argnums=-1)(params, x)
     assert layout(grads["w1"]) == buffer_layout(P(), 2)
+
+
+# --- (e) skip_nonfinite and the noise estimate, as under shard_map -------------------------
+
+
+def test_skip_nonfinite_drops_the_micro_batch_on_every_device() -> None:
+  """A NaN in one device's rows drops that micro-batch everywhere: it does not count, the
+  windows close on the others, and the result is the large batch without it."""
+  k = 4
+  x, y, mask = make_data(9)
+  x[2, 0, 0] = np.nan  # row 0 of micro-batch 2: device 0's rows only
+  tx = oa.accumulate(k, inner_opt(), axis_name="data", skip_nonfinite=True)
+  params, state, emitted = train(data_mesh(), REPLICATED, tx, (x, y, mask), [False] * 9,
+                                 apply=True)
+  plan = [[0, 1, 3, 4], [5, 6, 7, 8]]
+  assert int(state.num_skipped) == 1 and int(state.gradient_step) == 2
+  assert emitted == [False, False, False, False, True, False, False, False, True]
+  assert_trees_close(params, large_batch_reference(make_params(), plan, (x, y, mask), "mean"))
+
+
+def shard_map_noise_state(data: tuple[np.ndarray, ...], k: int, steps: int) -> Any:
+  """The noise estimate of ``per_device_state`` under shard_map on the same data."""
+  from functools import partial
+
+  from optax_accum.sharding import per_device_state, shard_map_specs
+
+  mesh = data_mesh()
+  tx = per_device_state(oa.accumulate(k, inner_opt(), axis_name="data",
+                                      track_noise_scale=0.5), "data")
+  params = jax.device_put(make_params(), NamedSharding(mesh, P()))
+  specs = shard_map_specs(tx, params, "data")
+
+  @jax.jit
+  @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+           out_specs=(P(), specs))
+  def step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> Any:
+    local = jax.lax.pcast(p, "data", to="varying")
+    grads = jax.grad(lambda q: jnp.mean(per_example_loss(q, xb, yb)))(local)
+    return oa.update_and_apply(tx, grads, s, p)
+
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+  rows = NamedSharding(mesh, P("data"))
+  for i in range(steps):
+    params, state = step(params, state, *(jax.device_put(a[i], rows) for a in data[:2]))
+  return state.noise_stats
+
+
+def test_noise_scale_equals_the_shard_map_estimate() -> None:
+  """Its unit is one device's micro-batch on both paths: the same estimate."""
+  k, windows = 4, 3
+  data = make_data(k * windows)
+  tx = oa.accumulate(k, inner_opt(), axis_name="data", track_noise_scale=0.5)
+  _, state, _ = train(data_mesh(), REPLICATED, tx, data, [False] * (k * windows), apply=True)
+  ours, theirs = state.noise_stats, shard_map_noise_state(data, k, k * windows)
+  assert int(ours.num_windows) == int(theirs.num_windows) == windows
+  for field in ("signal", "noise"):
+    np.testing.assert_allclose(getattr(ours, field), getattr(theirs, field), rtol=1e-4,
+                               err_msg=field)
+  assert np.isfinite(float(oa.noise_scale(state))) or int(ours.num_windows) < 10
+
+
+@cpu_only
+@pytest.mark.parametrize("option", ["skip_nonfinite", "track_noise_scale"])
+def test_skip_and_noise_add_no_gradient_communication(option: str) -> None:
+  """Mid-steps: one scalar reduction (the devices agree on a skip), or none (the noise
+  estimate's sums stay per device); the window: one reduction, as without them."""
+  tx = oa.accumulate(8, inner_opt(), axis_name="data", **{option: True})
+  outside, emitting = reductions(compile_step(data_mesh(), REPLICATED, tx))
+  if option == "skip_nonfinite":
+    assert len(outside) == 1 and outside[0].bytes <= 4, outside
+  else:
+    assert outside == []
+  grad_bytes = sum(v.nbytes for v in make_params().values())
+  assert grad_bytes <= sum(c.bytes for c in emitting) <= grad_bytes + 64
