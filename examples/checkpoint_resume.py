@@ -20,16 +20,16 @@ from pathlib import Path
 # The second part's 8 devices (host CPU devices, before jax is imported).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import optax_accum as oa  # noqa: E402
-from optax_accum.sharding import local_value_and_grad, reshard_state  # noqa: E402
+import optax_accum as oa
+from optax_accum.sharding import local_value_and_grad, reshard_state
 
 K = 4
 tx = oa.accumulate(K, optax.adam(1e-2))

@@ -9,10 +9,11 @@ over ``data`` for the forward pass, as FSDP does), so they come back
 ``accumulate(k, opt, axis_name="data")`` adds each device's into its own copy
 of the buffer (one per device, stacked along a leading axis sharded over
 ``data``: ordinary arrays, which checkpoint as they are), and when the window
-closes reduce-scatters their sum once to the params' own sharding and steps the optimizer there; its momentum is laid out like the
-params. The run is checked against single-device large-batch training (SGD
-with momentum on the gradient of each whole window: a gradient reduced twice,
-or summed instead of averaged, would show).
+closes reduce-scatters their sum once to the params' own sharding and steps
+the optimizer there; its momentum is laid out like the params. The run is
+checked against single-device large-batch training (SGD with momentum on the
+gradient of each whole window: a gradient reduced twice, or summed instead of
+averaged, would show).
 
 Run on 8 host CPU devices (no accelerator needed)::
 
