@@ -9,7 +9,11 @@ one micro-batch per call of an accumulating transform.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import chex
@@ -111,3 +115,14 @@ def accumulate_run(tx: optax.GradientTransformation, params: Any, windows: Seque
       params = new_params
     history.append(params)
   return history, state
+
+
+def load_example(name: str) -> ModuleType:
+  """``examples/<name>.py`` imported as a module (the examples are scripts, not a package)."""
+  path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"optax_accum_example_{name}", path)
+  assert spec is not None and spec.loader is not None
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up there
+  spec.loader.exec_module(module)
+  return module
