@@ -40,13 +40,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_pyfunc_call(pyfuncitem: pytest.Function):
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> object:
   """After a test passes, rerun it under each mutant it claims: an assertion must fail."""
   result = yield
-  mark = pyfuncitem.get_closest_marker("catches")
-  if mark is None or _UNDER_MUTANT in pyfuncitem.stash:
+  names = [name for mark in pyfuncitem.iter_markers("catches") for name in mark.args]
+  if _UNDER_MUTANT in pyfuncitem.stash:
     return result
-  for name in mark.args:
+  for name in names:
     if name not in _mutants.MUTANTS:
       pytest.fail(f"@pytest.mark.catches({name!r}): no such mutant in tests/_mutants.py"
                   f" (there are {sorted(_mutants.MUTANTS)})", pytrace=False)
