@@ -126,14 +126,6 @@ def grad_fn(cfg: dict[str, Any], heads: int, batch_size: int) -> Callable:
   return jax.jit(fn)
 
 
-def run_steps(fn: Callable, params: Params, batch: dict[str, jax.Array], n: int) -> None:
-  """``n`` calls of ``fn(params, batch)``, blocking on the last."""
-  out = None
-  for _ in range(n):
-    out = fn(params, batch)
-  jax.block_until_ready(out)
-
-
 def measure(cfgs: list[dict[str, Any]], params: Params, batch: dict[str, jax.Array],
             heads: int, rounds: int, iters: int) -> list[dict[str, Any]]:
   """One row per config: temporaries, same-round step ratio, gradient difference to
@@ -152,8 +144,8 @@ def measure(cfgs: list[dict[str, Any]], params: Params, batch: dict[str, jax.Arr
                  "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
                  "grad_rel_diff_vs_full": err})
     fns.append(compiled)
-  secs = harness.interleaved({i: functools.partial(run_steps, f, params, batch, iters)
-                              for i, f in enumerate(fns)}, rounds)
+  secs = harness.interleaved({i: lambda f=f: jax.block_until_ready(  # iters calls each
+      [f(params, batch) for _ in range(iters)]) for i, f in enumerate(fns)}, rounds)
   times = [[s / iters for s in secs[i]] for i in range(len(fns))]
   for row, t in zip(rows, times, strict=True):
     row["step_ms"] = 1e3 * statistics.median(t)

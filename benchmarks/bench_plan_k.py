@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import harness
@@ -89,8 +91,8 @@ def mlp_case(args: argparse.Namespace) -> dict[str, Any]:
 def transformer_case(args: argparse.Namespace, remat: bool) -> dict[str, Any]:
   """The demo's CharTransformer and token-weighted loss (its microbatched and accumulate arms)."""
   from flax import nnx
-
-  from optax_accum import demo
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+  import demo  # examples/demo.py
 
   cfg = demo.Config(k=1, batch_size=args.tf_batch, seq_len=args.tf_seq, d_model=args.tf_d_model,
                     layers=args.tf_layers, heads=args.tf_heads)

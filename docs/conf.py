@@ -39,6 +39,9 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.doctest",
     "sphinx.ext.mathjax",
+    # MathJax 3 from the docs extra, copied into _static: the pages' math renders
+    # offline (sphinx.ext.mathjax alone loads it from a CDN).
+    "sphinx-mathjax-offline",
     "sphinx.ext.viewcode",
     "coverage_check",
     "executed_code",

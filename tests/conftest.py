@@ -5,6 +5,10 @@ multi-device tests (pmap, shard_map, NamedSharding) run on a CPU-only machine.
 Single-device tests are unaffected: jit places work on device 0. With
 ``OPTAX_ACCUM_TEST_DEVICES=1`` nothing is forced: the platform's own devices
 (one CPU), for the one-device runs (``tests/test_lifecycle.py`` starts one).
+
+A test marked ``@pytest.mark.catches(name, ...)`` runs once as it is and then
+once under each named mutant of ``tests/_mutants.py``, where an assertion must
+fail (:func:`pytest_pyfunc_call`).
 """
 
 import os
@@ -23,3 +27,44 @@ jax.config.update("jax_enable_x64", False)
 # no exactness test can absorb; pin full precision so the suite means the same
 # on every backend. What TF32 does to training is measured in the README.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# -- mutants (tests/_mutants.py) ----------------------------------------------------
+import pytest  # noqa: E402
+
+from tests import _mutants  # noqa: E402
+
+_UNDER_MUTANT = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+  config.addinivalue_line(
+      "markers", "catches(*names): mutants of tests/_mutants.py this test must fail on")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> object:
+  """After a test passes, rerun it under each mutant it claims: an assertion must fail."""
+  result = yield
+  names = [name for mark in pyfuncitem.iter_markers("catches") for name in mark.args]
+  if _UNDER_MUTANT in pyfuncitem.stash:
+    return result
+  for name in names:
+    if name not in _mutants.MUTANTS:
+      pytest.fail(f"@pytest.mark.catches({name!r}): no such mutant in tests/_mutants.py"
+                  f" (there are {sorted(_mutants.MUTANTS)})", pytrace=False)
+    pyfuncitem.stash[_UNDER_MUTANT] = name
+    try:
+      with pytest.MonkeyPatch.context() as patch:
+        _mutants.MUTANTS[name](patch)
+        pyfuncitem.ihook.pytest_pyfunc_call(pyfuncitem=pyfuncitem)
+    except AssertionError:
+      continue
+    except Exception:
+      print(f"raised under the mutant {name!r}, which must fail an assertion instead")
+      raise
+    finally:
+      del pyfuncitem.stash[_UNDER_MUTANT]
+    pytest.fail(f"the mutant {name!r} survived: the test passed on it"
+                f" ({' '.join(_mutants.MUTANTS[name].__doc__.split())})", pytrace=False)
+  return result

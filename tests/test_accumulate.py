@@ -14,11 +14,13 @@ import pytest
 
 import optax_accum as oa
 from tests._reference import (
+  accumulate_run,
   assert_trees_close,
   grad_fn,
   init_params,
   large_batch_run,
   make_batches,
+  make_windows,
 )
 
 K = 3
@@ -43,36 +45,15 @@ OPTIMIZERS = {
 }
 
 
-def _windows(seed: int = 0, k: int = K, n: int = NUM_WINDOWS):
-  batches = make_batches(jax.random.key(seed), k * n)
-  return [batches[i * k:(i + 1) * k] for i in range(n)]
-
-
-def _run_accumulate(tx, params, windows, *, jit=True, **update_kwargs):
-  """Trains with one micro-batch per call; returns params after each window."""
-  update = jax.jit(tx.update) if jit else tx.update
-  state = tx.init(params)
-  history = []
-  for window in windows:
-    for i, batch in enumerate(window):
-      updates, state = update(grad_fn(params, batch), state, params, **update_kwargs)
-      new_params = optax.apply_updates(params, updates)
-      if i < len(window) - 1:
-        chex.assert_trees_all_equal(new_params, params)  # mid-step: nothing moves
-        assert not bool(oa.has_updated(state))
-      else:
-        assert bool(oa.has_updated(state))
-      params = new_params
-    history.append(params)
-  return history, state
-
-
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+# SGD, scale-sensitive, on whole windows: the mutants (tests/_mutants.py) it must catch.
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.catches(
+    "mean_off_by_one_accumulate", "buffer_never_reset", "closing_micro_batch_dropped",
+    "buffer_returned_on_mid_steps")) if name == "sgd" else name for name in sorted(OPTIMIZERS)])
 def test_equals_large_batch_for_every_optimizer(name):
   params = init_params(jax.random.key(1))
-  windows = _windows()
+  windows = make_windows(0, K, NUM_WINDOWS)
   ref = large_batch_run(OPTIMIZERS[name](), params, windows)
-  got, state = _run_accumulate(oa.accumulate(K, OPTIMIZERS[name]()), params, windows)
+  got, state = accumulate_run(oa.accumulate(K, OPTIMIZERS[name]()), params, windows)
   for r, g in zip(ref, got, strict=True):
     assert_trees_close(r, g)
   assert int(state.gradient_step) == NUM_WINDOWS
@@ -125,10 +106,10 @@ def test_mid_step_updates_are_zeros_of_gradient_shape_and_dtype():
 
 def test_chain_form_exact_for_stateless_inexact_for_stateful():
   params = init_params(jax.random.key(5))
-  windows = _windows(seed=6)
+  windows = make_windows(6, K, NUM_WINDOWS)
   # Stateless sgd after accumulate: exactly the large batch.
   ref = large_batch_run(optax.sgd(0.1), params, windows)
-  got, _ = _run_accumulate(optax.chain(oa.accumulate(K, None), optax.sgd(0.1)), params, windows)
+  got, _ = accumulate_run(optax.chain(oa.accumulate(K, None), optax.sgd(0.1)), params, windows)
   assert_trees_close(ref[-1], got[-1])
   # Adam after accumulate in a chain steps on the zeros of every mid-step.
   state = optax.chain(oa.accumulate(K, None), optax.adam(1e-2)).init(params)
@@ -144,19 +125,20 @@ def test_chain_form_exact_for_stateless_inexact_for_stateful():
       jax.tree.leaves(ref_adam), jax.tree.leaves(p), strict=True))
   assert diff > 1e-4, "chain form with adam unexpectedly matched the large batch"
   # The exact form puts Adam inside.
-  exact, _ = _run_accumulate(oa.accumulate(K, optax.adam(1e-2)), params, windows)
+  exact, _ = accumulate_run(oa.accumulate(K, optax.adam(1e-2)), params, windows)
   assert_trees_close(ref_adam, exact[-1])
 
 
 def test_sum_reduction():
   params = init_params(jax.random.key(7))
-  windows = _windows(seed=8, n=2)
+  windows = make_windows(8, K, 2)
   # sgd on the sum equals sgd with lr * k on the mean.
   ref = large_batch_run(optax.sgd(0.1 * K), params, windows)
-  got, _ = _run_accumulate(oa.accumulate(K, optax.sgd(0.1), reduction="sum"), params, windows)
+  got, _ = accumulate_run(oa.accumulate(K, optax.sgd(0.1), reduction="sum"), params, windows)
   assert_trees_close(ref[-1], got[-1])
 
 
+@pytest.mark.catches("weighted_divides_by_count", "weights_ignored")
 def test_weighted_reduction_with_uneven_weights():
   params = init_params(jax.random.key(9))
   batches = make_batches(jax.random.key(10), 4)
@@ -201,6 +183,7 @@ def test_weighted_zero_weight_micro_batch_and_zero_weight_window():
   assert float(state.acc_weight) == 0.0
 
 
+@pytest.mark.catches("reset_by_multiplying")
 def test_nan_never_poisons_a_later_window():
   params = {"w": jnp.ones(3)}
   tx = oa.accumulate(2, optax.sgd(1.0))
@@ -297,6 +280,7 @@ def test_k_schedule_below_one():
     tx.update({"a": jnp.ones([])}, state, params)
 
 
+@pytest.mark.catches("mean_divides_by_k")
 def test_emit_now_flushes_a_partial_window():
   params = init_params(jax.random.key(13))
   batches = make_batches(jax.random.key(14), 2)
@@ -312,7 +296,7 @@ def test_emit_now_flushes_a_partial_window():
 
 def test_donation_and_update_and_apply():
   params = init_params(jax.random.key(15))
-  windows = _windows(seed=16, n=2)
+  windows = make_windows(16, K, 2)
   ref = large_batch_run(optax.adam(1e-2), params, windows)[-1]
   tx = oa.accumulate(K, optax.adam(1e-2))
 
@@ -355,7 +339,7 @@ def test_update_and_apply_is_update_then_apply_for_any_other_transform():
 
 def test_lax_scan_over_many_windows():
   params = init_params(jax.random.key(17))
-  windows = _windows(seed=18, n=4)
+  windows = make_windows(18, K, 4)
   ref = large_batch_run(optax.adamw(1e-2), params, windows)[-1]
   tx = oa.accumulate(K, optax.adamw(1e-2))
   xs = jnp.stack([b[0] for w in windows for b in w])
@@ -442,6 +426,30 @@ def test_tree_mismatch_names_the_first_differing_path():
     tx.update({"a": jnp.zeros(2)}, optax.EmptyState())
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (tests/conftest.py)")
+@pytest.mark.catches("scalars_averaged_across_devices")
+def test_axis_name_window_is_the_mean_over_every_device():
+  """Under pmap each device adds its own micro-batches; the window's mean
+  divides by all of them (the devices' counts summed): the large batch."""
+  n = 2
+  params = init_params(jax.random.key(21))
+  windows = make_windows(22, K * n, 2)  # K micro-batches per device and window
+  tx = oa.accumulate(K, SCALED(), axis_name="d")
+  p = jax.tree.map(lambda x: jnp.stack([x] * n), params)
+  state = jax.pmap(tx.init)(p)
+
+  @functools.partial(jax.pmap, axis_name="d")
+  def step(p, s, batch):
+    updates, s = tx.update(grad_fn(p, batch), s, p)
+    return optax.apply_updates(p, updates), s
+
+  for window in windows:
+    for i in range(K):
+      p, state = step(p, state, jax.tree.map(lambda *xs: jnp.stack(xs), *window[i::K]))
+  assert_trees_close(jax.tree.map(lambda x: x[0], p),
+                     large_batch_run(SCALED(), params, windows)[-1])
+
+
 def test_shard_map_rejects_gradients_already_reduced_over_the_axis():
   from jax.sharding import Mesh
   from jax.sharding import PartitionSpec as P
@@ -478,6 +486,7 @@ def test_has_updated_on_a_flax_nnx_optimizer_state():
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+@pytest.mark.catches("mean_divides_by_k")
 def test_flush_closes_a_partial_window_without_a_new_micro_batch(jit):
   params = init_params(jax.random.key(19))
   batches = make_batches(jax.random.key(20), 3)
@@ -500,6 +509,7 @@ def test_flush_closes_a_partial_window_without_a_new_micro_batch(jit):
   assert int(state.gradient_step) == int(before.gradient_step) == 1
 
 
+@pytest.mark.catches("weighted_divides_by_count")
 def test_flush_weighted_window_and_bad_transform():
   params = {"w": jnp.zeros(2)}
   tx = oa.accumulate(4, optax.sgd(1.0), reduction="weighted")

@@ -1,4 +1,4 @@
-"""The demo runs end to end at a tiny size and reaches the conclusions it prints.
+"""The demo (examples/demo.py) runs end to end at a tiny size and reaches its conclusions.
 
 The full-batch arm is plain ``optax.adam`` on the whole batch: the independent
 reference. The accumulate and microbatched arms must track it to float
@@ -29,12 +29,14 @@ pytest.importorskip("flax.nnx")
 
 from flax import nnx
 
-from optax_accum import demo  # after the skip: the demo needs Flax
+from tests._reference import load_example
+
+demo = load_example("demo")  # after the skip: the demo needs Flax
 
 TINY = [
     "--steps", "6", "--k", "2", "--batch-size", "8", "--seq-len", "32",
     "--d-model", "16", "--layers", "1", "--heads", "2", "--max-files", "3",
-    "--eval-batches", "1", "--unit", "line", "--group-by-length", "--no-progress",
+    "--eval-batches", "1", "--group-by-length", "--no-progress",
     "--k-small", "2", "--k-large", "4", "--min-windows", "2", "--fraction", "50",
 ]
 
@@ -132,23 +134,21 @@ def test_adaptive_arm_changes_k_on_the_same_examples(tiny_run):
     assert label in table
 
 
-def test_learning_rate_counted_in_examples_or_in_steps():
+def test_learning_rate_counted_in_examples():
   """First window (2 micro-batches of 4 sequences): Adam's first update is the
-  sign of the gradient times the learning rate, read at 8 examples (warm-up
-  over 5% of 160 examples: the peak) or at step 0 (warm-up starts at 0)."""
+  sign of the gradient times the learning rate read at 8 examples (warm-up over
+  5% of 160 examples: the peak); the schedule read at step 1 would still be
+  warming up."""
   cfg = demo.Config(lr=0.5, k=2, batch_size=8, k_small=2, k_large=4)
   params = {"w": jnp.zeros(3)}
   grads = {"w": jnp.array([1.0, -2.0, 3.0])}
-  first = {}
-  for unit in ("examples", "steps"):
-    _, tx = demo.adaptive_arms(dataclasses.replace(cfg, schedule_unit=unit), 40)["small_k"]
-    state = tx.init(params)
-    kw = {"examples": 8.0} if unit == "examples" else {}
-    _, state = tx.update(grads, state, params, weight=1.0, **kw)
-    first[unit], state = tx.update(grads, state, params, weight=1.0, **kw)
-  np.testing.assert_allclose(first["examples"]["w"], [-0.5, 0.5, -0.5], rtol=1e-5)
-  np.testing.assert_allclose(first["steps"]["w"], 0.0)
+  _, tx = demo.adaptive_arms(cfg, 40)["small_k"]
+  state = tx.init(params)
+  _, state = tx.update(grads, state, params, weight=1.0, examples=8.0)
+  first, state = tx.update(grads, state, params, weight=1.0, examples=8.0)
+  np.testing.assert_allclose(first["w"], [-0.5, 0.5, -0.5], rtol=1e-5)
   assert float(demo.lr_schedule(cfg, 160)(8)) == 0.5
+  assert float(demo.lr_schedule(cfg, 160)(1)) < 0.5
 
 
 def test_bad_flags_name_the_fix(capsys):

@@ -10,11 +10,7 @@ level is ``step(params, state, g) -> (params, state)`` donating both.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -24,9 +20,6 @@ import pytest
 
 import optax_accum as oa
 from optax_accum import debug
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 N_PARAMS = 2**18  # 1 MiB of f32 params, in 8 leaves
 LEAVES = 8
@@ -146,7 +139,9 @@ def _inner_in_branch(compiled) -> bool:
   return bool(contexts) and all(any(step[0] == "conditional" for step in c) for c in contexts)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [
+    pytest.param(case, marks=pytest.mark.catches("cond_as_selects")) if case == "adam" else case
+    for case in sorted(CASES)])
 def test_inner_optimizer_sits_in_a_conditional(case: str) -> None:
   """The design promise: the inner optimizer runs on emitting steps only."""
   make, kw = CASES[case]
@@ -203,21 +198,3 @@ def test_optax_multisteps_is_worse() -> None:
   assert debug.conditionals(compiled) == 0
   if jax.default_backend() == "cpu":
     assert _temps(compiled) > 1.0
-
-
-def test_bench_quick_smoke(tmp_path: Path) -> None:
-  import bench_accumulate as bench
-
-  proc = subprocess.run(
-      [sys.executable, str(ROOT / "benchmarks" / "bench_accumulate.py"), "--quick",
-       "--out", str(tmp_path)],
-      capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  result = json.loads((tmp_path / "accumulate.json").read_text())
-  seen = {(r["optimizer"], r["row"]) for r in result["records"]}
-  for opt in ("sgd", "adam"):
-    for row, _ in bench.ROWS:
-      assert (opt, row) in seen
-  assert result["bandwidth"]["copy_GBps"] > 0
-  assert (tmp_path / "accumulate.md").read_text().count("| oa.accumulate mid |") == 2
-  assert (tmp_path / "accumulate.png").stat().st_size > 0

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import optax_accum as oa
 from optax_accum import gradient_noise
 from optax_accum.debug import hlo_collectives
-from optax_accum.microbatching import AuxRule, microbatched, split_microbatches
+from optax_accum.microbatching import AuxRule, split_microbatches
 
 RTOL, ATOL = 2e-5, 1e-6
 
@@ -94,10 +94,11 @@ def batch():
 # ------------------------------------------------------------- mean / sum
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
 @pytest.mark.parametrize("split", ["strided", "contiguous"])
-@pytest.mark.parametrize("k", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize(
+    "k", [1, 2, pytest.param(4, marks=pytest.mark.catches("mean_off_by_one_microbatched")), 8, 16])
 def test_mean_equals_full_batch(params, batch, k, split, jit):
   ref_loss, ref_grads = jax.value_and_grad(mean_loss)(params, batch)
-  fn = maybe_jit(microbatched(jax.value_and_grad(mean_loss), k, split=split), jit)
+  fn = maybe_jit(oa.microbatched(jax.value_and_grad(mean_loss), k, split=split), jit)
   loss, grads = fn(params, batch)
   assert_trees_close(loss, ref_loss)
   assert_trees_close(grads, ref_grads)
@@ -107,7 +108,7 @@ def test_mean_equals_full_batch(params, batch, k, split, jit):
 
 def test_k1_is_identity(params, batch):
   fn = jax.value_and_grad(mean_loss)
-  out = microbatched(fn, 1)(params, batch)
+  out = oa.microbatched(fn, 1)(params, batch)
   ref = fn(params, batch)
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
     np.testing.assert_array_equal(a, b)  # bitwise: no scan, no casts
@@ -117,7 +118,7 @@ def test_k1_is_identity(params, batch):
 def test_sum_equals_full_batch(params, batch, jit):
   sum_loss = lambda p, b: jnp.sum(per_example_loss(p, b))
   ref_loss, ref_grads = jax.value_and_grad(sum_loss)(params, batch)
-  fn = maybe_jit(microbatched(jax.value_and_grad(sum_loss), 4, normalize="sum"), jit)
+  fn = maybe_jit(oa.microbatched(jax.value_and_grad(sum_loss), 4, normalize="sum"), jit)
   loss, grads = fn(params, batch)
   assert_trees_close(loss, ref_loss)
   assert_trees_close(grads, ref_grads)
@@ -127,7 +128,7 @@ def test_mean_of_sum_loss_is_not_the_sum(params, batch):
   # Guards against "mean" silently summing: the two must differ by k.
   sum_loss = lambda p, b: jnp.sum(per_example_loss(p, b))
   ref_loss, _ = jax.value_and_grad(sum_loss)(params, batch)
-  loss, _ = microbatched(jax.value_and_grad(sum_loss), 4)(params, batch)
+  loss, _ = oa.microbatched(jax.value_and_grad(sum_loss), 4)(params, batch)
   np.testing.assert_allclose(loss, ref_loss / 4, rtol=RTOL)
 
 
@@ -135,7 +136,7 @@ def test_multiple_batch_args_and_extra_args(params, batch):
   def loss(p, x, scale, y):
     return scale * jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2)
   ref = jax.value_and_grad(loss)(params, batch["x"], 3.0, batch["y"])
-  fn = microbatched(jax.value_and_grad(loss), 4, batch_argnums=(1, 3))
+  fn = oa.microbatched(jax.value_and_grad(loss), 4, batch_argnums=(1, 3))
   out = jax.jit(fn)(params, batch["x"], 3.0, batch["y"])
   assert_trees_close(out, ref)
 
@@ -143,7 +144,7 @@ def test_multiple_batch_args_and_extra_args(params, batch):
 def test_kwargs_pass_through_unsplit(params, batch):
   def loss(p, b, *, offset):
     return mean_loss(p, b) + offset
-  fn = microbatched(jax.value_and_grad(loss), 4)
+  fn = oa.microbatched(jax.value_and_grad(loss), 4)
   loss_val, grads = fn(params, batch, offset=2.0)
   ref_loss, ref_grads = jax.value_and_grad(loss)(params, batch, offset=2.0)
   assert_trees_close((loss_val, grads), (ref_loss, ref_grads))
@@ -155,7 +156,7 @@ def test_nested_batch_pytree(params):
   def loss(p, b):
     return mean_loss(p, {"x": b["inputs"]["x"], "y": b["targets"][0]})
   ref = jax.value_and_grad(loss)(params, nested)
-  out = jax.jit(microbatched(jax.value_and_grad(loss), 3))(params, nested)
+  out = jax.jit(oa.microbatched(jax.value_and_grad(loss), 3))(params, nested)
   assert_trees_close(out, ref)
 
 
@@ -185,7 +186,7 @@ def test_aux_rules_against_full_batch_and_manual_split(params, batch, split, jit
   fn = jax.value_and_grad(loss_with_aux, has_aux=True)
   (ref_loss, ref_aux), ref_grads = fn(params, batch)
   wrapped = maybe_jit(
-      microbatched(fn, k, has_aux=True, aux_rules=AUX_RULES, split=split), jit)
+      oa.microbatched(fn, k, has_aux=True, aux_rules=AUX_RULES, split=split), jit)
   (loss, aux), grads = wrapped(params, batch)
   assert_trees_close(loss, ref_loss)
   assert_trees_close(grads, ref_grads)
@@ -210,11 +211,11 @@ def test_aux_single_rule_broadcasts_and_prefix_trees(params, batch):
     return jnp.mean(per_ex), {"a": jnp.mean(per_ex), "b": (jnp.mean(b["y"]), jnp.max(b["y"]))}
   fn = jax.value_and_grad(loss, has_aux=True)
   (_, ref_aux), _ = fn(params, batch)
-  (_, aux), _ = microbatched(fn, 4, has_aux=True)(params, batch)  # "mean" for all
+  (_, aux), _ = oa.microbatched(fn, 4, has_aux=True)(params, batch)  # "mean" for all
   np.testing.assert_allclose(aux["a"], ref_aux["a"], rtol=RTOL)
   np.testing.assert_allclose(aux["b"][0], ref_aux["b"][0], rtol=RTOL, atol=ATOL)
   assert not np.isclose(aux["b"][1], ref_aux["b"][1])  # mean of maxes != max
-  (_, aux), _ = microbatched(fn, 4, has_aux=True, aux_rules={"a": "mean", "b": "max"})(
+  (_, aux), _ = oa.microbatched(fn, 4, has_aux=True, aux_rules={"a": "mean", "b": "max"})(
       params, batch)
   np.testing.assert_allclose(aux["b"][1], ref_aux["b"][1], rtol=RTOL)
 
@@ -227,7 +228,7 @@ def test_custom_aux_rule(params, batch):
       finalize=lambda c: c[0] / c[1],
   )
   fn = jax.value_and_grad(lambda p, b: (mean_loss(p, b), mean_loss(p, b)), has_aux=True)
-  (_, aux), _ = jax.jit(microbatched(fn, 4, has_aux=True, aux_rules=rule))(params, batch)
+  (_, aux), _ = jax.jit(oa.microbatched(fn, 4, has_aux=True, aux_rules=rule))(params, batch)
   mbs = manual_microbatches(batch, 4, "strided")
   vals = np.array([float(mean_loss(params, mb)) for mb in mbs])
   np.testing.assert_allclose(aux, np.sum(vals * np.arange(1, 5)) / 10, rtol=RTOL)
@@ -270,11 +271,12 @@ UNEVEN = [6, 1, 0, 1, 6, 0, 1, 0]
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
 @pytest.mark.parametrize("split", ["strided", "contiguous"])
+@pytest.mark.catches("weighted_scale_is_the_mean_microbatched")
 def test_weighted_equals_full_batch_and_mean_of_means_does_not(params, split, jit):
   batch = token_batch(lengths=UNEVEN)
   ref_loss, ref_grads = jax.value_and_grad(token_mean_loss)(params, batch)
   fn = jax.value_and_grad(token_sum_loss, has_aux=True)
-  loss, grads = maybe_jit(microbatched(fn, 4, normalize="weighted", split=split), jit)(
+  loss, grads = maybe_jit(oa.microbatched(fn, 4, normalize="weighted", split=split), jit)(
       params, batch)
   assert_trees_close(loss, ref_loss)
   assert_trees_close(grads, ref_grads)
@@ -282,7 +284,7 @@ def test_weighted_equals_full_batch_and_mean_of_means_does_not(params, split, ji
   def mb_token_mean(p, b):
     num, den = token_sum_loss(p, b)
     return num / jnp.maximum(den, 1.0)
-  mom_loss, mom_grads = microbatched(jax.value_and_grad(mb_token_mean), 4, split=split)(
+  mom_loss, mom_grads = oa.microbatched(jax.value_and_grad(mb_token_mean), 4, split=split)(
       params, batch)
   assert abs(float(mom_loss) - float(ref_loss)) > 0.05 * abs(float(ref_loss))
   assert not np.allclose(mom_grads["w2"], ref_grads["w2"], rtol=1e-2)
@@ -294,7 +296,7 @@ def test_weighted_with_aux(params):
     num, den = token_sum_loss(p, b)
     return num, (den, {"tokens": den, "max_loss": jnp.max(token_losses(p, b) * b["mask"])})
   fn = jax.value_and_grad(loss, has_aux=True)
-  (loss_val, aux), g = jax.jit(microbatched(
+  (loss_val, aux), g = jax.jit(oa.microbatched(
       fn, 2, normalize="weighted", has_aux=True, aux_rules={"tokens": "sum", "max_loss": "max"}))(
           params, batch)
   ref_loss, ref_grads = jax.value_and_grad(token_mean_loss)(params, batch)
@@ -308,7 +310,7 @@ def test_weighted_all_padding_is_zero_not_nan(params):
   batch = token_batch(lengths=[0] * 8)
   fn = jax.value_and_grad(token_sum_loss, has_aux=True)
   for k in (1, 4):
-    loss, grads = jax.jit(microbatched(fn, k, normalize="weighted"))(params, batch)
+    loss, grads = jax.jit(oa.microbatched(fn, k, normalize="weighted"))(params, batch)
     assert float(loss) == 0.0
     for g in jax.tree.leaves(grads):
       np.testing.assert_array_equal(g, np.zeros_like(g))
@@ -317,7 +319,7 @@ def test_weighted_all_padding_is_zero_not_nan(params):
 def test_weighted_k1_divides(params):
   batch = token_batch(lengths=UNEVEN)
   fn = jax.value_and_grad(token_sum_loss, has_aux=True)
-  out = microbatched(fn, 1, normalize="weighted")(params, batch)
+  out = oa.microbatched(fn, 1, normalize="weighted")(params, batch)
   assert_trees_close(out, jax.value_and_grad(token_mean_loss)(params, batch))
 
 
@@ -326,7 +328,7 @@ def test_weighted_integer_denominator(params):
   def loss(p, b):
     num, den = token_sum_loss(p, b)
     return num, den.astype(jnp.int32)
-  out = microbatched(jax.value_and_grad(loss, has_aux=True), 4, normalize="weighted")(
+  out = oa.microbatched(jax.value_and_grad(loss, has_aux=True), 4, normalize="weighted")(
       params, batch)
   assert_trees_close(out, jax.value_and_grad(token_mean_loss)(params, batch))
 
@@ -343,7 +345,7 @@ def test_rng_differs_per_microbatch(params, batch, rng_mode):
   key = jax.random.key(42)
   k = 4
   fn = jax.value_and_grad(noisy_loss, has_aux=True)
-  wrapped = jax.jit(microbatched(fn, k, has_aux=True, aux_rules="stack", rng_argnums=2,
+  wrapped = jax.jit(oa.microbatched(fn, k, has_aux=True, aux_rules="stack", rng_argnums=2,
                                  rng_mode=rng_mode))
   (loss, keys), grads = wrapped(params, batch, key)
   keys = np.asarray(keys)
@@ -369,10 +371,10 @@ def test_rng_raw_uint32_key_and_k1_folds_in_like_microbatch_0(params, batch):
   # is never given to `fn` (it used to be, unchanged, for k = 1 only).
   key = jax.random.PRNGKey(7)
   fn = jax.value_and_grad(lambda p, b, kk: (mean_loss(p, b), kk), has_aux=True)
-  (_, keys), _ = microbatched(fn, 2, has_aux=True, aux_rules="stack", rng_argnums=2)(
+  (_, keys), _ = oa.microbatched(fn, 2, has_aux=True, aux_rules="stack", rng_argnums=2)(
       params, batch, key)
   assert not np.array_equal(keys[0], keys[1])
-  (_, one), _ = microbatched(fn, 1, has_aux=True, aux_rules="stack", rng_argnums=2)(
+  (_, one), _ = oa.microbatched(fn, 1, has_aux=True, aux_rules="stack", rng_argnums=2)(
       params, batch, key)
   assert one.shape == (1, *key.shape) and one.dtype == key.dtype
   np.testing.assert_array_equal(one[0], jax.random.fold_in(key, 0))
@@ -387,7 +389,7 @@ def test_k1_aux_rules_apply_like_any_k(params, batch, split, jit):
   fn = jax.value_and_grad(loss_with_aux, has_aux=True)
   (ref_loss, ref_aux), ref_grads = fn(params, batch)
   (loss, aux), grads = maybe_jit(
-      microbatched(fn, 1, has_aux=True, aux_rules=AUX_RULES, split=split), jit)(params, batch)
+      oa.microbatched(fn, 1, has_aux=True, aux_rules=AUX_RULES, split=split), jit)(params, batch)
   assert_trees_close((loss, grads), (ref_loss, ref_grads))
   # "stack": one value per micro-batch, so a leading axis of 1.
   assert aux["mb_mean"].shape == (1,)
@@ -407,7 +409,7 @@ def test_k1_custom_aux_rule_is_applied(params, batch, jit):
                  update=lambda c, v, i: c + (i + 1) * v + 10.0,
                  finalize=lambda c: 2.0 * c)
   fn = jax.value_and_grad(lambda p, b: (mean_loss(p, b), mean_loss(p, b)), has_aux=True)
-  (_, aux), _ = maybe_jit(microbatched(fn, 1, has_aux=True, aux_rules=rule), jit)(
+  (_, aux), _ = maybe_jit(oa.microbatched(fn, 1, has_aux=True, aux_rules=rule), jit)(
       params, batch)
   np.testing.assert_allclose(aux, 2.0 * (float(mean_loss(params, batch)) + 10.0), rtol=RTOL)
 
@@ -416,14 +418,14 @@ def test_k1_custom_aux_rule_is_applied(params, batch, jit):
 def test_k1_rng_key_is_derived_never_passed(params, batch, rng_mode):
   key = jax.random.key(3)
   fn = jax.value_and_grad(noisy_loss, has_aux=True)
-  (loss, keys), grads = jax.jit(microbatched(
+  (loss, keys), grads = jax.jit(oa.microbatched(
       fn, 1, has_aux=True, aux_rules="stack", rng_argnums=2, rng_mode=rng_mode))(
           params, batch, key)
   expected = jax.random.fold_in(key, 0) if rng_mode == "fold_in" else jax.random.split(key, 1)[0]
   np.testing.assert_array_equal(keys, jax.random.key_data(expected)[None])
   assert not np.array_equal(keys[0], jax.random.key_data(key))
   if rng_mode == "fold_in":  # micro-batch 0 of any k gets the same key
-    (_, keys4), _ = jax.jit(microbatched(
+    (_, keys4), _ = jax.jit(oa.microbatched(
         fn, 4, has_aux=True, aux_rules="stack", rng_argnums=2))(params, batch, key)
     np.testing.assert_array_equal(keys[0], keys4[0])
   (ref_loss, _), ref_grads = fn(params, batch, expected)
@@ -439,13 +441,13 @@ def test_bf16_gradients_accumulate_in_f32_and_come_back_bf16():
   fn = lambda w, b: (jnp.sum(b).astype(jnp.bfloat16), jnp.full((3,), g) + 0 * w)
   w = jnp.zeros(3, jnp.bfloat16)
   b = jnp.ones((k,), jnp.bfloat16)
-  loss, grads = jax.jit(microbatched(fn, k))(w, b)
+  loss, grads = jax.jit(oa.microbatched(fn, k))(w, b)
   assert grads.dtype == jnp.bfloat16 and loss.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(grads, np.float32), np.full(3, float(g)))
   # None is the default rule (bf16 -> f32); an explicit bf16 buffer is honoured.
-  _, rule = jax.jit(microbatched(fn, k, accumulator_dtype=None))(w, b)
+  _, rule = jax.jit(oa.microbatched(fn, k, accumulator_dtype=None))(w, b)
   np.testing.assert_array_equal(np.asarray(rule, np.float32), np.full(3, float(g)))
-  _, low = jax.jit(microbatched(fn, k, accumulator_dtype=jnp.bfloat16))(w, b)
+  _, low = jax.jit(oa.microbatched(fn, k, accumulator_dtype=jnp.bfloat16))(w, b)
   assert low.dtype == jnp.bfloat16
   assert abs(float(low[0]) - float(g)) > 0.01
 
@@ -455,7 +457,7 @@ def test_mixed_dtype_gradients_keep_their_dtypes(batch):
   def loss(p, b):
     return jnp.mean(b["x"] @ (p["a"].astype(jnp.float32) * p["b"]))
   _, ref_grads = jax.value_and_grad(loss)(params, batch)
-  _, grads = microbatched(jax.value_and_grad(loss), 4)(params, batch)
+  _, grads = oa.microbatched(jax.value_and_grad(loss), 4)(params, batch)
   assert grads["a"].dtype == jnp.bfloat16 and grads["b"].dtype == jnp.float32
   assert_trees_close(grads, ref_grads, rtol=1e-2, atol=1e-2)
 
@@ -486,7 +488,7 @@ def test_complex64_gradients_keep_the_imaginary_part(normalize, jit):
   loss = abs2_loss if normalize == "sum" else (lambda w, x: abs2_loss(w, x) / x.shape[0])
   ref_loss, ref_grads = jax.value_and_grad(loss)(w, x)
   assert np.min(np.abs(np.imag(ref_grads))) > 0.1  # the part that used to be dropped
-  out_loss, grads = maybe_jit(microbatched(jax.value_and_grad(loss), 4, normalize=normalize),
+  out_loss, grads = maybe_jit(oa.microbatched(jax.value_and_grad(loss), 4, normalize=normalize),
                               jit)(w, x)
   assert grads.dtype == jnp.complex64 and out_loss.dtype == ref_loss.dtype
   assert_trees_close((out_loss, grads), (ref_loss, ref_grads), rtol=1e-5, atol=1e-5)
@@ -499,7 +501,7 @@ def test_complex_aux_mean_and_sum_keep_the_imaginary_part():
     return jnp.mean(jnp.abs(z) ** 2), {"mean": jnp.mean(z), "sum": jnp.sum(z)}
   fn = jax.value_and_grad(loss, has_aux=True)
   (_, ref_aux), _ = fn(w, x)
-  (_, aux), _ = microbatched(fn, 4, has_aux=True, aux_rules={"mean": "mean", "sum": "sum"})(
+  (_, aux), _ = oa.microbatched(fn, 4, has_aux=True, aux_rules={"mean": "mean", "sum": "sum"})(
       w, x)
   assert aux["mean"].dtype == aux["sum"].dtype == jnp.complex64
   assert abs(np.imag(ref_aux["sum"])) > 0.1
@@ -508,7 +510,7 @@ def test_complex_aux_mean_and_sum_keep_the_imaginary_part():
 
 def test_real_accumulator_dtype_for_complex_values_raises():
   w, x = complex_problem()
-  fn = microbatched(jax.value_and_grad(abs2_loss), 2, accumulator_dtype=jnp.float32)
+  fn = oa.microbatched(jax.value_and_grad(abs2_loss), 2, accumulator_dtype=jnp.float32)
   with pytest.raises(TypeError, match=r"`accumulator_dtype=float32` is real.*complex"):
     fn(w, x)
 
@@ -526,7 +528,7 @@ def test_float64_under_x64_accumulates_in_float64(jit):
     w, x = tiny_signal_problem()
     assert x.dtype == jnp.float64
     loss = lambda w, x: jnp.sum(x @ w)
-    value, grads = maybe_jit(microbatched(jax.value_and_grad(loss), 2, normalize="sum"), jit)(
+    value, grads = maybe_jit(oa.microbatched(jax.value_and_grad(loss), 2, normalize="sum"), jit)(
         w, x)
     assert value.dtype == grads.dtype == jnp.float64
     x64, w64 = np.asarray(x), np.asarray(w)  # the float64 reference: column sums
@@ -541,7 +543,7 @@ def test_explicit_narrower_accumulator_dtype_is_honoured():
   with _x64():
     w, x = tiny_signal_problem()
     loss = lambda w, x: jnp.sum(x @ w)
-    value, grads = microbatched(jax.value_and_grad(loss), 2, normalize="sum",
+    value, grads = oa.microbatched(jax.value_and_grad(loss), 2, normalize="sum",
                                 accumulator_dtype=jnp.float32)(w, x)
     assert value.dtype == grads.dtype == jnp.float64  # cast back to fn's dtypes
     np.testing.assert_array_equal(grads, [1.0, 1.0])  # the 1e-12 rounded away in float32
@@ -563,7 +565,7 @@ def test_microbatched_inside_step_and_accumulate_across_steps(params, jit):
   def loss(p, b):
     num, den = token_sum_loss(p, b)
     return num, (den, den)  # the token count also comes out as an aux
-  grad_fn = microbatched(jax.value_and_grad(loss, has_aux=True), 4, normalize="weighted",
+  grad_fn = oa.microbatched(jax.value_and_grad(loss, has_aux=True), 4, normalize="weighted",
                          has_aux=True, aux_rules="sum")
   tx = accumulate(2, optax.sgd(0.5), reduction="weighted")
   def step(p, state, b):
@@ -599,12 +601,12 @@ def test_remat_inside_microbatch_gives_same_gradients(batch, policy):
   params = {"ws": [jax.random.normal(k, (5, 5)) * 0.4 for k in keys]}
   ref = jax.value_and_grad(deep_loss)(params, batch)
   remat_loss = functools.partial(deep_loss, remat_policy=policy)
-  out = jax.jit(microbatched(jax.value_and_grad(remat_loss), 4))(params, batch)
+  out = jax.jit(oa.microbatched(jax.value_and_grad(remat_loss), 4))(params, batch)
   assert_trees_close(out, ref)
   # The recomputation really is there: more tanh ops than without remat.
   count = lambda f: jax.jit(f).lower(params, batch).as_text().count("tanh")
-  assert count(microbatched(jax.value_and_grad(remat_loss), 4)) > count(
-      microbatched(jax.value_and_grad(deep_loss), 4))
+  assert count(oa.microbatched(jax.value_and_grad(remat_loss), 4)) > count(
+      oa.microbatched(jax.value_and_grad(deep_loss), 4))
 
 
 # -------------------------------------------------------------------- memory
@@ -635,7 +637,7 @@ def test_temporaries_shrink_with_k_under_bound():
   # the carry and the body's gradients apart: about three gradient buffers.
   overhead = 1 if jax.default_backend() == "cpu" else 3
   for k in (2, 4, 8, 16):
-    mb = temp_bytes(microbatched(jax.value_and_grad(wide_loss), k), params, batch)
+    mb = temp_bytes(oa.microbatched(jax.value_and_grad(wide_loss), k), params, batch)
     assert mb <= 1.3 * full / k + overhead * grad_bytes, (k, mb, full, grad_bytes)
 
 
@@ -643,7 +645,7 @@ def test_no_peeled_microbatch_program_size(params, batch):
   # One copy of the loss in the program: as many dots as the full-batch call.
   count = lambda f: jax.jit(f).lower(params, batch).as_text().count("dot_general")
   full = count(jax.value_and_grad(mean_loss))
-  assert count(microbatched(jax.value_and_grad(mean_loss), 8)) == full
+  assert count(oa.microbatched(jax.value_and_grad(mean_loss), 8)) == full
 
 
 # ------------------------------------------------------- data parallel (axis)
@@ -666,16 +668,17 @@ def _put(mesh, params, batch):
 def test_axis_name_shard_map_mean_equals_full_batch(params):
   mesh = _mesh()
   batch = make_batch(jax.random.key(9), 32)  # 4 per device, k=2 -> 2 per micro-batch
-  fn = microbatched(jax.value_and_grad(mean_loss), 2, axis_name="data")
+  fn = oa.microbatched(jax.value_and_grad(mean_loss), 2, axis_name="data")
   loss, grads = _shard_map_step(fn, mesh)(*_put(mesh, params, batch))
   assert_trees_close((loss, grads), jax.value_and_grad(mean_loss)(params, batch))
 
 
+@pytest.mark.catches("scalars_averaged_across_devices")
 def test_axis_name_shard_map_weighted_is_global(params):
   mesh = _mesh()
   lengths = [6, 0, 0, 0, 1, 0, 0, 0] + [0] * 8 + [6, 6, 6, 6, 5, 5, 5, 5] + [1] * 8
   batch = token_batch(n=32, seed=3, lengths=lengths)
-  fn = microbatched(jax.value_and_grad(token_sum_loss, has_aux=True), 2,
+  fn = oa.microbatched(jax.value_and_grad(token_sum_loss, has_aux=True), 2,
                     normalize="weighted", axis_name="data")
   loss, grads = _shard_map_step(fn, mesh)(*_put(mesh, params, batch))
   ref = jax.value_and_grad(token_mean_loss)(params, batch)
@@ -695,7 +698,7 @@ def _primitives(jaxpr, inside_scan=False, found=None):
 def test_axis_name_reduces_once_after_the_loop(params):
   mesh = _mesh()
   batch = make_batch(jax.random.key(9), 32)
-  fn = microbatched(jax.value_and_grad(mean_loss), 2, axis_name="data")
+  fn = oa.microbatched(jax.value_and_grad(mean_loss), 2, axis_name="data")
   jaxpr = jax.make_jaxpr(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")),
                                        out_specs=P()))(params, batch)
   prims = _primitives(jaxpr.jaxpr)
@@ -710,7 +713,7 @@ def test_axis_name_pmap_equals_full_batch(params):
     pytest.skip("needs 8 devices")
   batch = make_batch(jax.random.key(9), 32)
   sharded = jax.tree.map(lambda x: x.reshape(8, 4, *x.shape[1:]), batch)
-  fn = microbatched(jax.value_and_grad(mean_loss), 2, axis_name="d")
+  fn = oa.microbatched(jax.value_and_grad(mean_loss), 2, axis_name="d")
   loss, grads = jax.pmap(fn, axis_name="d", in_axes=(None, 0))(params, sharded)
   ref_loss, ref_grads = jax.value_and_grad(mean_loss)(params, batch)
   assert_trees_close(loss[3], ref_loss)
@@ -720,7 +723,7 @@ def test_axis_name_pmap_equals_full_batch(params):
 def test_axis_name_rng_differs_across_devices(params):
   mesh = _mesh()
   batch = make_batch(jax.random.key(9), 16)
-  fn = microbatched(jax.value_and_grad(noisy_loss, has_aux=True), 2, has_aux=True,
+  fn = oa.microbatched(jax.value_and_grad(noisy_loss, has_aux=True), 2, has_aux=True,
                     aux_rules="stack", rng_argnums=2, axis_name="data")
   step = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data"), P()),
                                out_specs=((P(), P("data")), P())))
@@ -734,7 +737,7 @@ def test_axis_name_k1_rng_differs_across_devices(params):
   mesh = _mesh()
   batch = make_batch(jax.random.key(9), 16)
   key = jax.random.key(0)
-  fn = microbatched(jax.value_and_grad(noisy_loss, has_aux=True), 1, has_aux=True,
+  fn = oa.microbatched(jax.value_and_grad(noisy_loss, has_aux=True), 1, has_aux=True,
                     aux_rules="stack", rng_argnums=2, axis_name="data")
   step = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data"), P()),
                                out_specs=((P(), P("data")), P())))
@@ -772,7 +775,7 @@ def test_property_random_shapes_equal_full_batch(k, m, d, split, seed):
            "y": jnp.asarray(rng.normal(size=(k * m,)), jnp.float32)}
   loss = lambda p, b: jnp.mean(jnp.sin(b["x"] @ p["w"] + p["c"]) * b["y"])
   ref = jax.value_and_grad(loss)(params, batch)
-  out = microbatched(jax.value_and_grad(loss), k, split=split)(params, batch)
+  out = oa.microbatched(jax.value_and_grad(loss), k, split=split)(params, batch)
   assert_trees_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -782,7 +785,7 @@ def test_property_random_shapes_equal_full_batch(k, m, d, split, seed):
 def test_property_weighted_any_padding_equals_full_batch(k, lengths):
   params = init_mlp(jax.random.key(0))
   batch = token_batch(lengths=lengths)
-  out = microbatched(jax.value_and_grad(token_sum_loss, has_aux=True), k,
+  out = oa.microbatched(jax.value_and_grad(token_sum_loss, has_aux=True), k,
                      normalize="weighted")(params, batch)
   if sum(lengths) == 0:
     assert float(out[0]) == 0.0
@@ -830,7 +833,7 @@ def test_property_dtypes_equal_wide_numpy_reference(dtype, normalize, k, m, seed
       if normalize == "weighted":
         return jnp.sum(per_example * mask), (jnp.sum(mask), aux)
       return (jnp.mean if normalize == "mean" else jnp.sum)(per_example), aux
-    fn = microbatched(jax.value_and_grad(loss, has_aux=True), k, batch_argnums=(1, 2, 3),
+    fn = oa.microbatched(jax.value_and_grad(loss, has_aux=True), k, batch_argnums=(1, 2, 3),
                       has_aux=True, normalize=normalize, aux_rules="sum")
     (value, aux), grads = fn(w, x, y, mask_j)
     assert grads.dtype == w.dtype and aux.dtype == w.dtype and value.dtype == w.real.dtype
@@ -888,10 +891,10 @@ def _accumulate_window(params, per_mb, micro_batches, reduction, decay):
 @pytest.mark.parametrize("normalize", ["mean", "sum", "weighted"])
 def test_noise_stats_equal_what_accumulate_keeps(params, normalize, jit):
   batch, fn, per_mb = _noise_problem(normalize)
-  wrapped = microbatched(fn, 4, normalize=normalize, return_noise_stats=True)
+  wrapped = oa.microbatched(fn, 4, normalize=normalize, return_noise_stats=True)
   out, stats = maybe_jit(wrapped, jit)(params, batch)
   # The outputs are unchanged by the option.
-  assert_trees_close(out, microbatched(fn, 4, normalize=normalize)(params, batch))
+  assert_trees_close(out, oa.microbatched(fn, 4, normalize=normalize)(params, batch))
   assert int(stats.window_count) == (2 if normalize == "weighted" else 4)
   ref = _accumulate_window(params, per_mb, manual_microbatches(batch, 4, "strided"),
                            normalize, 0.9)
@@ -906,7 +909,7 @@ def test_noise_stats_are_invariant_to_the_loss_scale(params):
   batch = make_batch(jax.random.key(4), 16)
   def ratio(scale):
     fn = jax.value_and_grad(lambda p, b: scale * mean_loss(p, b))
-    _, stats = microbatched(fn, 8, return_noise_stats=True)(params, batch)
+    _, stats = oa.microbatched(fn, 8, return_noise_stats=True)(params, batch)
     state = gradient_noise.fold(gradient_noise.init(), stats, decay=0.5)
     return float(state.noise / state.signal)
   assert np.isfinite(ratio(1.0))
@@ -916,7 +919,7 @@ def test_noise_stats_are_invariant_to_the_loss_scale(params):
 
 def test_noise_stats_with_has_aux_and_k1(params, batch):
   fn = jax.value_and_grad(loss_with_aux, has_aux=True)
-  ((loss, aux), grads), stats = microbatched(fn, 1, has_aux=True, return_noise_stats=True)(
+  ((loss, aux), grads), stats = oa.microbatched(fn, 1, has_aux=True, return_noise_stats=True)(
       params, batch)
   (ref_loss, ref_aux), ref_grads = fn(params, batch)
   assert_trees_close((loss, aux, grads), (ref_loss, ref_aux, ref_grads))
@@ -934,7 +937,7 @@ def test_noise_scale_of_linear_regression_is_near_the_closed_form():
   b_simple = ((d + 1) * 1.0 + sigma**2 * d) / 1.0  # 9 examples
   def loss(w, batch):
     return 0.5 * jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
-  fn = microbatched(jax.value_and_grad(loss), k, return_noise_stats=True)
+  fn = oa.microbatched(jax.value_and_grad(loss), k, return_noise_stats=True)
 
   def window(state, key):
     kx, ke = jax.random.split(key)
@@ -957,8 +960,8 @@ def test_noise_stats_add_no_parameter_sized_memory():
            "y": jax.ShapeDtypeStruct((n,), jnp.float32)}
   param_bytes = sum(math.prod(p.shape) * 4 for p in jax.tree.leaves(params))
   fn = jax.value_and_grad(wide_loss)
-  without = temp_bytes(microbatched(fn, 8), params, batch)
-  with_stats = temp_bytes(microbatched(fn, 8, return_noise_stats=True), params, batch)
+  without = temp_bytes(oa.microbatched(fn, 8), params, batch)
+  with_stats = temp_bytes(oa.microbatched(fn, 8, return_noise_stats=True), params, batch)
   assert abs(with_stats - without) <= 0.05 * param_bytes, (with_stats, without, param_bytes)
 
 
@@ -966,7 +969,7 @@ def test_noise_stats_under_shard_map_span_all_devices_in_the_one_reduction(param
   mesh = _mesh()
   batch = make_batch(jax.random.key(9), 32)  # 4 rows per device, k=2
   def step(return_noise_stats):
-    fn = microbatched(jax.value_and_grad(mean_loss), 2, axis_name="data",
+    fn = oa.microbatched(jax.value_and_grad(mean_loss), 2, axis_name="data",
                       return_noise_stats=return_noise_stats)
     out_specs = (P(), P()) if return_noise_stats else P()
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")),
@@ -990,7 +993,7 @@ def test_noise_stats_under_shard_map_span_all_devices_in_the_one_reduction(param
 # ---------------------------------------------------------------- bad inputs
 def test_indivisible_batch_names_the_sizes(params):
   batch = make_batch(jax.random.key(0), 10)
-  fn = microbatched(jax.value_and_grad(mean_loss), 4)
+  fn = oa.microbatched(jax.value_and_grad(mean_loss), 4)
   with pytest.raises(ValueError, match=r"10 examples.*num_microbatches=4.*\[1, 2, 5, 10\]"):
     fn(params, batch)
 
@@ -1004,7 +1007,7 @@ def test_indivisible_batch_names_the_sizes(params):
 ])
 def test_bad_num_microbatches(k, exc, pattern):
   with pytest.raises(exc, match=pattern):
-    microbatched(jax.value_and_grad(mean_loss), k)
+    oa.microbatched(jax.value_and_grad(mean_loss), k)
 
 
 @pytest.mark.parametrize("kwargs, exc, pattern", [
@@ -1020,7 +1023,7 @@ def test_bad_num_microbatches(k, exc, pattern):
 ])
 def test_bad_options(kwargs, exc, pattern):
   with pytest.raises(exc, match=re.compile(pattern)):
-    microbatched(jax.value_and_grad(mean_loss), 2, **kwargs)
+    oa.microbatched(jax.value_and_grad(mean_loss), 2, **kwargs)
 
 
 @pytest.mark.parametrize("option, value", [
@@ -1031,28 +1034,28 @@ def test_deprecated_options_warn_and_still_work(params, batch, option, value):
   and the full batch's numbers."""
   fn = jax.value_and_grad(mean_loss)
   with pytest.warns(DeprecationWarning, match=f"`{option}=` is deprecated"):
-    wrapped = microbatched(fn, 4, **{option: value})
+    wrapped = oa.microbatched(fn, 4, **{option: value})
   assert_trees_close(wrapped(params, batch), fn(params, batch))
 
 
 def test_default_options_do_not_warn(params, batch):
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    microbatched(jax.value_and_grad(mean_loss), 4)(params, batch)
+    oa.microbatched(jax.value_and_grad(mean_loss), 4)(params, batch)
 
 
 def test_unknown_keyword_is_an_error_naming_the_parameters():
   with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['splt'\].*rng_argnums"):
-    microbatched(jax.value_and_grad(mean_loss), 2, splt="contiguous")
+    oa.microbatched(jax.value_and_grad(mean_loss), 2, splt="contiguous")
 
 
 def test_bad_fn():
   with pytest.raises(TypeError, match="`fn` must be callable"):
-    microbatched("not a function", 2)
+    oa.microbatched("not a function", 2)
 
 
 def test_bad_batches(params):
-  fn = microbatched(jax.value_and_grad(mean_loss), 2)
+  fn = oa.microbatched(jax.value_and_grad(mean_loss), 2)
   with pytest.raises(ValueError, match=r"argument 1\['x'\] has 8 rows but argument 1\['y'\]"
                      r" has 6|argument 1\['y'\] has 6"):
     fn(params, {"x": jnp.ones((8, 5)), "y": jnp.ones(6)})
@@ -1066,27 +1069,27 @@ def test_bad_batches(params):
 
 def test_bad_fn_outputs(params, batch):
   with pytest.raises(TypeError, match=r"must return `\(value, grads\)`"):
-    microbatched(lambda p, b: mean_loss(p, b), 2)(params, batch)
+    oa.microbatched(lambda p, b: mean_loss(p, b), 2)(params, batch)
   with pytest.raises(TypeError, match="has_aux=True needs"):
-    microbatched(jax.value_and_grad(mean_loss), 2, has_aux=True)(params, batch)
+    oa.microbatched(jax.value_and_grad(mean_loss), 2, has_aux=True)(params, batch)
   with pytest.raises(TypeError, match=r"normalize='weighted' needs `fn`'s value"):
-    microbatched(jax.value_and_grad(mean_loss), 2, normalize="weighted")(params, batch)
+    oa.microbatched(jax.value_and_grad(mean_loss), 2, normalize="weighted")(params, batch)
   vec_den = jax.value_and_grad(lambda p, b: (mean_loss(p, b), b["y"]), has_aux=True)
   with pytest.raises(ValueError, match="scalar denominator"):
-    microbatched(vec_den, 2, normalize="weighted")(params, batch)
+    oa.microbatched(vec_den, 2, normalize="weighted")(params, batch)
 
 
 def test_bad_aux_rules_at_call_time(params, batch):
   fn = jax.value_and_grad(loss_with_aux, has_aux=True)
   with pytest.raises(ValueError, match="prefix of the aux"):
-    microbatched(fn, 2, has_aux=True, aux_rules={"nope": "sum"})(params, batch)
+    oa.microbatched(fn, 2, has_aux=True, aux_rules={"nope": "sum"})(params, batch)
   scalar_aux = jax.value_and_grad(lambda p, b: (mean_loss(p, b), mean_loss(p, b)), has_aux=True)
   with pytest.raises(ValueError, match="Use 'stack'"):
-    microbatched(scalar_aux, 2, has_aux=True, aux_rules="concat")(params, batch)
+    oa.microbatched(scalar_aux, 2, has_aux=True, aux_rules="concat")(params, batch)
 
 
 def test_overlapping_rng_and_batch_argnums(params, batch):
-  fn = microbatched(jax.value_and_grad(noisy_loss, has_aux=True), 2, has_aux=True,
+  fn = oa.microbatched(jax.value_and_grad(noisy_loss, has_aux=True), 2, has_aux=True,
                     rng_argnums=1)
   with pytest.raises(ValueError, match="overlap"):
     fn(params, batch, jax.random.key(0))

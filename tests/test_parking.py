@@ -22,7 +22,13 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
 from optax_accum import _window
-from tests import test_accumulate
+from tests._reference import (
+  accumulate_run,
+  assert_trees_close,
+  init_params,
+  large_batch_run,
+  make_windows,
+)
 
 
 def _config(**kw: Any) -> _window.Config:
@@ -134,6 +140,7 @@ def test_parked_updates_are_the_unparked_ones(
     assert all(bool(jnp.all(x == 0)) == (i % 3 != 2) for x in jax.tree.leaves(u)), i
 
 
+@pytest.mark.catches("updates_rounded_to_the_buffer")
 def test_updates_keep_their_precision_with_a_narrow_buffer() -> None:
   """A bf16 buffer holds the gradients, never the f32 updates.
 
@@ -149,19 +156,17 @@ def test_updates_keep_their_precision_with_a_narrow_buffer() -> None:
   np.testing.assert_array_equal(np.asarray(updates["w"]), np.float32(-0.1) * mean)
 
 
-_acc = test_accumulate
-
-
+@pytest.mark.catches("closing_micro_batch_dropped")
 def test_noise_tracking_equals_large_batch() -> None:
   """The estimate reads the window's sum where the inner optimizer does, and
   the updates then overwrite it: SGD, scale-sensitive, equals the large batch."""
-  params, windows = _acc.init_params(jax.random.key(5)), _acc._windows(seed=3)
-  ref = _acc.large_batch_run(optax.sgd(0.1), params, windows)
-  got, state = _acc._run_accumulate(
-      oa.accumulate(_acc.K, optax.sgd(0.1), track_noise_scale=True), params, windows)
+  params, windows = init_params(jax.random.key(5)), make_windows(seed=3, k=3, n=3)
+  ref = large_batch_run(optax.sgd(0.1), params, windows)
+  got, state = accumulate_run(
+      oa.accumulate(3, optax.sgd(0.1), track_noise_scale=True), params, windows)
   for r, g in zip(ref, got, strict=True):
-    _acc.assert_trees_close(r, g)
-  assert int(state.noise_stats.num_windows) == _acc.NUM_WINDOWS
+    assert_trees_close(r, g)
+  assert int(state.noise_stats.num_windows) == 3
 
 
 @pytest.mark.parametrize("track_noise_scale", [False, True])

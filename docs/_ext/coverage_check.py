@@ -6,8 +6,7 @@ never from a list kept here:
 
 * every name in ``optax_accum.__all__``;
 * every name in the ``__all__`` of each public submodule: the package's
-  modules whose names do not start with an underscore, except ``demo`` (a
-  script). Found with ``pkgutil``, so a new module is checked as soon as it
+  modules whose names do not start with an underscore. Found with ``pkgutil``, so a new module is checked as soon as it
   exists.
 
 A name counts as documented when an autodoc entry (``autofunction``,
@@ -31,7 +30,6 @@ from sphinx.util import logging
 logger = logging.getLogger(__name__)
 
 PACKAGE = "optax_accum"
-EXCLUDED_MODULES = frozenset({"demo"})
 
 
 def public_modules() -> list[str]:
@@ -39,7 +37,7 @@ def public_modules() -> list[str]:
   package = importlib.import_module(PACKAGE)
   names = [PACKAGE]
   for info in pkgutil.iter_modules(package.__path__):
-    if info.name.startswith("_") or info.name in EXCLUDED_MODULES:
+    if info.name.startswith("_"):
       continue
     names.append(f"{PACKAGE}.{info.name}")
   return names

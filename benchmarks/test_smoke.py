@@ -1,0 +1,21 @@
+"""The benchmarks' own check, run by the README's test command with harness's doctests."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import bench_accumulate as bench
+
+
+def test_bench_accumulate_quick(tmp_path: Path) -> None:
+  proc = subprocess.run(
+      [sys.executable, bench.__file__, "--quick", "--out", str(tmp_path)],
+      capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((tmp_path / "accumulate.json").read_text())
+  seen = {(r["optimizer"], r["row"]) for r in result["records"]}
+  assert {(opt, row) for opt in ("sgd", "adam") for row, _ in bench.ROWS} <= seen
+  assert result["bandwidth"]["copy_GBps"] > 0
+  assert (tmp_path / "accumulate.md").read_text().count("| oa.accumulate mid |") == 2
+  assert (tmp_path / "accumulate.png").stat().st_size > 0
