@@ -2,16 +2,22 @@
 
 :func:`micro_step` reads top to bottom, the same on every backend:
 
-1. **decide**: does this micro-batch count (``accept``, from the caller), and
-   does the window close (``k`` micro-batches, or ``emit_now``);
+1. **decide** (:func:`decide`): does this micro-batch count (``accept``, from
+   the caller), and does the window close (``k`` micro-batches, or
+   ``emit_now``), and emit (not a window of weight 0);
 2. **add** it to the buffer: one fused pass per leaf, ``where(mini_step == 0,
    0, acc) + g`` (the lazy reset: a NaN from a past window is dropped by a
    select, never multiplied);
-3. **emit or not**: one ``lax.cond``. The emitting branch (:func:`emit`)
-   reduces the buffer, runs the inner optimizer once and writes the updates
-   into the buffer, dead once its window closed; the other returns zeros (or
-   the params, when applying);
+3. **emit or not**: one ``lax.cond``. The emitting branch (:func:`emit`, traced
+   once by :func:`trace_updates`) reduces the buffer and runs the inner
+   optimizer once; the other (:func:`mid`) returns zeros, or the params when
+   applying. Where the updates fit the buffer exactly, the emitting branch
+   writes them into it, dead once its window closed (:func:`parking`,
+   :func:`park`, :func:`unpark`: a tree of flags and tree-to-tree functions);
 4. **advance** the counters.
+
+Each compiler-facing choice names, at its line, the section of
+``docs/development/compiler_evidence.md`` that holds its evidence.
 """
 
 from __future__ import annotations
@@ -83,25 +89,32 @@ class StepOut(NamedTuple):
 
 
 class Operands(NamedTuple):
-  """What both branches of the window's conditional read."""
+  """What both branches of the window's conditional read, besides the buffer."""
 
-  acc: optax.Updates  # the buffer as the last call left it
-  mini_step: jax.Array
-  grads: optax.Updates
-  count: jax.Array
+  count: jax.Array  # the window's micro-batches, this one included (per device under shard_map)
   total_weight: jax.Array  # the window's, over every device
   noise: Any
   inner_state: Any
   params: Any
+  grads: optax.Updates  # this micro-batch's: added in the branches when updates park
 
 
 class Emitted(NamedTuple):
-  """What a branch of the window's conditional returns."""
+  """What a branch of the window's conditional computes."""
 
-  out: Any  # the updates (None where parked), or the params when applying
+  out: Any  # the updates (None where a leaf parks), or the params when applying
   inner_state: Any
   noise: Any
-  buffer: Any  # the buffer the branch leaves
+
+
+class Decision(NamedTuple):
+  """Whether the window closes with this micro-batch, and what it weighs."""
+
+  count: jax.Array  # micro-batches in the window, this one included
+  closes: jax.Array  # the window closes: its counters restart
+  emits: jax.Array  # ... and takes an optimizer step (not a window of weight 0)
+  total_weight: jax.Array  # this device's weight total (0 unless weighted)
+  window_weight: jax.Array  # the window's, over every device
 
 
 def init_window(config: Config, params: optax.Params) -> Window:
@@ -167,7 +180,71 @@ def micro_step(
       emitting branch (mid-steps then never touch the params).
     extra_args: passed to the inner optimizer.
   """
-  # 1. Decide: does the window close with this micro-batch?
+  # 1. Decide: does the window close, and does it emit?
+  stacked = _arrays.explicit_axes(config.axis_name)  # plain jit: per-device copies, stacked
+  manual = config.axis_name is not None and stacked is None
+  decision = decide(config, window, accept, weight, emit_now, manual)
+  noise = window.noise
+  if config.noise_decay is not None:
+    sq_norm, device_weight = (noise_lib.sq_norm(grads), weight) if stacked is None else (
+        _per_device.micro_batch_sq_norms(grads, weight))
+    noise = noise_lib.add_micro_batch(noise, sq_norm, accept, device_weight)
+  ops = Operands(decision.count, decision.window_weight, noise, inner_state, params, grads)
+
+  # 2. Add this micro-batch: where(mini_step == 0, 0, acc) + w * g.
+  seed = (window.gradient_step, window.mini_step)  # the narrow buffer's rounding
+  if manual:  # shard_map / pmap: each device rounds independently
+    seed += (lax.axis_index(config.axis_name),)
+  add = jax.named_scope(SCOPES["add"])(functools.partial(
+      buffer_after, config, mini_step=window.mini_step, accept=accept, weight=weight, seed=seed))
+
+  # 3. Emit or not: one lax.cond.
+  run_emit = jax.jit(functools.partial(emit, config, apply=apply, extra_args=extra_args or {}))
+  updates_like = trace_updates(run_emit, ops, window.acc_grads)
+  parks = parking(config, updates_like, window.acc_grads, apply=apply)
+  waiting = functools.partial(mid, updates_like=updates_like, parks=parks, apply=apply)
+  if not any(jax.tree.leaves(parks)):
+    # The add runs before the conditional: XLA:CPU copies a buffer that goes
+    # through one (docs/development/compiler_evidence.md, "Where the add runs").
+    buffer = add(window.acc_grads, grads)
+    out, new_inner, new_noise = lax.cond(
+        decision.emits, jax.named_scope(SCOPES["emit"])(run_emit),
+        jax.named_scope(SCOPES["mid"])(lambda ops, buffer: waiting(ops)), ops, buffer)
+  else:
+    # Both branches add: the H200 compiler copies a buffer one branch passes
+    # through (the same page); the emitting one parks the updates in it.
+    def emitting(ops: Operands, acc: optax.Updates) -> tuple[Emitted, optax.Updates]:
+      window_sum = add(acc, ops.grads)
+      emitted = run_emit(ops, window_sum)
+      updates, buffer = park(emitted.out, window_sum, parks)
+      return emitted._replace(out=updates), buffer
+
+    (out, new_inner, new_noise), buffer = lax.cond(
+        decision.emits, jax.named_scope(SCOPES["emit"])(emitting),
+        jax.named_scope(SCOPES["mid"])(lambda ops, acc: (waiting(ops), add(acc, ops.grads))),
+        ops, window.acc_grads)
+    out = unpark(out, buffer, parks, decision.emits, updates_like)
+
+  # 4. Advance.
+  d = decision
+  new_window = Window(
+      mini_step=jnp.where(d.closes, jnp.zeros_like(d.count), d.count),
+      gradient_step=jnp.where(d.emits, optax.safe_increment(window.gradient_step),
+                              window.gradient_step),
+      acc_grads=buffer,
+      acc_weight=jnp.where(d.closes, jnp.zeros_like(d.total_weight), d.total_weight)
+      if config.reduction == "weighted" else window.acc_weight,
+      noise=new_noise)
+  return StepOut(out, new_window, new_inner, d.emits)
+
+
+def decide(config: Config, window: Window, accept: Any, weight: jax.Array | None,
+           emit_now: Any, manual: bool) -> Decision:
+  """Does the window close with this micro-batch (``k`` of them, or ``emit_now``)?
+
+  A window of total weight 0 (only padding) is not a step: it closes without
+  emitting (zero updates, the inner state kept). The only place that rule lives.
+  """
   k_now = (jnp.asarray(config.k, jnp.int32) if isinstance(config.k, int)
            else window_length(config.k, window))
   count = window.mini_step + jnp.asarray(accept, window.mini_step.dtype)
@@ -178,66 +255,22 @@ def micro_step(
   if weight is not None:
     total_weight = total_weight + jnp.where(accept, weight, 0.0)
   window_weight = total_weight
-  stacked = _arrays.explicit_axes(config.axis_name)  # plain jit: per-device copies, stacked
-  manual = config.axis_name is not None and stacked is None
   if weighted and manual:
     # Per-device weights (shard_map / pmap): the devices agree on the
     # window's total with one scalar all-reduce per micro-step.
     window_weight = lax.psum(total_weight, config.axis_name)
-  # A window of total weight 0 (only padding) is not a step: it closes without
-  # emitting (zero updates, the inner state kept). The only place that rule lives.
   emits = jnp.logical_and(closes, window_weight != 0) if weighted else closes
-  noise = window.noise
-  if config.noise_decay is not None:
-    sq_norm, device_weight = (noise_lib.sq_norm(grads), weight) if stacked is None else (
-        _per_device.micro_batch_sq_norms(grads, weight))
-    noise = noise_lib.add_micro_batch(noise, sq_norm, accept, device_weight)
+  return Decision(count, closes, emits, total_weight, window_weight)
 
-  # 2. Add and 3. emit or not. `emit` is wrapped in jax.jit and traced once
-  # here by eval_shape: its output shapes make the mid-step's zeros, and the
-  # emitting branch binds the cached trace (the inner optimizer's Python runs
-  # once per traced update).
-  ops = Operands(window.acc_grads, window.mini_step, grads, count, window_weight, noise,
-                 inner_state, params)
-  seed = (window.gradient_step, window.mini_step)  # the narrow buffer's rounding
-  if manual:  # shard_map / pmap: each device rounds independently
-    seed += (lax.axis_index(config.axis_name),)
-  add = jax.named_scope(SCOPES["add"])(lambda ops: buffer_after(
-      config, ops.acc, ops.mini_step, ops.grads, accept, weight, seed=seed))
-  run_emit = jax.jit(functools.partial(emit, config, apply=apply, extra_args=extra_args or {}))
-  shapes = jax.eval_shape(run_emit, ops, ops.acc).out
-  parks = None if apply else parking(config, shapes, window.acc_grads)
-  # Where the buffer is written. When updates park in it, both branches write
-  # it: a mid-step adds the micro-batch, the closing one adds it where the
-  # inner optimizer reads it and writes the updates. (A buffer that one branch
-  # passes through while the other writes it costs a copy of the buffer on
-  # every step on the H200 compiler: 1.0x the params in temporaries; the
-  # temporaries column of `benchmarks/gpu_hlo.py`.) Otherwise the micro-batch
-  # is added before the conditional and the buffer stays out of it (in the
-  # branches, XLA:CPU copies it on every step: the same script's CPU table).
-  if parks is None:
-    ops = ops._replace(acc=add(ops))
-  window_sum = add if parks is not None else lambda ops: ops.acc
 
-  def emitting(ops: Operands) -> Emitted:
-    summed = window_sum(ops)
-    return park(run_emit(ops, summed), summed, parks)
+def trace_updates(run_emit: Callable[..., Emitted], ops: Operands, buffer: optax.Updates) -> Any:
+  """The types of the updates (or params) the emitting branch returns, from one trace.
 
-  out, new_inner, new_noise, buffer = lax.cond(
-      emits, jax.named_scope(SCOPES["emit"])(emitting), jax.named_scope(SCOPES["mid"])(
-          lambda ops: mid(ops, window_sum(ops), shapes, parks, apply)), ops)
-  out = unpark(out, buffer, parks, emits, shapes)
-
-  # 4. Advance.
-  new_window = Window(
-      mini_step=jnp.where(closes, jnp.zeros_like(count), count),
-      gradient_step=jnp.where(emits, optax.safe_increment(window.gradient_step),
-                              window.gradient_step),
-      acc_grads=buffer,
-      acc_weight=jnp.where(closes, jnp.zeros_like(total_weight), total_weight)
-      if weighted else window.acc_weight,
-      noise=new_noise)
-  return StepOut(out, new_window, new_inner, emits)
+  ``run_emit`` is ``emit`` under ``jax.jit``, which caches this trace: the
+  conditional's branch binds it again, and the inner optimizer's Python runs
+  once per traced update.
+  """
+  return jax.eval_shape(run_emit, ops, buffer).out
 
 
 def window_length(k: KSchedule | noise_lib.AdaptiveK, window: Window) -> jax.Array:
@@ -249,9 +282,9 @@ def window_length(k: KSchedule | noise_lib.AdaptiveK, window: Window) -> jax.Arr
   return jnp.maximum(jnp.asarray(value).astype(jnp.int32), 1)
 
 
-def buffer_after(config: Config, acc: optax.Updates, mini_step: jax.Array, grads: optax.Updates,
-                 accept: Any, weight: jax.Array | None, *, seed: tuple[Any, ...] = ()
-                 ) -> optax.Updates:
+def buffer_after(config: Config, acc: optax.Updates, grads: optax.Updates, *,
+                 mini_step: jax.Array, accept: Any, weight: jax.Array | None,
+                 seed: tuple[Any, ...] = ()) -> optax.Updates:
   """The buffer with this micro-batch added: one fused expression per leaf.
 
   The buffer's old contents count only while ``mini_step > 0``; they are
@@ -312,15 +345,12 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
   total_weight, count, window_k, window_sq = ops.total_weight, totals[0], totals[1], totals[2]
   # In the buffer's precision (float64 buffers would lose digits to a float32 1/3).
   wide = jnp.finfo(jnp.result_type(jnp.float32, *filter(
-      lambda a: jnp.issubdtype(a.dtype, jnp.inexact), jax.tree.leaves(ops.acc)))).dtype
+      lambda a: jnp.issubdtype(a.dtype, jnp.inexact), jax.tree.leaves(window_sum)))).dtype
   # (A window of total weight 0 does not emit; a running mean is a mean already.)
   scale = reduction_scale("sum" if config.running_mean else config.reduction, count,
                           total_weight, wide)
-  # XLA's GPU compiler turns a conditional whose branches hold only cheap
-  # elementwise work into selects, and the inner optimizer then runs on every
-  # micro-step (an H200, 256M params: 2.30 ms per mid-step against 0.80 ms,
-  # benchmarks/NOTES.md). A barrier is not elementwise: the conditional stays
-  # (`python benchmarks/gpu_hlo.py` counts it in the compiled program).
+  # Keeps the conditional: XLA's GPU compiler turns one of cheap elementwise branches into
+  # selects (docs/development/compiler_evidence.md, "The barrier that keeps the conditional").
   scale = lax.optimization_barrier(scale)
   noise = ops.noise
   if tracking:
@@ -344,29 +374,25 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
     # both branches of the cond, and lax.scan, need stable dtypes.
     new_inner = optax.tree.cast_like(new_inner, ops.inner_state)
     out = optax.apply_updates(ops.params, updates) if apply else updates
-  return Emitted(out, new_inner, noise, ())
+  return Emitted(out, new_inner, noise)
 
 
-def mid(ops: Operands, buffer: optax.Updates, shapes: Any, parks: list[bool] | None,
-        apply: bool) -> Emitted:
-  """The non-emitting branch: zero updates (or the params untouched), ``buffer`` kept.
+def mid(ops: Operands, *, updates_like: Any, parks: Any, apply: bool) -> Emitted:
+  """The non-emitting branch: zero updates (or the params untouched).
 
   Each leaf of zeros takes its target's type (sharding, device variance):
-  both branches of a cond must agree. Parked leaves get none: they are read
-  back, masked, after the conditional.
+  both branches of a cond must agree. A parked leaf gets none (None): it is
+  read back, masked, after the conditional.
   """
-  out = ops.params
-  if not apply:
-    leaves, treedef = jax.tree.flatten(shapes)
-    out = [None if parks is not None and parks[i] else _arrays.match_varying(
-        jnp.zeros(s.shape, s.dtype, out_sharding=_arrays.array_type(s).explicit_spec), s)
-           for i, s in enumerate(leaves)]
-    out = out if parks is not None else jax.tree.unflatten(treedef, out)
-  return Emitted(out, ops.inner_state, ops.noise, buffer)
+  out = ops.params if apply else jax.tree.map(
+      lambda s, parked: None if parked else _arrays.match_varying(
+          jnp.zeros(s.shape, s.dtype, out_sharding=_arrays.array_type(s).explicit_spec), s),
+      updates_like, parks)
+  return Emitted(out, ops.inner_state, ops.noise)
 
 
-def parking(config: Config, updates: Any, buffer: optax.Updates) -> list[bool] | None:
-  """Which leaves of the updates the emitting branch writes into the buffer.
+def parking(config: Config, updates: Any, buffer: optax.Updates, *, apply: bool = False) -> Any:
+  """Which leaves of the updates the emitting branch writes into the buffer: a tree of flags.
 
   Once the window closes the buffer is dead (the next window resets it
   lazily), so the updates can live there: the conditional then outputs no
@@ -374,48 +400,44 @@ def parking(config: Config, updates: Any, buffer: optax.Updates) -> list[bool] |
   ``where(emitted, buffer, 0)``, which XLA fuses into ``apply_updates``. A
   leaf parks when the buffer leaf holds its value bit for bit, in place:
   same shape, sharding and device variance, the same dtype or an exact
-  widening. Not under ``axis_name`` (the reduction makes the sum elsewhere).
-  None when no leaf parks.
+  widening. None parks under ``axis_name`` (the reduction makes the sum
+  elsewhere) or when applying (no updates leave the step). The evidence:
+  docs/development/compiler_evidence.md, "The updates park in the buffer".
   """
-  if config.axis_name is not None or jax.tree.structure(updates) != jax.tree.structure(buffer):
-    return None
-  parks = []
-  for u, b in zip(jax.tree.leaves(updates), jax.tree.leaves(buffer), strict=True):
+  if apply or config.axis_name is not None or (
+      jax.tree.structure(updates) != jax.tree.structure(buffer)):
+    return jax.tree.map(lambda _: False, updates)
+
+  def parks(u: Any, b: jax.Array) -> bool:
     u_dtype, b_dtype = jnp.dtype(u.dtype), jnp.dtype(b.dtype)
     u_type, b_type = _arrays.array_type(u), _arrays.array_type(b)
     # Exact: the same dtype, or a wider float of the same kind (bf16 into f32).
     exact = u_dtype == b_dtype or (jnp.issubdtype(u_dtype, jnp.floating) and jnp.issubdtype(
         b_dtype, jnp.floating) and jnp.promote_types(u_dtype, b_dtype) == b_dtype)
-    parks.append(exact and tuple(u.shape) == tuple(b.shape) and u_type.varying == b_type.varying
-                 and u_type.explicit_spec == b_type.explicit_spec and not b_type.unreduced)
-  return parks if any(parks) else None
+    return (exact and tuple(u.shape) == tuple(b.shape) and u_type.varying == b_type.varying
+            and u_type.explicit_spec == b_type.explicit_spec)
+
+  return jax.tree.map(parks, updates, buffer)
 
 
-def park(emitted: Emitted, buffer: optax.Updates, parks: list[bool] | None) -> Emitted:
-  """The emitting branch's outputs with the parked updates written into the buffer.
+def park(updates: Any, window_sum: optax.Updates, parks: Any) -> tuple[Any, optax.Updates]:
+  """``(updates, buffer)``: each parked leaf's update written into the buffer, None in its place.
 
   The buffer is dead once its window closed (the next window resets it
   lazily): a leaf that does not park keeps the window's sum.
   """
-  if parks is None:
-    return emitted._replace(buffer=buffer)
-  leaves = jax.tree.leaves(emitted.out)
-  bufs, treedef = jax.tree.flatten(buffer)
-  out = [None if p else u for u, p in zip(leaves, parks, strict=True)]
-  buffer = jax.tree.unflatten(treedef, [u.astype(b.dtype) if p else b
-                                        for u, b, p in zip(leaves, bufs, parks, strict=True)])
-  return emitted._replace(out=out, buffer=buffer)
+  buffer = jax.tree.map(lambda u, b, parked: u.astype(b.dtype) if parked else b,
+                        updates, window_sum, parks)
+  return jax.tree.map(lambda u, parked: None if parked else u, updates, parks), buffer
 
 
-def unpark(out: Any, buffer: optax.Updates, parks: list[bool] | None, emitted: jax.Array,
-           shapes: Any) -> Any:
-  """The updates: parked leaves read back from the buffer, zeros unless ``emitted``."""
-  if parks is None:
-    return out
-  like, treedef = jax.tree.flatten(shapes)
-  return jax.tree.unflatten(treedef, [
-      lax.select(emitted, lax.convert_element_type(b, s.dtype), lax.full_like(b, 0, s.dtype))
-      if p else u for u, b, p, s in zip(out, jax.tree.leaves(buffer), parks, like, strict=True)])
+def unpark(updates: Any, buffer: optax.Updates, parks: Any, emitted: jax.Array,
+           updates_like: Any) -> Any:
+  """The updates: each parked leaf read back from the buffer, zeros unless ``emitted``."""
+  return jax.tree.map(
+      lambda u, b, parked, s: lax.select(emitted, lax.convert_element_type(b, s.dtype),
+                                         lax.full_like(b, 0, s.dtype)) if parked else u,
+      updates, buffer, parks, updates_like, is_leaf=lambda x: x is None)
 
 
 def reduction_scale(reduction: str, count: jax.Array, total_weight: jax.Array | None,

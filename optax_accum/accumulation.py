@@ -21,12 +21,6 @@ from optax_accum import gradient_noise as noise_lib
 from optax_accum._window import KSchedule
 from optax_accum.precision import all_finite
 
-# The protocol's own channel for the two calls that are not a plain update:
-# chains, `per_device_state` and `MultiSteps` forward keyword arguments, so
-# `flush` and `update_and_apply` work through any of them.
-MODE = "_optax_accum_mode"
-_FLUSH, _APPLY = "flush", "apply"
-
 
 class AccumulateState(NamedTuple):
   """State of :func:`accumulate`.
@@ -99,9 +93,10 @@ def accumulate(
     after it (``sgd`` without momentum, ``scale``) then behave exactly;
     stateful ones still step on the zeros of every mid-step (Adam's moments
     decay, its count advances), so that is not large-batch training.
-    ``optax.chain`` gives its first member no way to stop the others, so this
-    form takes an explicit ``None``: ``accumulate(k)`` with no optimizer
-    warns, naming ``accumulate(k, optimizer)`` (an error in the next release).
+    ``optax.chain`` gives its first member no way to stop the others:
+    ``accumulate(k)`` with no optimizer runs, and warns, naming
+    ``accumulate(k, optax.adam(lr))``; an explicit ``None`` keeps the form
+    without the warning.
 
   Args:
     k: micro-batches per optimizer step: a positive int, a schedule
@@ -140,13 +135,20 @@ def accumulate(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
-    params=None, *, weight=None, emit_now=False, **extra_args)`` returns
-    ``(updates, state)``. ``emit_now=True`` (a Python or traced bool) closes
-    the window after this micro-batch even if it holds fewer than ``k``.
-    ``extra_args`` go to the inner optimizer (``value=`` for
-    ``optax.contrib.reduce_on_plateau``); a keyword the inner optimizer cannot
-    take is a ``TypeError``. The updates (and the gradient the inner
-    optimizer sees) have the wider of each gradient's and param's dtype.
+    params=None, *, weight=None, emit_now=False, apply=False, flush=False,
+    **extra_args)`` returns ``(updates, state)``. ``emit_now=True`` (a Python
+    or traced bool) closes the window after this micro-batch even if it holds
+    fewer than ``k``. ``apply=True`` returns :class:`Applied` (the new params)
+    in place of the updates, applied inside the emitting branch, so mid-steps
+    never touch the params (what :func:`update_and_apply` passes).
+    ``flush=True`` closes the open window now and ``grads`` carries no
+    micro-batch (what :func:`flush` passes). ``extra_args`` go to the inner
+    optimizer (``value=`` for ``optax.contrib.reduce_on_plateau``); a keyword
+    the inner optimizer cannot take is a ``TypeError``. The updates (and the
+    gradient the inner optimizer sees) have the wider of each gradient's and
+    param's dtype. Chains and :func:`~optax_accum.sharding.per_device_state`
+    pass every keyword on, so ``apply`` and ``flush`` reach the accumulation
+    through them.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_accum as oa
@@ -170,11 +172,12 @@ def accumulate(
   if optimizer is _NO_OPTIMIZER:
     warnings.warn(
         "`accumulate(k)` was given no optimizer: it emits the reduced gradient every k-th"
-        " call and zeros otherwise, and a stateful optimizer chained after it"
-        " (`optax.chain(accumulate(k), optax.adam(lr))`) still steps on every mid-step's"
-        " zeros: its moments decay and its count runs k times too fast. Write"
-        " `accumulate(k, optimizer)` for large-batch training, or pass `None`"
-        " explicitly to keep this form. (An error in the next release.)",
+        " call and zeros otherwise, so an optimizer chained after it, as in"
+        " `optax.chain(accumulate(k), optax.adam(lr))`, still steps on every mid-step's"
+        " zeros: Adam's moments decay and its count runs k times too fast. For the"
+        " large-batch step write `accumulate(k, optax.adam(lr))`. The chain form is exact"
+        " for stateless transforms after it (`optax.sgd(lr)`): pass `None` to keep it"
+        " without this warning, `accumulate(k, None)`.",
         UserWarning, stacklevel=2)
     optimizer = None
   _validation.check_optimizer(optimizer)
@@ -219,6 +222,8 @@ def accumulate(
       *,
       weight: Any = None,
       emit_now: Any = False,
+      apply: bool = False,
+      flush: bool = False,
       **extra_args: Any,
   ) -> tuple[Any, AccumulateState]:
     """Adds ``updates`` (this micro-batch's gradients) to the window.
@@ -226,17 +231,21 @@ def accumulate(
     Returns zero updates on mid-steps and the inner optimizer's updates when
     the window closes (after ``k`` micro-batches, or now with
     ``emit_now=True``); ``weight=`` is this micro-batch's weight for
-    ``reduction="weighted"``. Other keywords go to the inner optimizer.
+    ``reduction="weighted"``; ``apply=True`` returns :class:`Applied` (the new
+    params) instead, ``flush=True`` closes the window without a micro-batch.
+    Other keywords go to the inner optimizer.
     """
     if not isinstance(state, AccumulateState):
       raise TypeError(
           "`state` must be the AccumulateState returned by this transform's"
           f" `init`; got {type(state).__name__}."
       )
-    mode = extra_args.pop(MODE, None)
-    flushing, apply = mode == _FLUSH, mode == _APPLY and config.inner is not None
+    flushing = _validation.check_flag(flush, "flush")
+    # The chain form has no optimizer inside to apply: `update_and_apply` applies the
+    # updates it returns.
+    apply = _validation.check_flag(apply, "apply") and config.inner is not None
     _validation.check_keywords(extra_args, strict_kwargs, "the update of `accumulate`",
-                               ("weight", "emit_now"))
+                               ("weight", "emit_now", "apply", "flush"))
     with _arrays.mesh_context((updates, params)):
       updates, weight, emit_now = _validation.check_update(
           config, updates, state.acc_grads, weight=weight, emit_now=emit_now, flushing=flushing)
@@ -258,7 +267,7 @@ def accumulate(
         acc_grads=out.window.acc_grads, acc_weight=out.window.acc_weight,
         num_skipped=num_skipped, emitted=out.emitted, inner_opt_state=out.inner_state,
         noise_stats=out.window.noise)
-    return (_Applied(out.out) if apply else out.out), new_state
+    return (Applied(out.out) if apply else out.out), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -277,11 +286,12 @@ def _accept(grads: Any, weight: jax.Array | None, axis_name: Any, stacked: Any) 
   return accept
 
 
-class _Applied:
-  """The new params, in place of updates, from an update in apply mode.
+class Applied:
+  """The new params, in place of updates: what ``update(..., apply=True)`` returns.
 
-  Deliberately not a pytree: a transform placed after the accumulation in a
-  chain would otherwise treat params as updates. It fails loudly instead.
+  :func:`update_and_apply` unwraps it (``.params``). Deliberately not a
+  pytree: a transform placed after the accumulation in a chain would otherwise
+  treat params as updates; it fails loudly instead.
   """
 
   __slots__ = ("params",)
@@ -373,7 +383,7 @@ def flush(
   """
   tx = _extra_args_transform(tx, "flush", {})
   zeros = jax.tree.map(jnp.zeros_like, params)
-  return tx.update(zeros, state, params, **extra_args, **{MODE: _FLUSH})
+  return tx.update(zeros, state, params, **extra_args, flush=True)
 
 
 def update_and_apply(
@@ -420,8 +430,8 @@ def update_and_apply(
     [-1.0, -1.0]
   """
   tx = _extra_args_transform(tx, "update_and_apply", kwargs)
-  out, state = tx.update(grads, state, params, **kwargs, **{MODE: _APPLY})
-  if isinstance(out, _Applied):
+  out, state = tx.update(grads, state, params, **kwargs, apply=True)
+  if isinstance(out, Applied):
     return out.params, state
   return optax.apply_updates(params, out), state
 

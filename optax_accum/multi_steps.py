@@ -36,7 +36,7 @@ from optax.transforms import ShouldSkipUpdateFunction
 
 from optax_accum import _arrays, _validation, _window
 from optax_accum import gradient_noise as noise_lib
-from optax_accum.accumulation import _APPLY, _FLUSH, MODE, _Applied
+from optax_accum.accumulation import Applied
 
 __all__ = ["MultiSteps"]
 
@@ -126,6 +126,9 @@ class MultiSteps:
       updates: optax.Updates,
       state: optax.MultiStepsState,
       params: optax.Params | None = None,
+      *,
+      apply: bool = False,
+      flush: bool = False,
       **extra_args: Any,
   ) -> tuple[Any, optax.MultiStepsState]:
     """Adds ``updates`` to the window; every ``k``-th call, one inner step.
@@ -134,19 +137,25 @@ class MultiSteps:
       updates: this mini-step's gradients.
       state: the ``optax.MultiStepsState`` from ``init`` or ``update``.
       params: the params, for optimizers that need them.
+      apply: return :class:`~optax_accum.accumulation.Applied` (the new params)
+        instead of the updates, applied inside the emitting branch (what
+        :func:`~optax_accum.update_and_apply` passes).
+      flush: close the open window now; ``updates`` carries no mini-step (what
+        :func:`~optax_accum.flush` passes).
       **extra_args: passed to the inner optimizer.
 
     Returns:
       ``(updates, state)``: zeros on mid-steps, the inner optimizer's updates
       on the emitting step.
     """
-    mode = extra_args.pop(MODE, None)
-    _validation.check_keywords(extra_args, self._strict_kwargs, "MultiSteps.update", ())
+    flush, apply = _validation.check_flag(flush, "flush"), _validation.check_flag(apply, "apply")
+    _validation.check_keywords(extra_args, self._strict_kwargs, "MultiSteps.update",
+                               ("apply", "flush"))
     with _arrays.mesh_context((updates, params)):
       updates = _validation.check_update(self._config, updates, state.acc_grads,
-                                         flushing=mode == _FLUSH)[0]
+                                         flushing=flush)[0]
     skip_state, noise = self._unpack(state.skip_state)
-    accept: Any = mode != _FLUSH  # a flush carries no micro-batch
+    accept: Any = not flush  # a flush carries no micro-batch
     if accept and self._should_skip is not None:
       should_skip, skip_state = self._should_skip(updates, state.gradient_step, params)
       accept = jnp.logical_not(_check_skip(should_skip))
@@ -154,7 +163,7 @@ class MultiSteps:
     with _arrays.mesh_context((updates, params)):
       out = _window.micro_step(
           self._config, updates, window, state.inner_opt_state, params, accept=accept,
-          emit_now=mode == _FLUSH, apply=mode == _APPLY, extra_args=extra_args)
+          emit_now=flush, apply=apply, extra_args=extra_args)
     new_state = optax.MultiStepsState(
         mini_step=out.window.mini_step,
         gradient_step=out.window.gradient_step,
@@ -162,7 +171,7 @@ class MultiSteps:
         acc_grads=out.window.acc_grads,
         skip_state=self._pack(skip_state, out.window.noise),
     )
-    return (_Applied(out.out) if mode == _APPLY else out.out), new_state
+    return (Applied(out.out) if apply else out.out), new_state
 
   def has_updated(self, state: optax.MultiStepsState | Any) -> jax.Array:
     """Whether the last ``update`` took an optimizer step (optax's definition)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import chex
@@ -532,9 +533,20 @@ def test_flush_weighted_window_and_bad_transform():
 
 def test_accumulate_without_an_optimizer_warns_and_names_the_exact_form():
   """``optax.chain(accumulate(k), adam)`` is the line a reader writes from the package's
-  description; it cannot be large-batch training, so writing it by accident warns."""
-  with pytest.warns(UserWarning, match=r"accumulate\(k, optimizer\).*`None`"):
-    optax.chain(oa.accumulate(K), optax.adam(1e-2))
+  description: it keeps working (exact for a stateless transform after it), and warns
+  with the cause and the exact form for a stateful one; never an error."""
+  with pytest.warns(UserWarning) as caught:
+    tx = optax.chain(oa.accumulate(K), optax.sgd(0.5))
+  message = str(caught[0].message)
+  assert re.search(r"optax\.chain\(accumulate\(k\), optax\.adam\(lr\)\).*moments decay"
+                   r".*`accumulate\(k, optax\.adam\(lr\)\)`.*`accumulate\(k, None\)`", message)
+  assert "next release" not in message and "error" not in message
+  params = {"w": jnp.zeros(3)}
+  state = tx.init(params)
+  for i in range(K):  # the chain form with plain SGD: one step on the mean gradient
+    updates, state = tx.update({"w": jnp.full(3, float(i))}, state, params)
+    params = optax.apply_updates(params, updates)
+  np.testing.assert_allclose(params["w"], -0.5 * np.mean(np.arange(K)), rtol=1e-6)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     oa.accumulate(K, None)  # the chain form, asked for explicitly
@@ -556,3 +568,23 @@ def test_names_moved_from_the_top_level_warn_and_still_work(name, where):
   assert alias is getattr(importlib.import_module(where), name)
   with pytest.raises(AttributeError):
     oa.no_such_name  # noqa: B018
+
+
+def test_apply_and_flush_are_documented_update_keywords():
+  """``update_and_apply`` and ``flush`` are ``update(..., apply=True)`` and
+  ``update(..., flush=True)``: visible keywords, the same through a chain."""
+  params = {"w": jnp.zeros(2)}
+  for tx in (oa.accumulate(2, optax.sgd(1.0)),
+             optax.chain(optax.identity(), oa.accumulate(2, optax.sgd(1.0))),
+             oa.MultiSteps(optax.sgd(1.0), 2).gradient_transformation()):
+    state = tx.init(params)
+    out, state = tx.update({"w": jnp.ones(2)}, state, params, apply=True)
+    assert isinstance(out, oa.accumulation.Applied)
+    np.testing.assert_array_equal(out.params["w"], params["w"])  # a mid-step: untouched
+    updates, state = tx.update({"w": jnp.zeros(2)}, state, params, flush=True)
+    np.testing.assert_allclose(updates["w"], -1.0)  # the one waiting micro-batch, alone
+    assert int(oa.has_updated(state))
+  with pytest.raises(TypeError, match="`apply` must be a bool"):
+    oa.accumulate(2, optax.sgd(1.0)).update({"w": jnp.ones(2)},
+                                            oa.accumulate(2, optax.sgd(1.0)).init(params),
+                                            params, apply="yes")

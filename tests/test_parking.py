@@ -54,20 +54,23 @@ def _sds(dtype: Any, shape: tuple[int, ...] = (3,)) -> jax.ShapeDtypeStruct:
 def test_a_leaf_parks_only_where_it_reads_back_exactly(updates: str, buffer: str,
                                                        parks: bool) -> None:
   got = _window.parking(_config(), {"w": _sds(updates)}, {"w": jnp.zeros(3, buffer)})
-  assert got == ([True] if parks else None)
+  assert got == {"w": parks}
 
 
 def test_parking_is_per_leaf_and_off_where_the_buffer_is_busy() -> None:
   updates = {"a": _sds("float32"), "b": _sds("bfloat16")}
   buffer = {"a": jnp.zeros(3, jnp.bfloat16), "b": jnp.zeros(3, jnp.bfloat16)}
-  assert _window.parking(_config(), updates, buffer) == [False, True]
+  assert _window.parking(_config(), updates, buffer) == {"a": False, "b": True}
   f32 = {"a": jnp.zeros(3), "b": jnp.zeros(3)}
   # The noise estimate reads the sum before the updates are written: they
   # park. A cross-device reduction materialises the sum elsewhere: none parks.
-  assert _window.parking(_config(noise_decay=0.9), updates, f32) == [True, True]
-  assert _window.parking(_config(axis_name="data"), updates, f32) is None
+  assert _window.parking(_config(noise_decay=0.9), updates, f32) == {"a": True, "b": True}
+  assert _window.parking(_config(axis_name="data"), updates, f32) == {"a": False, "b": False}
+  # Nor when applying: no updates leave the step.
+  assert _window.parking(_config(), updates, f32, apply=True) == {"a": False, "b": False}
   # Another shape (a per-device buffer) never parks.
-  assert _window.parking(_config(), {"w": _sds("float32", (2, 3))}, {"w": jnp.zeros(3)}) is None
+  assert _window.parking(_config(), {"w": _sds("float32", (2, 3))},
+                         {"w": jnp.zeros(3)}) == {"w": False}
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py)")
@@ -98,7 +101,7 @@ def test_sharded_params_park_and_equal_large_batch(monkeypatch: pytest.MonkeyPat
     for g in grads:
       params, state = step(params, state, put(g))
     assert jax.typeof(params["w"]).sharding.spec == P("data", "model")
-  assert decisions[-1] == [True, True]
+  assert decisions[-1] == {"b": True, "w": True}
   ref, ref_state = host, optax.adam(0.1).init(host)
   for window in (grads[:2], grads[2:]):
     mean = jax.tree.map(lambda a, b: (a + b) / 2, *window)
@@ -132,7 +135,9 @@ def test_parked_updates_are_the_unparked_ones(
            for i in range(9)]
   tx = lambda: oa.accumulate(3, optax.adam(1e-2))
   parked = _run(tx(), params, grads)
-  monkeypatch.setattr(_window, "parking", lambda *a, **kw: None)
+  real = _window.parking
+  monkeypatch.setattr(_window, "parking", lambda *a, **kw: jax.tree.map(
+      lambda _: False, real(*a, **kw)))
   unparked = _run(tx(), params, grads)
   chex.assert_trees_all_close(parked, unparked, rtol=1e-6, atol=0)
   chex.assert_trees_all_equal_dtypes(parked, unparked)
