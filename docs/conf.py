@@ -17,8 +17,11 @@ import sys
 
 # Before anything imports jax: the CPU backend with 8 host devices, so the
 # multi-device examples run the real thing on any machine (as tests/conftest.py).
+# OPTAX_ACCUM_DOCS_DEVICES=1 builds on the platform's one device (.ci/run runs the
+# pages that say they run on any number of devices that way too).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if os.environ.get("OPTAX_ACCUM_DOCS_DEVICES") != "1":
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "_ext"))

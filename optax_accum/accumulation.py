@@ -21,6 +21,9 @@ from optax_accum import gradient_noise as noise_lib
 from optax_accum._window import KSchedule
 from optax_accum.precision import all_finite
 
+__all__ = ["AccumulateState", "Applied", "accumulate", "flush", "has_updated",
+           "update_and_apply"]
+
 
 class AccumulateState(NamedTuple):
   """State of :func:`accumulate`.
