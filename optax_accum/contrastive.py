@@ -216,17 +216,16 @@ def _cached(config: _Config, args: tuple[Any, ...],
 
   _, stacked = lax.scan(lambda _, xs: (None, embed(params, *xs)), None, steps)
   local = jax.tree.map(lambda y: jnp.swapaxes(y, 0, 1).reshape(-1, *y.shape[2:]), stacked)
-  whole = list(args[1:])
+  emb, whole, devices = local, list(args[1:]), 1
   if axes is not None:  # the global batch: every device's rows, in order
-    local_gathered = jax.tree.map(lambda x: lax.all_gather(x, axes, tiled=True), local)
-    for i in b_nums:  # those loss_fn does not read are removed by XLA
-      whole[i - 1] = jax.tree.map(lambda x: lax.all_gather(x, axes, tiled=True), args[i])
+    gather = lambda tree: jax.tree.map(lambda x: lax.all_gather(x, axes, tiled=True), tree)
+    emb, devices = gather(local), lax.axis_size(axes)
+    for i in b_nums:  # XLA removes the gathers of those loss_fn does not read
+      whole[i - 1] = gather(args[i])
   value, (g_params, g_emb) = jax.value_and_grad(
       lambda p, e: config.loss_fn(p, e, *whole), argnums=(0, 1), has_aux=config.has_aux,
-  )(params, local if axes is None else local_gathered)
-  devices = 1
+  )(params, emb)
   if axes is not None:  # this device's rows of the embeddings' gradient
-    devices = lax.psum(1, axes)
     start = lax.axis_index(axes) * rows * config.k
     g_emb = jax.tree.map(lambda g: lax.dynamic_slice_in_dim(g, start, rows * config.k), g_emb)
 

@@ -7,6 +7,9 @@ with each micro-batch embedded under its folded key, differentiated end to end.
 
 from __future__ import annotations
 
+import runpy
+from pathlib import Path
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -266,6 +269,31 @@ def test_shard_map_axis_name_and_fsdp_params():
 
 
 @multi_device
+def test_dropout_on_mesh_and_pmap():
+  """Device d's micro-batch i: its rows i, i + k, ... with fold_in(fold_in(key, d), i)."""
+  params, batch, key, k, devices = make_params(), make_batch(64), jax.random.key(5), 2, 8
+
+  def reference(p, batch, key):
+    local = [jax.tree.map(lambda x, d=d: x[8 * d:8 * d + 8], batch) for d in range(devices)]
+    parts = [dropout_embed(p, jax.tree.map(lambda x, i=i: x[i::k], local[d]),
+                           jax.random.fold_in(jax.random.fold_in(key, d), i))
+             for d in range(devices) for i in range(k)]
+    emb = jax.tree.map(lambda *e: jnp.stack(e).reshape(devices, k, -1, EMB).swapaxes(1, 2)
+                       .reshape(-1, EMB), *parts)
+    return clip_loss(p, emb)
+
+  ref = whole_batch(reference, params, batch, key)
+  grad_fn = oa.cached_microbatched(dropout_embed, clip_loss, k, rng_argnums=2)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    assert_matches(jax.jit(grad_fn)(params, jax.device_put(batch, P("data")), key), ref)
+  per_device = jax.tree.map(lambda x: x.reshape(devices, -1, *x.shape[1:]), batch)
+  pmapped = jax.pmap(oa.cached_microbatched(dropout_embed, clip_loss, k, rng_argnums=2,
+                                            axis_name="d"), "d", in_axes=(None, 0, None))
+  assert_matches(jax.tree.map(lambda x: x[0], pmapped(params, per_device, key)), ref)
+
+
+@multi_device
 def test_mesh_batch_not_divisible_per_device():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
   with jax.set_mesh(mesh), pytest.raises(ValueError, match="on each of 8 devices"):
@@ -299,3 +327,10 @@ def test_memory_one_microbatch_of_activations():
   whole = temp(jax.value_and_grad(lambda p, b: clip_loss(p, seq_embed(p, b), b)))
   cached = temp(oa.cached_microbatched(seq_embed, clip_loss, 8))
   assert cached <= 0.25 * whole, (cached, whole)
+
+
+def test_example_script_runs(capsys):
+  """examples/contrastive.py asserts its own claims: the cached curve is the whole batch's."""
+  runpy.run_path(str(Path(__file__).parent.parent / "examples" / "contrastive.py"),
+                 run_name="__main__")
+  assert "OK" in capsys.readouterr().out
