@@ -1,22 +1,13 @@
 """Benchmark: the train-step cost of accumulation, against three anchors.
 
-Every program is a jitted train step ``step(params, state, grads) -> (params,
-state)``, params and state donated, compiled once for a window of k = 4; its
-calls are timed one by one and binned by phase (the k - 1 mid-steps and the
-emitting step of a window run the same program). Ours: ``oa.accumulate(k,
-opt)`` through the optax protocol (``tx.update`` + ``apply_updates``),
-``oa.update_and_apply`` and ``oa.MultiSteps``. The anchors: the plain
-optimizer step, ``optax.MultiSteps`` (the protocol) and the 3P floor of
-``acc += g``: the bytes a mid-step must move (read g, read acc, write acc; P =
-parameter bytes) over the copy bandwidth of the same round (on a CPU a DRAM
-floor, which a cache-sized working set can beat).
-
-Per row: median time and the median same-round ratio to each anchor
-(``optax.MultiSteps``' mid-step for a mid row, its emitting step for an
-emitting row); per program, temporaries over P and conditionals kept; per-call time
-on a tiny model, where dispatch dominates; last, the tracked rows at 4M, adam.
-
-Run::
+Jitted train steps ``step(params, state, grads) -> (params, state)``, params and
+state donated, window k = 4, timed call by call and binned by phase (mid-steps
+and the emitting step of one program): ``oa.accumulate`` through the optax
+protocol, ``oa.update_and_apply`` and ``oa.MultiSteps``, against the plain
+optimizer, ``optax.MultiSteps`` and the 3P floor of ``acc += g`` (3 x the
+parameter bytes over the copy bandwidth of the same round). Per row: median time
+and same-round ratios to the anchors; per program, temporaries over the params and
+conditionals kept; per-call time on a tiny model; the tracked rows at 4M, adam.
 
   python benchmarks/bench_accumulate.py                  # 1M,4M,16M; sgd, adam
   python benchmarks/bench_accumulate.py --quick          # 256K, 3 rounds (smoke)
@@ -385,18 +376,16 @@ def measure(sizes: Sequence[int], opts: Sequence[str], copy: CopyTimer, rounds: 
       recs, compile_s = measure_size(size, opt, copy, rounds, windows(size))
       records += recs
       get = {r["row"]: r["ratio_floor"] for r in recs}
-      print(f"{size_label(size):>5s} {opt:4s}: compile {compile_s:5.1f} s; x 3P floor:"
-            f" accumulate mid {get['accumulate_mid']:.2f}x, update_and_apply mid"
-            f" {get['update_and_apply_mid']:.2f}x, optax.MultiSteps mid"
-            f" {get['optax_multisteps_mid']:.2f}x", flush=True)
+      print(f"{size_label(size):>5s} {opt:4s}: compile {compile_s:5.1f} s; x 3P floor, mid:"
+            + ", ".join(f" {p} {get[p + '_mid']:.2f}x" for p in ("accumulate", "update_and_apply",
+                                                               "optax_multisteps")), flush=True)
   copy_s = harness.median(copy.samples)
   return {"meta": {"sizes": list(sizes), "optimizers": list(opts), "rounds": rounds,
                    "leaves": LEAVES, "k": K_WINDOW, **harness.machine()},
           "bandwidth": {"copy_bytes": copy.bytes_moved, "copy_time_s": copy_s,
                         "copy_GBps": copy.bytes_moved / copy_s / 1e9},
-          "records": records,
+          "records": records, "tracked_size": tracked_size,
           "host_overhead": [h for opt in opts for h in host_overhead(opt, rounds, windows=16)],
-          "tracked_size": tracked_size,
           "tracked": tracked(records, tracked_size) if "adam" in opts else []}
 
 
