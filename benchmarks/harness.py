@@ -203,6 +203,6 @@ def bars(rows: Sequence[dict[str, Any]]) -> Any:
   axes[0].set_yticks(y, [r["config"] for r in rows])
   axes[0].set_xlabel("compiled temporaries (MiB); red: bound")
   axes[1].barh(y, [r["step_ratio"] for r in rows], color="tab:orange")
-  axes[1].set_xlabel(f"step time / {rows[0]['config']} step")
+  axes[1].set_xlabel("step time / the full batch's (same round)")
   axes[0].invert_yaxis()  # (shared: both)
   return fig

@@ -112,7 +112,8 @@ def cached_microbatched(
   reads), local arrays on which ``a @ b.T`` is ordinary code. What crosses
   devices: the embeddings (an all-gather), the loss and aux (the same on
   every device: one ``pmax`` makes their type replicated), and the gradients
-  (one all-reduce).
+  (one all-reduce). Params sharded over the data axes (FSDP) are all-gathered
+  once and get their gradients back in their sharding.
 
   Raises:
     ValueError: when called with a batch that ``num_microbatches`` does not
