@@ -1,22 +1,13 @@
 """Benchmark: the train-step cost of accumulation, against three anchors.
 
-Every program is a jitted train step ``step(params, state, grads) -> (params,
-state)``, params and state donated, compiled once for a window of k = 4; its
-calls are timed one by one and binned by phase (the k - 1 mid-steps and the
-emitting step of a window run the same program). Ours: ``oa.accumulate(k,
-opt)`` through the optax protocol (``tx.update`` + ``apply_updates``),
-``oa.update_and_apply`` and ``oa.MultiSteps``. The anchors: the plain
-optimizer step, ``optax.MultiSteps`` (the protocol) and the 3P floor of
-``acc += g``: the bytes a mid-step must move (read g, read acc, write acc; P =
-parameter bytes) over the copy bandwidth of the same round (on a CPU a DRAM
-floor, which a cache-sized working set can beat).
-
-Per row: median time and the median same-round ratio to each anchor
-(``optax.MultiSteps``' mid-step for a mid row, its emitting step for an
-emitting row); per program, temporaries over P and conditionals kept; per-call time
-on a tiny model, where dispatch dominates; last, the tracked rows at 4M, adam.
-
-Run::
+Jitted train steps ``step(params, state, grads) -> (params, state)``, params and
+state donated, window k = 4, timed call by call and binned by phase (mid-steps
+and the emitting step of one program): ``oa.accumulate`` through the optax
+protocol, ``oa.update_and_apply`` and ``oa.MultiSteps``, against the plain
+optimizer, ``optax.MultiSteps`` and the 3P floor of ``acc += g`` (3 x the
+parameter bytes over the copy bandwidth of the same round). Per row: median time
+and same-round ratios to the anchors; per program, temporaries over the params and
+conditionals kept; per-call time on a tiny model; the tracked rows at 4M, adam.
 
   python benchmarks/bench_accumulate.py                  # 1M,4M,16M; sgd, adam
   python benchmarks/bench_accumulate.py --quick          # 256K, 3 rounds (smoke)
@@ -80,10 +71,8 @@ TRACKED: list[tuple[str, str, str, float | None]] = [
 
 def row_source(row: str) -> tuple[str | None, str]:
   """``(program, phase)`` of a row; program None for the floor."""
-  if row in ("floor", "plain"):
-    return (None, "mid") if row == "floor" else ("plain", "step")
-  program, phase = row.rsplit("_", 1)
-  return program, phase
+  special = {"floor": (None, "mid"), "plain": ("plain", "step")}
+  return special[row] if row in special else tuple(row.rsplit("_", 1))
 
 
 # ----------------------------------------------------------------- programs
@@ -119,9 +108,7 @@ def parse_size(text: str) -> int:
 
 
 def size_label(n: int) -> str:
-  if n >= 2**20:
-    return f"{n / 2**20:g}M"
-  return f"{n / 2**10:g}K" if n >= 2**10 else str(n)
+  return f"{n / 2**20:g}M" if n >= 2**20 else f"{n / 2**10:g}K" if n >= 2**10 else str(n)
 
 
 def make_tree(n_params: int, leaves: int = LEAVES, fill: float = 0.01) -> dict[str, jax.Array]:
@@ -178,7 +165,6 @@ class CopyTimer:
   (a fresh output would be page-faulted on every call: that times the allocator)."""
 
   n_bytes: int
-  reps: int = 1
   samples: list[float] = dataclasses.field(default_factory=list)
 
   def __post_init__(self) -> None:
@@ -194,7 +180,7 @@ class CopyTimer:
 
   def run_round(self, windows: int = 0) -> None:
     del windows
-    self.samples.append(statistics.fmean(self.call() for _ in range(self.reps)))
+    self.samples.append(self.call())
 
   @property
   def bytes_moved(self) -> int:
@@ -389,9 +375,8 @@ def measure(sizes: Sequence[int], opts: Sequence[str], copy: CopyTimer, rounds: 
                    "leaves": LEAVES, "k": K_WINDOW, **harness.machine()},
           "bandwidth": {"copy_bytes": copy.bytes_moved, "copy_time_s": copy_s,
                         "copy_GBps": copy.bytes_moved / copy_s / 1e9},
-          "records": records,
+          "records": records, "tracked_size": tracked_size,
           "host_overhead": [h for opt in opts for h in host_overhead(opt, rounds, windows=16)],
-          "tracked_size": tracked_size,
           "tracked": tracked(records, tracked_size) if "adam" in opts else []}
 
 
@@ -406,9 +391,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   sizes = [parse_size("256K")] if args.quick else [parse_size(s) for s in args.sizes.split(",")]
   rounds = args.rounds or (3 if args.quick else 15)
   opts = args.optimizers.split(",")
-  for opt in opts:
-    if opt not in OPTIMIZERS:
-      ap.error(f"unknown optimizer {opt!r}; choose from {sorted(OPTIMIZERS)}")
+  if unknown := set(opts) - set(OPTIMIZERS):
+    ap.error(f"unknown optimizer(s) {sorted(unknown)}; choose from {sorted(OPTIMIZERS)}")
   tracked_size = parse_size("4M") if parse_size("4M") in sizes else sizes[len(sizes) // 2]
   t_start = time.perf_counter()
   result = measure(sizes, opts, CopyTimer(64 * 2**20), rounds, windows_for, tracked_size)

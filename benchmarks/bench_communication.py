@@ -1,23 +1,14 @@
 """Bytes reduced across devices per accumulation window, read from the compiled HLO.
 
-For k = 8 micro-batches on 8 data-parallel devices, each variant's train step
-is compiled (nothing runs), its reductions and all-gathers are listed with
-``optax_accum.debug.hlo_collectives``, and each is weighted by how often it runs
-per window: once per call on the straight-line path (k calls across steps, one
-in step), once per window in the conditional's emitting branch (branch 1),
-k - 1 times in the mid-step branch, k times per call in a ``while`` body.
+k = 8 micro-batches on 8 data-parallel devices: each variant's train step is
+compiled (nothing runs), its collectives listed with ``debug.hlo_collectives``
+and weighted by how often they run per window (a conditional's emitting branch
+once, its mid branch k - 1 times, a ``while`` body k times a call). Variants:
+``shard_map`` with ``axis_name``; plain ``jit`` with auto-sharding; plain ``jit`` on
+an Explicit mesh, ours (``defer_reduction`` into ``accumulate(..., axis_name)``) and
+naive, params replicated or FSDP; ``microbatched`` under ``shard_map`` and ``jit``.
 
-Variants: ``shard_map`` with ``axis_name``; plain ``jit`` with auto-sharding;
-plain ``jit`` on an ``AxisType.Explicit`` mesh, ours differentiating with
-respect to ``defer_reduction(params, "data")`` into ``accumulate(k, opt,
-axis_name="data")``, the naive path ``jax.grad`` of the params as they are;
-params replicated or FSDP-sharded (all-gathered for every forward pass); and
-``microbatched`` under ``shard_map`` and plain ``jit``.
-
-Run (8 host CPU devices are forced; a few seconds)::
-
-    python benchmarks/bench_communication.py        # results/communication.{json,md,png}
-    python benchmarks/bench_communication.py --out /tmp/comm
+    python benchmarks/bench_communication.py        # 8 host CPU devices, seconds
 """
 
 from __future__ import annotations
@@ -154,8 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   mesh = Mesh(np.array(jax.devices()[:N_DEV]), ("data",))
   params = init_params()
   param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
-  x = jnp.zeros((N_DEV * PER_DEV, WIDTH), jnp.float32)
-  y = jnp.zeros((N_DEV * PER_DEV, WIDTH), jnp.float32)
+  x = y = jnp.zeros((N_DEV * PER_DEV, WIDTH), jnp.float32)
   opt = optax.adam(1e-3)
   rows = []
 
@@ -189,8 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    naive_step.lower(params, naive_tx.init(params), x, y).compile(), K)))
 
   # 3. Plain jit, batch sharded, params replicated (GSPMD inserts the all-reduce).
-  batch = NamedSharding(mesh, P("data"))
-  rep = NamedSharding(mesh, P())
+  batch, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
   jit_params = jax.device_put(params, rep)
 
   @jax.jit
@@ -224,13 +213,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       rows.append((name, "in step", bytes_per_window(jax.jit(fn).lower(*inputs).compile(), 1)))
 
   result = {
-      "k": K,
-      "devices": N_DEV,
-      "param_bytes": param_bytes,
-      "jax": jax.__version__,
+      "k": K, "devices": N_DEV, "param_bytes": param_bytes, "jax": jax.__version__,
       "platform": f"{platform.machine()} {jax.default_backend()} (compiled HLO only)",
-      "rows": [{"variant": name, "accumulation": kind, **data} for name, kind, data in rows],
-  }
+      "rows": [{"variant": name, "accumulation": kind, **data} for name, kind, data in rows]}
   by_name = {r["variant"]: r["bytes_per_window"] for r in result["rows"]}
   result["plain_jit_naive_over_ours"] = {
       layout: by_name[f"naive: jax.grad(params), accumulate(k, opt), plain jit, {layout}"]
@@ -261,7 +246,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   lines += ["", "FSDP all-gathers the params for the forward pass on every micro-step, in"
             " both paths (the last column)."]
   harness.write(args.out, "communication", result, "\n".join(lines).rstrip() + "\n", plot)
-
   return result
 
 

@@ -1,20 +1,12 @@
 """Benchmark: ``microbatched`` against the full batch, optax's ``microbatch``, remat and bf16.
 
-A small decoder-only transformer (token + position embedding, pre-norm
-attention + MLP blocks in a ``lax.scan``, next-token cross-entropy) at a fixed
-global batch. Per configuration of its jitted value-and-grad:
-
-* compiled temporaries (``memory_analysis().temp_size_in_bytes``), against
-  the full batch's and against the bound ``1.3 x full / k + one gradient``;
-* step time over the full-batch step's, the median over interleaved rounds
-  (``harness.interleaved``) of the same-round ratio;
-* the largest relative gradient difference to the full batch.
-
-The anchors: the full batch, ``optax.microbatching.microbatch`` (MEAN) with
-the same k, ``jax.checkpoint`` around each block (remat) and bf16 compute
-(``mixed_precision``), alone and with ``microbatched``.
-
-Run::
+A small decoder-only transformer (pre-norm attention + MLP blocks in a ``lax.scan``,
+next-token cross-entropy) at a fixed global batch; per configuration of its
+value-and-grad (``harness.compare``): compiled temporaries against the full
+batch's and the bound ``1.3 x full / k + one gradient``, the same-round step ratio
+and the gradient difference. Anchors: the full batch, ``optax.microbatching``'s
+``microbatch`` (MEAN), ``jax.checkpoint`` per block and bf16 compute, alone and with
+``microbatched``.
 
   python benchmarks/bench_microbatched.py                   # ~3 minutes on 2 CPU cores
   python benchmarks/bench_microbatched.py --quick --out /tmp/mb   # smoke, seconds
@@ -24,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -33,7 +24,6 @@ from typing import Any
 import harness
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax.microbatching
 
 from optax_accum import Policy, microbatched, mixed_precision
@@ -123,34 +113,19 @@ def grad_fn(cfg: dict[str, Any], heads: int, batch_size: int) -> Callable:
     fn = optax.microbatching.microbatch(
         fn, argnums=1, microbatch_size=batch_size // cfg["k"],
         accumulator=optax.microbatching.AccumulationType.MEAN)
-  return jax.jit(fn)
+  return fn
 
 
 def measure(cfgs: list[dict[str, Any]], params: Params, batch: dict[str, jax.Array],
             heads: int, rounds: int, iters: int) -> list[dict[str, Any]]:
-  """One row per config: temporaries, same-round step ratio, gradient difference to
-  the full batch (``cfgs[0]``)."""
+  """One row per config (``harness.compare``, the full batch ``cfgs[0]`` first), with its
+  temporaries' bound."""
   n = batch["tokens"].shape[0]
   grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
-  rows, fns, ref = [], [], None
-  for cfg in cfgs:
-    fn = grad_fn(cfg, heads, n)
-    compiled = fn.lower(params, batch).compile()
-    loss, grads = jax.block_until_ready(compiled(params, batch))
-    ref = grads if ref is None else ref
-    err = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
-              for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True))
-    rows.append({"config": config_name(cfg), **cfg, "loss": float(loss),
-                 "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-                 "grad_rel_diff_vs_full": err})
-    fns.append(compiled)
-  secs = harness.interleaved({i: lambda f=f: jax.block_until_ready(  # iters calls each
-      [f(params, batch) for _ in range(iters)]) for i, f in enumerate(fns)}, rounds)
-  times = [[s / iters for s in secs[i]] for i in range(len(fns))]
-  for row, t in zip(rows, times, strict=True):
-    row["step_ms"] = 1e3 * statistics.median(t)
-    row["step_ratio"] = harness.paired_ratio(t, times[0])
-    row["temp_ratio_vs_full"] = row["temp_bytes"] / rows[0]["temp_bytes"]
+  rows = harness.compare([(config_name(c), grad_fn(c, heads, n)) for c in cfgs], (params, batch),
+                         rounds, iters)
+  for row, cfg in zip(rows, cfgs, strict=True):
+    row.update(cfg)
     if row["k"] > 1 and not (row["remat"] or row["bf16"]):
       row["temp_bound"] = 1.3 * rows[0]["temp_bytes"] / row["k"] + grad_bytes
   return rows
@@ -163,13 +138,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
       return ""
     met = "met" if r["temp_bytes"] <= r["temp_bound"] else "**missed**"
     return f"{harness.mib(r['temp_bound'])} {met}"
-
-  return harness.table(
-      "config | temporaries (MiB) | vs full | bound 1.3 full / k + 1 gradient (MiB) | step (ms)"
-      " | step vs full | max rel. grad diff vs full", "lrrrrrr",
-      [[r["config"], harness.mib(r["temp_bytes"]), f"{r['temp_ratio_vs_full']:.2f}x", bound(r),
-        f"{r['step_ms']:.1f}", f"{r['step_ratio']:.2f}x", f"{r['grad_rel_diff_vs_full']:.1e}"]
-       for r in rows])
+  return harness.compare_table(rows, ("bound 1.3 full / k + 1 gradient (MiB)", bound))
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -186,32 +155,15 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any]) -> Any:
-  rows = result["rows"]
-  y = np.arange(len(rows))
-  fig, axes = harness.pyplot().subplots(1, 2, figsize=(13, 0.35 * len(rows) + 2), dpi=110)
-  axes[0].barh(y, [r["temp_bytes"] / 2**20 for r in rows], color="tab:blue")
-  for r, yy in zip(rows, y, strict=True):
-    if "temp_bound" in r:
-      axes[0].plot([r["temp_bound"] / 2**20] * 2, [yy - 0.4, yy + 0.4], color="tab:red")
-  axes[0].set_yticks(y, [r["config"] for r in rows])
-  axes[0].set_xlabel("compiled temporaries (MiB); red: bound")
-  axes[1].barh(y, [r["step_ratio"] for r in rows], color="tab:orange")
-  axes[1].set_yticks(y, [])
-  axes[1].set_xlabel("step time / full-batch step")
-  for ax in axes:
-    ax.invert_yaxis()
-  return fig
+  return harness.bars(result["rows"])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   ap = harness.parser(__doc__, quick="d_model 32, 1 block, seq 16, batch 16, k 2 and 4, 2 rounds:"
                                     " a smoke run")
-  ap.add_argument("--d-model", type=int, default=128)
-  ap.add_argument("--heads", type=int, default=4)
-  ap.add_argument("--layers", type=int, default=2)
-  ap.add_argument("--seq", type=int, default=64)
-  ap.add_argument("--vocab", type=int, default=512)
-  ap.add_argument("--batch", type=int, default=64, help="global batch (examples)")
+  for flag, default in (("d-model", 128), ("heads", 4), ("layers", 2), ("seq", 64),
+                        ("vocab", 512), ("batch", 64)):  # batch: the global batch (examples)
+    ap.add_argument(f"--{flag}", type=int, default=default)
   ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8, 16])
   ap.add_argument("--trick-k", type=int, default=8, help="k combined with remat and bf16")
   ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")

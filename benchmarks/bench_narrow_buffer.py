@@ -1,20 +1,12 @@
 """A bfloat16 accumulation buffer: precision and time, against the float32 one.
 
-Two measurements, each against its anchors in the same run (the bytes per
-parameter of a train step with the bfloat16 buffer, on XLA:CPU and the H200
-compiler, are rows of ``gpu_hlo.py``: ``results/gpu_hlo.md``):
+1. **Error of one window** against a float64 reference, bf16 rounding to nearest
+   and stochastically (``accumulator_dtype=jnp.bfloat16``), k = 16 to 1024,
+   gradients ``N(1, 0.5^2)``: bias and spread of the error over the mean |reference|.
+2. **Mid-step time** of ``update_and_apply``, bf16 over f32 buffer, 4M f32 params,
+   interleaved rounds. (Bytes per parameter: ``gpu_hlo.py``'s rows.)
 
-1. **Error of one window** against a float64 reference, for a bfloat16 buffer
-   rounding to nearest (what a plain narrow sum does) and rounding
-   stochastically (``accumulator_dtype=jnp.bfloat16``), at k = 16, 64, 256,
-   1024: gradients ``N(1, 0.5^2)`` per element; bias = mean error over the mean
-   |reference|, spread = standard deviation of the error over it.
-2. **Mid-step time** of ``update_and_apply`` with the bf16 buffer over the f32
-   buffer, XLA:CPU, 4M f32 params, interleaved rounds in one process.
-
-Run::
-
-  python benchmarks/bench_narrow_buffer.py                    # results/narrow_buffer.{json,md}
+  python benchmarks/bench_narrow_buffer.py                    # results/narrow_buffer.*
   python benchmarks/bench_narrow_buffer.py --quick --out /tmp/nb   # small sizes
 """
 

@@ -1,22 +1,13 @@
 """Benchmark: what ``track_noise_scale`` costs, and how close its estimate lands.
 
-What is measured (all in one process):
-
-* Cost. ``bench_accumulate.py``'s train steps (4M f32 params in 8 leaves,
-  adam, k = 4, timed per phase): ``oa.accumulate`` through the optax protocol
-  and ``oa.update_and_apply``, each without and with ``track_noise_scale``,
-  and ``update_and_apply`` with the gradient of a 4-layer MLP (1024 wide,
-  4.2M params) on a batch of 32 computed inside. Per phase, the median
-  same-round ratio tracked / untracked; temporaries over the param bytes.
-* The estimate. Linear regression ``0.5 (x.w - y)^2``, ``x ~ N(0, I_d)``,
-  ``y = x.w* + sigma eps``, at the fixed point ``w = w* + delta`` (inner
-  learning rate 0), where ``B_simple = d + 1 + sigma^2 d / |delta|^2``
-  examples. Per ``(d, sigma, b, k)``: 8 seeds of 400 windows, decay 0.999;
-  the mean and spread of ``noise_scale * b`` against ``B_simple``. One weighted
-  row: micro-batches of 1, 2, 5 and 8 examples weighted by their size (unit:
-  their average, 4 examples).
-
-Run::
+* Cost: ``bench_accumulate.py``'s train steps (4M f32 params, adam, k = 4), the
+  protocol and ``update_and_apply``, and ``update_and_apply`` with a 4-layer MLP's
+  gradient (1024 wide, batch 32) computed inside, each without and with tracking:
+  per phase the median same-round ratio tracked / untracked, and temporaries.
+* The estimate: linear regression ``0.5 (x.w - y)^2`` at ``w = w* + delta`` (inner
+  learning rate 0), where ``B_simple = d + 1 + sigma^2 d / |delta|^2``; per ``(d,
+  sigma, b, k)`` 8 seeds of 400 windows against ``B_simple``, and one weighted row
+  (micro-batches of 1, 2, 5 and 8 examples).
 
   python benchmarks/bench_noise_scale.py            # about a minute
   python benchmarks/bench_noise_scale.py --quick    # 256K params, 5 rounds
@@ -52,10 +43,7 @@ MLP_PROGRAMS = [
 PAIRS = [(key, f"{key}_tracked") for key, _, tracked in PROGRAMS + MLP_PROGRAMS if not tracked]
 MLP_WIDTH, MLP_LAYERS, MLP_BATCH = 1024, 4, 32
 
-DELTA_NORM = 0.5
-SEEDS = 8
-WINDOWS = 400
-DECAY = 0.999
+DELTA_NORM, SEEDS, WINDOWS, DECAY = 0.5, 8, 400, 0.999
 # (d, sigma, b, k), as in tests/test_noise_scale.py.
 COMBOS = [(4, 0.1, 2, 4), (8, 0.5, 2, 8), (32, 0.5, 8, 4), (16, 1.75, 16, 16)]
 WEIGHTED_SIZES = (1, 2, 5, 8)
@@ -90,9 +78,7 @@ def make_programs() -> list[ba.Program]:
       step = harness.fast_step(tx)
     else:  # the MLP's gradient computed in the step
       step = lambda p, s, b, tx=tx: oa.update_and_apply(tx, jax.grad(mlp_loss)(p, b), s, p)
-    # A jitted init: the eager one returns one zero scalar in three noise-state
-    # fields, which cannot be donated twice (a core bug, reported).
-    progs.append(ba.Program(key, ba.K_WINDOW, step, jax.jit(tx.init)))
+    progs.append(ba.Program(key, ba.K_WINDOW, step, tx.init))
   return progs
 
 
@@ -199,39 +185,30 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['rel_error']:+.1%}", f"{r['estimate_sd'] / r['b_simple']:.1%}",
             f"{r['max_seed_rel_error']:.1%}"]
   return "\n".join([
-      "# Gradient noise scale: cost and accuracy",
-      "",
+      "# Gradient noise scale: cost and accuracy", "",
       f"`python benchmarks/bench_noise_scale.py {' '.join(meta['argv'])}` on {meta['machine']}"
       f" ({meta['cpu_count']} CPUs, load {meta['loadavg']}), jax {meta['jax']},"
-      f" optax {meta['optax']}; {meta['wall_s']} s.",
-      "",
+      f" optax {meta['optax']}; {meta['wall_s']} s.", "",
       f"## Cost: {ba.size_label(cost['size'])} params, adam, k = {ba.K_WINDOW}, train step,"
-      " donated",
-      "",
+      " donated", "",
       f"Medians over {cost['rounds']} interleaved rounds; ratios are medians of the per-round"
       " ratio tracked / untracked (same round, seconds apart). Bars: mid-step within 1.1x,"
-      " extra temporaries within 0.05x the param bytes.",
-      "",
+      " extra temporaries within 0.05x the param bytes.", "",
       "The MLP rows compute the gradient of a"
       f" {MLP_LAYERS}-layer MLP ({MLP_WIDTH} wide, {cost['mlp_param_bytes'] / 4 / 2**20:.1f}M"
-      f" params) on a batch of {MLP_BATCH} inside the step.",
-      "",
+      f" params) on a batch of {MLP_BATCH} inside the step.", "",
       *harness.table("program | mid-step ms | emit ms | temporaries / params", "lrrr", [
           [p["label"], f"{1e3 * p['mid_s']:.2f}", f"{1e3 * p['emit_s']:.2f}",
-           f"{p['temps_ratio']:.3f}x"] for p in cost["programs"].values()]),
-      "",
+           f"{p['temps_ratio']:.3f}x"] for p in cost["programs"].values()]), "",
       *harness.table("tracked vs untracked | mid-step | emit | extra temporaries / params",
                      "lrrr", [[q["untracked"], f"{q['mid_ratio']:.3f}x",
                                f"{q['emit_ratio']:.3f}x", f"{q['extra_temps_ratio']:+.4f}x"]
-                              for q in cost["pairs"]]),
-      "",
-      "## Estimate vs closed form",
-      "",
+                              for q in cost["pairs"]]), "",
+      "## Estimate vs closed form", "",
       f"Linear regression at w = w* + delta, |delta| = {DELTA_NORM}, inner learning rate 0;"
       " B_simple = d + 1 + sigma^2 d / |delta|^2 examples. Estimate = noise_scale x b"
       f" (b: examples per micro-batch, the average for the weighted row); {SEEDS} seeds x"
-      f" {WINDOWS} windows, decay {DECAY}.",
-      "",
+      f" {WINDOWS} windows, decay {DECAY}.", "",
       *harness.table("d | sigma | b | k | B_simple | estimate (mean of seeds) | rel. error"
                      " | single-seed sd | worst seed", "r" * 9,
                      map(estimate, result["closed_form"])),
@@ -254,12 +231,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f" emit {q['emit_ratio']:.3f}x, extra temporaries {q['extra_temps_ratio']:+.4f}x"
           " params", flush=True)
   table = closed_form_table()  # printed with the markdown
-  result = {
-      "meta": {"argv": list(argv if argv is not None else sys.argv[1:]), **harness.machine(),
-               "wall_s": round(time.perf_counter() - start, 1)},
-      "cost": cost,
-      "closed_form": table,
-  }
+  result = {"meta": {"argv": list(argv if argv is not None else sys.argv[1:]),
+                     **harness.machine(), "wall_s": round(time.perf_counter() - start, 1)},
+            "cost": cost, "closed_form": table}
   harness.write(args.out, "noise_scale", result, markdown(result))
   return result
 

@@ -1,20 +1,13 @@
 """Benchmark: the k that ``plan_k`` plans, against the compiled peak of every candidate.
 
-For an MLP, the demo's character transformer and the same with
-``jax.checkpoint`` around each block (in a ``lax.scan``), in two modes (in step:
-``microbatched`` over k micro-batches of the global batch; across steps: one
-``accumulate`` call on ``global / k`` rows), it compiles every candidate k itself
-and records the peak per device (``argument + output + temp - alias``, beside
-XLA's ``peak_memory_in_bytes``), sets a limit halfway between two neighbouring
-peaks near the middle, and runs ``plan_k`` under it: the planned k and peak, the
-compiles used (against ``ceil(log2(n)) + 1``), its wall time, and the brute-force
-answer (the smallest candidate within the limit).
+An MLP, the demo's transformer, and the same with ``jax.checkpoint`` per block, in
+step (``microbatched``) and across steps (``accumulate`` on ``global / k`` rows): every
+candidate k compiled here (peak per device ``argument + output + temp - alias``,
+beside XLA's ``peak_memory_in_bytes``), a limit between two neighbouring peaks, and
+``plan_k`` under it: its k and peak, its compiles (bound ``ceil(log2(n)) + 1``) and
+time, against the brute-force answer. Nothing runs: ``ShapeDtypeStruct`` arguments.
 
-Nothing runs on a device: every program is compiled from
-``jax.ShapeDtypeStruct`` arguments. Run (about 3 minutes on 2 CPU cores; the
-same script runs on a GPU or TPU, where the peaks are that backend's)::
-
-  python benchmarks/bench_plan_k.py
+  python benchmarks/bench_plan_k.py                              # ~3 minutes, 2 CPU cores
   python benchmarks/bench_plan_k.py --quick --out /tmp/plan_k   # smoke, seconds
 """
 
@@ -76,16 +69,10 @@ def mlp_case(args: argparse.Namespace) -> dict[str, Any]:
       return p, state, value
     return step
 
-  return {
-      "model": f"MLP {layers} x {d}",
-      "global_batch": batch,
-      "params": _count(params),
-      "modes": {
-          "in-step": (in_step, (params, jax.eval_shape(opt.init, params), data)),
-          "across steps": (across, (params, jax.eval_shape(oa.accumulate(2, opt).init, params),
-                                    data)),
-      },
-  }
+  across_state = jax.eval_shape(oa.accumulate(2, opt).init, params)
+  return {"model": f"MLP {layers} x {d}", "global_batch": batch, "params": _count(params),
+          "modes": {"in-step": (in_step, (params, jax.eval_shape(opt.init, params), data)),
+                    "across steps": (across, (params, across_state, data))}}
 
 
 def transformer_case(args: argparse.Namespace, remat: bool) -> dict[str, Any]:
@@ -128,15 +115,11 @@ def transformer_case(args: argparse.Namespace, remat: bool) -> dict[str, Any]:
   across_state = jax.eval_shape(demo.build_step("accumulate", loss_terms, base, 2)[0].init,
                                 params)
   name = "demo transformer" + (" + jax.checkpoint (scan)" if remat else "")
-  return {
-      "model": f"{name} (d {cfg.d_model}, {cfg.layers} blocks, seq {cfg.seq_len})",
-      "global_batch": cfg.batch_size,
-      "params": _count(params),
-      "modes": {
-          "in-step": (arm("microbatched"), (params, jax.eval_shape(base.init, params), batch)),
-          "across steps": (arm("accumulate"), (params, across_state, batch)),
-      },
-  }
+  return {"model": f"{name} (d {cfg.d_model}, {cfg.layers} blocks, seq {cfg.seq_len})",
+          "global_batch": cfg.batch_size, "params": _count(params),
+          "modes": {"in-step": (arm("microbatched"), (params, jax.eval_shape(base.init, params),
+                                                      batch)),
+                    "across steps": (arm("accumulate"), (params, across_state, batch))}}
 
 
 def _count(tree: Any) -> int:
@@ -168,10 +151,8 @@ def sweep(make_step: MakeStep, args: tuple[Any, ...], ks: list[int], global_batc
     rows.append({"k": k, "micro_batch_size": global_batch // k,
                  "peak_bytes": compiled_peak_bytes(compiled),
                  "xla_peak_memory_in_bytes": int(m.peak_memory_in_bytes),
-                 "argument_bytes": int(m.argument_size_in_bytes),
-                 "output_bytes": int(m.output_size_in_bytes),
-                 "temp_bytes": int(m.temp_size_in_bytes),
-                 "alias_bytes": int(m.alias_size_in_bytes),
+                 **{f"{n}_bytes": int(getattr(m, f"{n}_size_in_bytes"))
+                    for n in ("argument", "output", "temp", "alias")},
                  "compile_s": time.perf_counter() - t0})
   return rows
 
@@ -188,8 +169,7 @@ def pick_limit(rows: list[dict[str, Any]]) -> float:
 
 
 def monotone(rows: list[dict[str, Any]]) -> bool:
-  peaks = [r["peak_bytes"] for r in rows]
-  return all(a >= b for a, b in itertools.pairwise(peaks))
+  return all(a["peak_bytes"] >= b["peak_bytes"] for a, b in itertools.pairwise(rows))
 
 
 def run_case(case: dict[str, Any], mode: str, candidates: list[int] | None) -> dict[str, Any]:
@@ -227,14 +207,10 @@ def run_case(case: dict[str, Any], mode: str, candidates: list[int] | None) -> d
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   ap = harness.parser(__doc__, quick="tiny sizes (MLP 2 x 32, batch 64; transformer d 16, 1"
                                     " block, seq 16, batch 8): a smoke run")
-  ap.add_argument("--mlp-width", type=int, default=256)
-  ap.add_argument("--mlp-layers", type=int, default=4)
-  ap.add_argument("--mlp-batch", type=int, default=4096)
-  ap.add_argument("--tf-batch", type=int, default=32, help="the demo's --batch-size")
-  ap.add_argument("--tf-seq", type=int, default=64)
-  ap.add_argument("--tf-d-model", type=int, default=64)
-  ap.add_argument("--tf-layers", type=int, default=2)
-  ap.add_argument("--tf-heads", type=int, default=4)
+  for flag, default in (("mlp-width", 256), ("mlp-layers", 4), ("mlp-batch", 4096),
+                        ("tf-batch", 32), ("tf-seq", 64), ("tf-d-model", 64), ("tf-layers", 2),
+                        ("tf-heads", 4)):  # tf-batch: the demo's --batch-size
+    ap.add_argument(f"--{flag}", type=int, default=default)
   args = ap.parse_args(argv)
   if args.quick:
     args.mlp_width, args.mlp_layers, args.mlp_batch = 32, 2, 64
@@ -243,12 +219,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   cases = [mlp_case(args), transformer_case(args, remat=False),
            transformer_case(args, remat=True)]
   results = [run_case(case, mode, None) for case in cases for mode in case["modes"]]
-  result = {
-      "setup": {**harness.machine(), "optimizer": "adam",
-                "peak": "argument + output + temp - alias (memory_analysis, per device)"},
-      "rows": results,
-      "wall_seconds": time.perf_counter() - t_start,
-  }
+  result = {"setup": {**harness.machine(), "optimizer": "adam",
+                      "peak": "argument + output + temp - alias (memory_analysis, per device)"},
+            "rows": results, "wall_seconds": time.perf_counter() - t_start}
   harness.write(args.out, "plan_k", result, markdown(result), plot)
   print(f"wall {result['wall_seconds']:.0f}s")
   return result
@@ -261,8 +234,7 @@ def markdown(result: dict[str, Any]) -> str:
       f" {s['cpu_count']} cores), jax {s['jax']}, Adam. Peak per device: {s['peak']}. The limit"
       " is halfway between two neighbouring candidates' peaks; *brute force* is the smallest"
       " candidate within it in the full sweep; *compiles* are the search's (bound"
-      " ceil(log2 n) + 1), *search* its wall time (building, lowering and compiling).",
-      "",
+      " ceil(log2 n) + 1), *search* its wall time (building, lowering and compiling).", "",
       *harness.table(
         "model | mode | global batch | candidates | limit (MiB) | planned k (peak MiB) |"
         " brute force k | compiles (bound) | search (s) | sweep monotone", "llrlrrrrrl",

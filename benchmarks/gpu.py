@@ -1,18 +1,12 @@
 """GPU benchmark: accumulation train steps and in-step microbatching on one GPU.
 
-Run on a machine with one NVIDIA GPU (a few minutes on an H200)::
+``bench_accumulate.py``'s train steps (adam, k = 4) at 1M, 16M and 256M params
+against the 3P floor of a 1 GiB copy; ``bench_microbatched.py``'s comparison on
+``TRANSFORMER`` (k = 4 and 16); microbatched against the full batch at matmul
+precision ``"highest"``. ``benchmarks/NOTES.md`` ("On a GPU") says what each shows.
 
-  python benchmarks/gpu.py --out DIR     # writes DIR/gpu.{json,md}; commit gpu.md as
-                                         # benchmarks/results/gpu.md
+  python benchmarks/gpu.py --out DIR     # DIR/gpu.{json,md}: commit as results/gpu.md
   python benchmarks/gpu.py --cpu-smoke   # tiny sizes on the CPU: checks the script
-
-It runs ``bench_accumulate.py``'s train steps (adam, k = 4) at 1M, 16M and 256M
-params against the 3P floor of a 1 GiB copy, with the per-call time on a tiny
-model; ``bench_microbatched.py``'s comparison on a larger transformer
-(``TRANSFORMER``, k = 4 and 16); and microbatched against the full batch at
-matmul precision ``"highest"`` (f32 matmuls are TF32 by default on NVIDIA GPUs
-since Ampere). ``benchmarks/NOTES.md`` ("On a GPU") says what each shows.
-Without a GPU it exits with an error unless ``--cpu-smoke`` is given.
 """
 
 from __future__ import annotations
@@ -57,10 +51,8 @@ def highest_precision_diff(tf: dict[str, Any], params: Any, batch: Any, k: int) 
   dots = [ln for ln in full_lowered.as_text().splitlines() if "dot_general" in ln]
   a = micro(params, batch)
   b = full_lowered.compile()(params, batch)
-  grad = max(float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30))
-             for x, y in zip(jax.tree.leaves(a[1]), jax.tree.leaves(b[1]), strict=True))
   return {"k": k, "loss_rel_diff": float(jnp.abs(a[0] - b[0]) / jnp.abs(b[0])),
-          "grad_rel_diff": grad, "dots": len(dots),
+          "grad_rel_diff": harness.rel_diff(a[1], b[1]), "dots": len(dots),
           "dots_highest": sum("HIGHEST" in ln for ln in dots)}
 
 
@@ -120,9 +112,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   highest = highest_precision_diff(tf, params, batch, tf["ks"][0])
   log("precision check done")
 
-  result = {**measured, "precision": precision_meaning(),
+  result = {**measured, "precision": precision_meaning(), "microbatching": mb_rows,
             "transformer": {**tf, "params": sum(x.size for x in jax.tree.leaves(params))},
-            "microbatching": mb_rows, "highest": highest}
+            "highest": highest}
   result["meta"].update(argv=list(argv if argv is not None else sys.argv[1:]), cpu_smoke=smoke,
                         wall_s=round(time.perf_counter() - t_start, 1))
   out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_smoke_")) if smoke else harness.RESULTS)

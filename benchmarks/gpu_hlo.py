@@ -1,24 +1,17 @@
 """Deviceless compile check: what XLA's H200 compiler (or libtpu) makes of each train step.
 
-XLA's GPU compiler runs without a GPU: the CUDA PJRT plugin compiles for a
-topology described by a target config (the device's properties as text), so a
-CPU machine sees the optimized HLO an H200 would run. This script compiles
-train steps ``step(params, state, grads) -> (params, state)`` (params and state
-donated, adam, k = 4, 4M params in 8 leaves) for the H200 and, in the same
-process, for the CPU: ``oa.accumulate`` with the mean, weighted and
-noise-tracking reductions and the mean into a bfloat16 buffer, each through
-the optax protocol and ``oa.update_and_apply``, plus ``optax.MultiSteps`` and
-plain adam, with f32 and bf16 params. Per program (``optax_accum.debug``):
-conditionals kept (``benchmarks/NOTES.md`` says why they may not be), leaf-sized
-data copies, temporaries over the parameter bytes and bytes held per parameter
-(``planning.compiled_peak_bytes``).
+The CUDA PJRT plugin compiles for a topology described by a target config (the
+device's properties as text): a CPU machine sees the optimized HLO an H200 would
+run. Train steps (params and state donated, adam, k = 4, 4M params in 8 leaves),
+for the H200 and the CPU: ``oa.accumulate`` (mean, weighted, noise-tracking, bf16
+buffer) through the protocol and ``update_and_apply``, ``optax.MultiSteps`` and plain
+adam, f32 and bf16 params. Per program (``optax_accum.debug``): conditionals kept,
+leaf-sized copies, temporaries over the parameter bytes, bytes held per parameter.
 
-Expected on the accelerator for every ``oa.accumulate`` program: a conditional
-kept (the window's) and temporaries <= 0.05x the parameter bytes, except the
-bf16 buffer through the protocol with f32 params: <= 1.05x (its f32 updates
-cannot live in the bf16 buffer, so they take a temporary by design). On the
-H200 the script exits with status 1 when one differs (``--tpu``: reported only).
-Nothing is timed: the output is deterministic for given builds.
+Expected on the accelerator for every ``oa.accumulate`` program: the window's
+conditional kept and temporaries <= 0.05x the parameter bytes (the bf16 buffer
+through the protocol with f32 params: <= 1.05x, its f32 updates by design); on the
+H200 the script exits with status 1 otherwise (``--tpu``: reported only).
 
 Setup (a separate venv; ``--setup`` prints it)::
 

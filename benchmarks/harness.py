@@ -1,21 +1,18 @@
 """What every benchmark script shares: how it times, where it ran, its results files.
 
-A script that times programs against each other runs them in
-:func:`interleaved` rounds (every program once per round, in a fresh seeded
-random order) and compares them with :func:`paired_ratio` (the median over
-rounds of same-round ratios); ``bench_accumulate.run_rounds`` is
-:func:`interleaved` over its train-step timers and the bandwidth copy. Each
-script calls :func:`write` once: the result as JSON, its markdown (printed
-too), and a PNG where it plots (its ``plot`` draws a figure from :func:`pyplot`).
-The rest is what several scripts build alike: the command line
-(:func:`parser`), the two train steps (:func:`protocol_step`,
-:func:`fast_step`) and markdown tables (:func:`table`).
+Programs timed against each other run in :func:`interleaved` rounds (each once a
+round, in a fresh seeded order) and compare by :func:`paired_ratio` (the median of
+same-round ratios). :func:`write` saves the result as JSON, markdown (printed) and
+a PNG; the rest is what several scripts build alike: :func:`parser`, the train
+steps :func:`protocol_step` and :func:`fast_step`, :func:`table`, and in-step
+gradient functions against a reference (:func:`compare`, :func:`bars`).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -27,6 +24,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 import optax_accum as oa
@@ -87,13 +86,10 @@ def interleaved(runs: Mapping[K, Callable[[], object]], rounds: int, *, seed: in
                 warmup: int = 1) -> dict[K, list[float]]:
   """Seconds of each run in each round: ``{key: [round 0, round 1, ...]}``.
 
-  Every round calls every run once, in a fresh order drawn from
-  ``random.Random(seed)`` (a fixed or rotating order would put the same run
-  after the same neighbour, a cache-evicting copy say, round after round).
-  ``warmup`` rounds go first, shuffled the same way and not recorded. A run
-  that times itself (several calls, or per phase) ignores its entry; one
-  that makes ``n`` calls divides its seconds by ``n``. Same-round samples pair
-  up for :func:`paired_ratio`.
+  Every round calls every run once, in a fresh order from ``random.Random(seed)``
+  (a fixed order puts the same run after the same neighbour, a cache-evicting copy
+  say, every round), after ``warmup`` rounds not recorded. A run that times itself
+  ignores its entry. Same-round samples pair up for :func:`paired_ratio`.
 
   >>> log = []
   >>> secs = interleaved({"a": lambda: log.append("a"), "b": lambda: log.append("b")},
@@ -156,3 +152,57 @@ def write(out: Path, stem: str, result: dict[str, Any], markdown: str,
     pyplot().close(fig)
   print(markdown)
   print(f"wrote {out}/{stem}.{{json,md{',png' if plot else ''}}}")
+
+
+def rel_diff(tree: Any, ref: Any) -> float:
+  """The largest ``|tree - ref|`` over the largest ``|ref|``, leaf by leaf."""
+  return max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+             for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(ref), strict=True))
+
+
+def compare(fns: Sequence[tuple[str, Callable[..., Any]]], args: Sequence[Any], rounds: int,
+            iters: int) -> list[dict[str, Any]]:
+  """Per named value-and-grad function, jitted, against the first: its loss, compiled
+  temporaries, :func:`rel_diff` of its gradients and step time (``iters`` calls a round)."""
+  rows, calls = [], []
+  for name, fn in fns:
+    c = jax.jit(fn).lower(*args).compile()
+    value, grads = c(*args)
+    rows.append({"config": name, "loss": float(jax.tree.leaves(value)[0]), "grads": grads,
+                 "temp_bytes": int(c.memory_analysis().temp_size_in_bytes)})
+    calls.append(functools.partial(lambda c: jax.block_until_ready([c(*args) for _ in range(
+        iters)][-1]), c))  # blocks on the last call only
+  secs, ref = interleaved(dict(enumerate(calls)), rounds), rows[0]["grads"]
+  for i, row in enumerate(rows):
+    row.update(step_ms=1e3 * median(secs[i]) / iters, step_ratio=paired_ratio(secs[i], secs[0]),
+               temp_ratio_vs_full=row["temp_bytes"] / rows[0]["temp_bytes"],
+               grad_rel_diff_vs_full=rel_diff(row.pop("grads"), ref))
+  return rows
+
+
+def compare_table(rows: Sequence[dict[str, Any]],
+                  extra: tuple[str, Callable[[dict[str, Any]], str]] | None = None) -> list[str]:
+  """:func:`compare`'s rows as a markdown :func:`table`; ``extra``: a column (header, cell)."""
+  head, cell = extra or ("", lambda r: "")
+  return table(
+      "config | temporaries (MiB) | vs full" + f" | {head}" * bool(extra) + " | step (ms)"
+      " | step vs full | max rel. grad diff vs full", "lrr" + "r" * bool(extra) + "rrr",
+      [[r["config"], mib(r["temp_bytes"]), f"{r['temp_ratio_vs_full']:.2f}x",
+        *[cell(r)] * bool(extra), f"{r['step_ms']:.1f}", f"{r['step_ratio']:.2f}x",
+        f"{r['grad_rel_diff_vs_full']:.1e}"] for r in rows])
+
+
+def bars(rows: Sequence[dict[str, Any]]) -> Any:
+  """:func:`compare`'s rows: temporaries (red: a row's ``temp_bound``), step time over the first."""
+  y = np.arange(len(rows))
+  fig, axes = pyplot().subplots(1, 2, figsize=(13, 0.35 * len(rows) + 2), dpi=110, sharey=True)
+  axes[0].barh(y, [r["temp_bytes"] / 2**20 for r in rows], color="tab:blue")
+  for yy, r in zip(y, rows, strict=True):
+    if "temp_bound" in r:
+      axes[0].plot([r["temp_bound"] / 2**20] * 2, [yy - 0.4, yy + 0.4], color="tab:red")
+  axes[0].set_yticks(y, [r["config"] for r in rows])
+  axes[0].set_xlabel("compiled temporaries (MiB); red: bound")
+  axes[1].barh(y, [r["step_ratio"] for r in rows], color="tab:orange")
+  axes[1].set_xlabel("step time / the full batch's (same round)")
+  axes[0].invert_yaxis()  # (shared: both)
+  return fig

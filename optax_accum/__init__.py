@@ -6,7 +6,9 @@ Train with a large effective batch on a device that holds a small one:
   the drop-in :class:`MultiSteps`), with :func:`update_and_apply` as the fast
   path that never touches the params on mid-steps, :func:`flush` for a partial
   window and :func:`has_updated` for logging;
-* inside one step, :func:`microbatched` (a ``lax.scan`` over micro-batches);
+* inside one step, :func:`microbatched` (a ``lax.scan`` over micro-batches), and
+  :func:`cached_microbatched` for a loss that couples the examples (contrastive
+  losses: gradient caching);
 * around both, :class:`Policy` / :func:`mixed_precision`; dynamic loss
   scaling in :mod:`optax_accum.precision`;
 * on many devices, ``axis_name=`` and :mod:`optax_accum.sharding`;
@@ -31,6 +33,7 @@ from optax_accum.accumulation import (
     has_updated,
     update_and_apply,
 )
+from optax_accum.contrastive import cached_microbatched
 from optax_accum.gradient_noise import adaptive_k, noise_scale
 from optax_accum.microbatching import microbatched
 from optax_accum.multi_steps import MultiSteps
@@ -45,6 +48,7 @@ __all__ = [
     "Policy",
     "accumulate",
     "adaptive_k",
+    "cached_microbatched",
     "flush",
     "has_updated",
     "microbatched",

@@ -34,7 +34,9 @@ def check_update(
   live where the window expects them (:func:`_check_placement`). An integer param's
   gradient (``float0``) counts as zero, and so does a flush's (it carries no
   micro-batch): both come back as zeros like the buffer. Each message names the tree
-  path at fault and the fix. Call it inside the inputs' mesh (``_arrays.mesh_context``).
+  path at fault and the fix. Under plain jit with ``axis_name`` the gradients come back
+  as one copy per device (``_per_device.stack``). Call it inside the inputs' mesh
+  (``_arrays.mesh_context``).
   """
   g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
   b_leaves, b_def = jax.tree_util.tree_flatten_with_path(buffer)
@@ -74,6 +76,8 @@ def check_update(
   else:
     emit_now = jnp.asarray(emit_now).astype(jnp.bool_)
   _check_placement(config, g_leaves)
+  if stacked is not None:  # a partial sum typed unreduced, as its per-device copies
+    grads = jax.tree.map(lambda g: _per_device.stack(g, stacked), grads)
   return grads, weight, emit_now
 
 

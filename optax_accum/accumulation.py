@@ -21,8 +21,7 @@ from optax_accum import gradient_noise as noise_lib
 from optax_accum._window import KSchedule
 from optax_accum.precision import all_finite
 
-__all__ = ["AccumulateState", "Applied", "accumulate", "flush", "has_updated",
-           "update_and_apply"]
+__all__ = ["AccumulateState", "Applied", "accumulate", "flush", "has_updated", "update_and_apply"]
 
 
 class AccumulateState(NamedTuple):
@@ -252,11 +251,8 @@ def accumulate(
     with _arrays.mesh_context((updates, params)):
       updates, weight, emit_now = _validation.check_update(
           config, updates, state.acc_grads, weight=weight, emit_now=emit_now, flushing=flushing)
-      stacked = _arrays.explicit_axes(config.axis_name)
-      if stacked is not None:  # a partial sum typed unreduced, as its per-device copies
-        updates = jax.tree.map(lambda g: _per_device.stack(g, stacked), updates)
       accept = False if flushing else (
-          _accept(updates, weight, config.axis_name, stacked) if skip_nonfinite else True)
+          _accept(updates, weight, config.axis_name) if skip_nonfinite else True)
       window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads,
                               state.acc_weight, state.noise_stats)
       out = _window.micro_step(config, updates, window, state.inner_opt_state, params,
@@ -275,12 +271,13 @@ def accumulate(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _accept(grads: Any, weight: jax.Array | None, axis_name: Any, stacked: Any) -> jax.Array:
+def _accept(grads: Any, weight: jax.Array | None, axis_name: Any) -> jax.Array:
   """Whether this micro-batch counts when non-finite ones are skipped.
 
   Every device must agree, or the windows drift apart: one scalar reduction
   (over the per-device copies under plain jit, a ``pmin`` under shard_map).
   """
+  stacked = _arrays.explicit_axes(axis_name) is not None
   accept = _per_device.all_finite(grads) if stacked else all_finite(grads)
   if weight is not None:
     accept = jnp.logical_and(accept, jnp.isfinite(weight))
