@@ -68,3 +68,17 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> object:
     pytest.fail(f"the mutant {name!r} survived: the test passed on it"
                 f" ({' '.join(_mutants.MUTANTS[name].__doc__.split())})", pytrace=False)
   return result
+
+
+# -- docstring examples that build a mesh of several devices -------------------------------
+_MESH_OF_MANY = ("jax.devices()[:8]", "make_mesh((8,)", "make_mesh((4, 2)", "init_on(8)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+  """On a one-device platform, the docstring examples written for 8 devices are skipped."""
+  if jax.device_count() >= 8:
+    return
+  for item in items:
+    examples = getattr(getattr(item, "dtest", None), "examples", ())
+    if any(s in ex.source for ex in examples for s in _MESH_OF_MANY):
+      item.add_marker(pytest.mark.skip(reason="an example on 8 devices: run the suite as is"))

@@ -196,7 +196,8 @@ def test_negative_weight():
 
 
 @pytest.mark.parametrize("axis", [
-    pytest.param(False, marks=pytest.mark.catches("zero_weight_made_positive")), True],
+    pytest.param(False, marks=pytest.mark.catches("zero_weight_made_positive")),
+    pytest.param(True, marks=pytest.mark.skipif(jax.device_count() < 2, reason="pmap on 2"))],
     ids=["one_device", "pmap"])
 def test_zero_weight_window_is_not_a_step(axis):
   params = {"w": jnp.ones(2)}
@@ -366,6 +367,7 @@ def test_boundary_checkpoint_into_optax_mean_mode():
   chex.assert_trees_all_close(u, {"w": jnp.full(3, -3.5)})
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="pmap over 2 devices")
 @pytest.mark.parametrize("k", [2, 3])
 def test_multisteps_inside_pmap_and_nested_scan(k):
   """As clients use it: under pmap and inside nested lax.scan."""
