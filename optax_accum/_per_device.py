@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from optax_accum import _arrays
+from optax_accum import _arrays, gradient_noise, precision
 
 
 def spec_entry(axes: tuple[Any, ...]) -> Any:
@@ -99,23 +99,19 @@ def total(x: jax.Array, spec: PartitionSpec) -> jax.Array:
 
 def sq_norms(tree: Any) -> jax.Array:
   """Each device's squared norm of its copies in ``tree``: a float32 vector, one per device."""
-  def one(x: jax.Array) -> jax.Array:
-    x = jnp.abs(x) if jnp.iscomplexobj(x) else x
-    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    return jnp.sum(x * x, axis=tuple(range(1, x.ndim))).astype(jnp.float32)
-  return sum(one(x) for x in jax.tree.leaves(tree) if x.size)
+  # (Copies of size 0 add nothing; laid out apart, they would not batch with the others.)
+  leaves = [x for x in jax.tree.leaves(tree) if x.size]
+  return jax.vmap(gradient_noise.sq_norm)(leaves) if leaves else jnp.zeros([], jnp.float32)
 
 
 def all_finite(tree: Any) -> jax.Array:
   """Whether every copy in ``tree`` is free of NaN and Inf: one scalar crosses devices.
 
-  Each device sums ``x - x`` over its own copies (0 where finite, NaN where
-  not), as ``precision.all_finite`` does per leaf; only the devices' sums are
-  reduced.
+  Each device tests its own copies (``precision.all_finite``); only the
+  devices' answers are reduced.
   """
-  per_device = [jnp.sum(x - x, axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(tree)
-                if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
-  return jnp.isfinite(jnp.sum(sum(per_device))) if per_device else jnp.asarray(True)
+  leaves = [x for x in jax.tree.leaves(tree) if x.size]
+  return jnp.all(jax.vmap(precision.all_finite)(leaves)) if leaves else jnp.asarray(True)
 
 
 def param_layout(stacked: Any, params: Any) -> Any:

@@ -151,9 +151,8 @@ class MultiSteps:
     flush, apply = _validation.check_flag(flush, "flush"), _validation.check_flag(apply, "apply")
     _validation.check_keywords(extra_args, self._strict_kwargs, "MultiSteps.update",
                                ("apply", "flush"))
-    with _arrays.mesh_context((updates, params)):
-      updates = _validation.check_update(self._config, updates, state.acc_grads,
-                                         flushing=flush)[0]
+    # (No `axis_name` here: the checks need no mesh.)
+    updates = _validation.check_update(self._config, updates, state.acc_grads, flushing=flush)[0]
     skip_state, noise = self._unpack(state.skip_state)
     accept: Any = not flush  # a flush carries no micro-batch
     if accept and self._should_skip is not None:

@@ -309,14 +309,15 @@ def reshard_state(restored: Any, like: Any) -> Any:
   leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
   out = []
   for path, target in leaves:
-    if _names(path) not in saved and jnp.size(target) == 0:  # (orbax saves no size-0 array)
-      saved[_names(path)] = np.zeros(jnp.shape(target), target.dtype)
-    if _names(path) not in saved:
+    key = _names(path)
+    if key not in saved and jnp.size(target) == 0:  # (orbax saves no size-0 array)
+      saved[key] = np.zeros(jnp.shape(target), target.dtype)
+    if key not in saved:
       raise ValueError(
           f"`restored` has no leaf at {jax.tree_util.keystr(path)}, which `like` holds. Pass"
           " the state saved from the same transform (`like` is its `tx.init(params)` on the"
           " new mesh).")
-    new = _fit_leaf(np.asarray(saved[_names(path)]), target, _names(path) in per_device,
+    new = _fit_leaf(np.asarray(saved[key]), target, key in per_device,
                     jax.tree_util.keystr(path))
     sharding = getattr(target, "sharding", None)
     out.append(jax.device_put(new, sharding) if sharding is not None else jnp.asarray(new))
@@ -348,12 +349,13 @@ def _fit_leaf(saved: np.ndarray, target: Any, per_device: bool, where: str) -> n
     return saved.astype(dtype)
   wide = np.result_type(saved.dtype, np.float64 if np.issubdtype(dtype, np.inexact) else np.int64)
   if per_device and saved.ndim == len(shape) + 1 and saved.shape[1:] == shape:
-    return saved.sum(0, dtype=wide).astype(dtype)
-  if per_device and saved.ndim + (saved.ndim < len(shape)) == len(shape) and (
-      saved.shape[saved.ndim - len(shape) + 1:] == shape[1:]):
-    new = np.zeros(shape, dtype)
-    new[0] = saved.sum(0, dtype=wide) if saved.ndim == len(shape) else saved
-    return new
+    return saved.sum(0, dtype=wide).astype(dtype)  # onto one buffer without `axis_name`
+  if per_device:  # their total on the first device; a buffer without `axis_name` is one copy
+    copies = saved[None] if saved.ndim + 1 == len(shape) else saved
+    if copies.ndim == len(shape) and copies.shape[1:] == shape[1:]:
+      new = np.zeros(shape, dtype)
+      new[0] = copies.sum(0, dtype=wide)
+      return new
   if not per_device and saved.ndim == len(shape) and saved.shape[1:] == shape[1:]:
     return np.broadcast_to(saved[0], shape).astype(dtype)  # pmap: a copy per device
   raise ValueError(
