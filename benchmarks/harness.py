@@ -133,7 +133,7 @@ def machine() -> dict[str, Any]:
       "jax": jax.__version__, "optax": optax.__version__, "cpu_count": os.cpu_count(),
       "machine": platform.machine(),
       "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
   }
 
 
