@@ -180,8 +180,15 @@ def test_remat_and_bf16_compute():
   params, batch = make_params(), make_batch()
   out = jax.jit(oa.cached_microbatched(remat_bf16, clip_loss, 4))(params, batch)
   ref = jax.value_and_grad(lambda p, b: clip_loss(p, remat_bf16(p, b), b))(params, batch)
+  exact = whole_batch(composed(clip_loss), params, batch)
   assert jax.tree.map(lambda g: g.dtype, out[1]) == jax.tree.map(lambda g: g.dtype, params)
-  assert rel_err(out, ref) < 2e-2  # bf16 rounds the two differently ordered sums
+  # Both bf16 gradients sit about 3e-2 from the exact one, each rounded in its own order,
+  # so their distance to each other is no fixed number (1.7e-2 on JAX 0.10.2, 2.2e-2 on
+  # 0.12.0.1, up to 2.1e-2 over other batches on either). The claim is that caching adds
+  # no error of its own: the cached bf16 gradient is no further from the exact one than
+  # the whole batch's own bf16 rounding (at most 0.93x of it over five batches, both JAX
+  # versions); cutting the negatives per micro-batch is 26% off.
+  assert rel_err(out, exact) <= 1.25 * rel_err(ref, exact)
   assert rel_err(jax.jit(oa.cached_microbatched(jax.checkpoint(embed), clip_loss, 4))(
       params, batch), whole_batch(composed(clip_loss), params, batch)) < 2e-6
 

