@@ -15,11 +15,10 @@ H200 the script exits with status 1 otherwise (``--tpu``: reported only).
 
 Setup (a separate venv; ``--setup`` prints it)::
 
-  python -m venv /tmp/gpuvenv
-  /tmp/gpuvenv/bin/pip install jax==0.10.2 jaxlib==0.10.2 jax-cuda12-plugin==0.10.2 \\
-      optax==0.2.8
-  /tmp/gpuvenv/bin/pip install --no-deps jax-cuda12-pjrt==0.11.2   # the H200 machine's XLA
-  /tmp/gpuvenv/bin/pip install --no-deps -e .                      # this repository
+  python3.12 -m venv /tmp/gpuvenv   # Python 3.12 or newer: JAX 0.11 dropped 3.11
+  /tmp/gpuvenv/bin/pip install jax==0.12.0.1 jaxlib==0.12.0.1 jax-cuda12-plugin==0.12.0.1 \\
+      jax-cuda12-pjrt==0.12.0.1 optax==0.2.8 matplotlib   # one XLA throughout: the newest
+  /tmp/gpuvenv/bin/pip install --no-deps -e .                 # this repository
 
 Run::
 
@@ -27,7 +26,7 @@ Run::
   /tmp/gpuvenv/bin/python benchmarks/gpu_hlo.py --size 256K --out /tmp/x
   /tmp/tpuvenv/bin/python benchmarks/gpu_hlo.py --tpu v5e:2x2    # results/tpu_hlo.{json,md}
 
-The TPU venv: ``pip install "jax[tpu]==0.10.2" optax==0.2.8`` and this
+The TPU venv: ``pip install "jax[tpu]" optax==0.2.8`` (Python 3.12) and this
 repository with ``--no-deps -e .``. Without a compiler for the target the
 script exits with status 2.
 """
@@ -41,6 +40,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
 os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
 
 import importlib.metadata
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -100,7 +100,8 @@ def target(tpu: str | None) -> tuple[NamedSharding, dict[str, str]]:
   if any(d.platform in ("gpu", "tpu") for d in jax.devices()):
     raise SystemExit(f"An accelerator runtime is visible ({jax.devices()}); this is deviceless.")
   compiler = (f"libtpu {_version('libtpu')}, topology `{tpu}`, one chip" if tpu
-              else f"jax-cuda12-pjrt {_version('jax-cuda12-pjrt')}")
+              else ", ".join(f"{d} {_version(d)}" for d in (
+                  "jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt")))
   info = {"kind": "TPU" if tpu else "H200", "stem": "tpu_hlo" if tpu else "gpu_hlo",
           "title": f"{device.device_kind} (deviceless: {compiler})"}
   return NamedSharding(jax.sharding.Mesh(np.array(topo.devices[:1]), ("d",)), P()), info
@@ -202,7 +203,8 @@ def markdown(result: dict[str, Any]) -> str:
   meta, tgt = result["meta"], result["target"]
   return "\n".join([
       f"# Deviceless {tgt['kind']} compile check", "",
-      f"`{meta['command']}` (`{meta['python']}`), {meta['date']}; optax_accum {meta['commit']}."
+      f"`{meta['command']}` (Python {meta['python']}), {meta['date']};"
+      f" optax_accum {meta['commit']}."
       " Train steps `step(params, state, grads) -> (params, state)`, params and state donated,"
       f" adam, window k = {meta['k']}, {size_label(meta['params'])} params in {LEAVES} leaves;"
       " one compiled program per row (mid and emitting steps are its two runtime paths)."
@@ -231,10 +233,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   meta = harness.machine()
   result = {
       "meta": {"command": " ".join(["python benchmarks/gpu_hlo.py", *(argv or sys.argv[1:])]),
-               "python": sys.executable, "date": meta["date"], "commit": _commit(),
+               "python": platform.python_version(), "date": meta["date"], "commit": _commit(),
                "params": n, "k": args.k,
-               "versions": {d: _version(d) for d in ("jax", "jaxlib", "jax-cuda12-pjrt",
-                                                     "libtpu", "optax")}},
+               "versions": {d: _version(d) for d in (
+                   "jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "libtpu", "optax")}},
       "target": tgt,
       "accelerator": compile_all(n, args.k, sharding),
       "cpu": compile_all(n, args.k, None),
