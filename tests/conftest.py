@@ -40,6 +40,9 @@ _UNDER_MUTANT = pytest.StashKey[str]()
 def pytest_configure(config: pytest.Config) -> None:
   config.addinivalue_line(
       "markers", "catches(*names): mutants of tests/_mutants.py this test must fail on")
+  config.addinivalue_line(
+      "markers", "slow: runs whole programs or other processes (conftest.SLOW); the fast"
+      " subset is -m 'not slow'")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -74,8 +77,34 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> object:
 _MESH_OF_MANY = ("jax.devices()[:8]", "make_mesh((8,)", "make_mesh((4, 2)", "init_on(8)")
 
 
+# -- the fast subset: `python -m pytest -m "not slow"` --------------------------------
+# It leaves out what runs whole programs or other processes: the demo, the example scripts
+# and the benchmarks' smoke test; two-process jobs, a killed and restarted job, the
+# one-device platform, the docs pages on one device and the Flax/JAX pairing venv; and
+# optax's own MultiSteps test suite run against ours. Every claim of the package keeps a
+# test in the subset; CI runs everything.
+SLOW = (
+    "tests/test_demo.py::",
+    "tests/test_multihost.py::",
+    "tests/test_docs_one_device.py::",
+    "tests/test_flax_pairing.py::",
+    "tests/test_resnet_batchnorm.py::",
+    "benchmarks/test_smoke.py::",
+    "tests/test_multi_steps.py::test_optax_own_multisteps_tests_pass_against_ours",
+    "tests/test_lifecycle.py::test_the_one_device_cases_on_a_one_device_platform",
+    "tests/test_lifecycle.py::test_a_killed_job_resumes_bit_for_bit[",
+    "tests/test_integrations.py::test_example_scripts_run[",
+    "tests/test_contrastive.py::test_example_script_runs",
+    "tests/test_distributed.py::test_fsdp_example_trains",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-  """On a one-device platform, the docstring examples written for 8 devices are skipped."""
+  """Marks the slow tests; on a one-device platform, skips the docstring examples
+  written for 8 devices."""
+  for item in items:
+    if item.nodeid.startswith(SLOW):
+      item.add_marker(pytest.mark.slow)
   if jax.device_count() >= 8:
     return
   for item in items:

@@ -354,7 +354,7 @@ def test_the_one_device_cases_on_a_one_device_platform() -> None:
   env.update(OPTAX_ACCUM_TEST_DEVICES="1", JAX_PLATFORMS="cpu")
   selected = "n1 and (update-mean or update_and_apply-weighted) or one_device"
   result = subprocess.run(
-      [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(Path(__file__)),
+      [sys.executable, "-m", "pytest", "-n0", "-p", "no:cacheprovider", str(Path(__file__)),
        "-k", selected], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
   # Every selected case ran: the one-device matrix rows, and the device count check.
