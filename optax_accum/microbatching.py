@@ -101,19 +101,19 @@ def _check_choice(value: Any, name: str, choices: tuple[str, ...], hint: str) ->
 def split_microbatches(tree: Any, num_microbatches: int, split: str = "strided") -> Any:
   """Splits a batch pytree into a stacked ``[k, batch // k, ...]`` pytree.
 
-  The same split :func:`microbatched` uses, exposed for inspection and for
-  reference computations. With ``split="strided"`` micro-batch ``i`` holds
-  rows ``i, i + k, i + 2k, ...`` (a reshape to ``[batch // k, k, ...]``, so a
-  batch sharded along its leading dim stays sharded without any data
-  movement); with ``"contiguous"`` it holds rows ``i * m ... (i + 1) * m - 1``.
+  The same split :func:`microbatched` and
+  :func:`~optax_accum.cached_microbatched` use, exposed for inspection and
+  for reference computations: micro-batch ``i`` holds rows ``i, i + k,
+  i + 2k, ...`` (a reshape to ``[batch // k, k, ...]``, so a batch sharded
+  along its leading dim stays sharded without any data movement). ``split``
+  is for the layout of ``microbatched``'s deprecated ``split="contiguous"``
+  (rows ``i * m ... (i + 1) * m - 1``), which goes with it in 0.4.
 
   Example:
     >>> import jax.numpy as jnp
     >>> from optax_accum.microbatching import split_microbatches
     >>> split_microbatches(jnp.arange(6), 2).tolist()
     [[0, 2, 4], [1, 3, 5]]
-    >>> split_microbatches(jnp.arange(6), 2, "contiguous").tolist()
-    [[0, 1, 2], [3, 4, 5]]
   """
   k = _batch.check_num_microbatches(num_microbatches)
   _check_choice(split, "split", _batch.SPLITS, "Use 'strided' (default) or 'contiguous'.")
@@ -478,7 +478,7 @@ def _split_inputs(config: _Config, args: tuple[Any, ...],
 
 # --------------------------------- stage 2: one micro-batch with its own key
 def _device_key(config: _Config, key: jax.Array) -> jax.Array:
-  """A key argument made per device; with ``rng_mode="split"``, split ``k`` ways."""
+  """A key argument made per device; split ``k`` ways for the deprecated ``rng_mode="split"``."""
   key = _batch.device_key(key, config.axis_name)  # devices must not share micro-batch i's keys
   return jax.random.split(key, config.k) if config.rng_mode == "split" else key
 

@@ -61,7 +61,7 @@ def by_hand(params: dict, batch: dict, key: jax.Array, k: int, devices: int) -> 
     for d in range(devices):
       dev_key = key if devices == 1 else jax.random.fold_in(key, d)
       for i in range(k):
-        micro = jax.tree.map(lambda x: x[d * rows:(d + 1) * rows][i::k], batch)
+        micro = {name: x[d * rows:(d + 1) * rows][i::k] for name, x in batch.items()}
         total += composed(p, micro, jax.random.fold_in(dev_key, i))
     return total / (k * devices)
   return jax.value_and_grad(loss)(params)
@@ -79,7 +79,7 @@ def test_same_answer_on_one_device():
     assert_close(jax.jit(fn)(params, batch, key), ref)
   # The keys matter: the same micro-batches under the key as given differ.
   unfolded = jax.value_and_grad(lambda p: jnp.mean(jnp.stack(
-      [composed(p, jax.tree.map(lambda x: x[i::4], batch), key) for i in range(4)])))(params)
+      [composed(p, {n: x[i::4] for n, x in batch.items()}, key) for i in range(4)])))(params)
   assert abs(float(unfolded[0]) - float(ref[0])) > 1e-3
 
 
