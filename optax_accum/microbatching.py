@@ -328,7 +328,7 @@ def microbatched(
       naming position 0, the params). :func:`~optax_accum.cached_microbatched`
       raises the same errors for the same inputs.
     TypeError: when called with complex values and a real
-      ``accumulator_dtype``.
+      ``accumulator_dtype`` (a deprecated option).
     ValueError: under plain ``jit``, for batch leaves split differently over
       the mesh, ``axis_name`` naming axes the batch is not split over or of
       mixed kinds, a mesh mixing Auto and Explicit axes where a split could
