@@ -362,7 +362,7 @@ def flush(
 
   Args:
     tx: ``accumulate(...)``, ``MultiSteps(...)``, or a transform holding one
-      (an ``optax.chain``, :func:`~optax_accum.per_device_state`).
+      (an ``optax.chain``, :func:`~optax_accum.sharding.per_device_state`).
     state: its state.
     params: the current params; the updates take their dtypes.
     **extra_args: passed to the inner optimizer.
@@ -405,7 +405,7 @@ def update_and_apply(
   Args:
     tx: any transform. The fast path applies to ``accumulate(k, optimizer)``,
       ``MultiSteps(...)``, a chain whose last transform is one of them, and
-      :func:`~optax_accum.per_device_state` around one; any other transform
+      :func:`~optax_accum.sharding.per_device_state` around one; any other transform
       (the chain form ``chain(accumulate(k), opt)`` included) gets
       ``tx.update`` + ``optax.apply_updates``.
     grads: this micro-batch's gradients.

@@ -35,8 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _arrays, _per_device, _validation
-from optax_accum.microbatching import split_microbatches
+from optax_accum import _arrays, _batch, _per_device, _validation
 
 __all__ = ["cached_microbatched"]
 
@@ -77,8 +76,10 @@ def cached_microbatched(
     in the original row order, and the arguments unsplit (labels, masks,
     the key as given); it may read ``params`` (a learnable temperature).
 
-  The batch arguments are split as :func:`~optax_accum.microbatched` splits
-  them: micro-batch ``i`` holds rows ``i, i + k, ...``. A key at
+  The batch rules are :func:`~optax_accum.microbatched`'s (argument positions,
+  ``num_microbatches``, divisibility, the split, the keys: the same input
+  gets the same answer or the same error): micro-batch ``i`` holds rows
+  ``i, i + k, ...``. A key at
   ``rng_argnums`` is ``jax.random.fold_in(key, i)`` for micro-batch ``i`` in
   both passes (after folding in the device index, across devices), so a
   dropout mask is the same when the gradient is pulled back: the result is
@@ -116,11 +117,14 @@ def cached_microbatched(
   once and get their gradients back in their sharding.
 
   Raises:
+    TypeError: for a ``num_microbatches`` that is not a positive int (a float,
+      a schedule).
     ValueError: when called with a batch that ``num_microbatches`` does not
       divide (per device, across devices), batch leaves of different sizes,
       argument positions that overlap or name the params, or an ``embed_fn``
       whose output leaves do not all have one row per example (a pooled
-      statistic, or towers of different batch sizes).
+      statistic, whatever its width: the output's shape is also evaluated at
+      twice the rows; or towers of different batch sizes).
 
   Example:
     A two-tower model and CLIP's loss, 8 examples in 4 micro-batches:
@@ -147,53 +151,30 @@ def cached_microbatched(
   for name, f in (("embed_fn", embed_fn), ("loss_fn", loss_fn)):
     if not callable(f):
       raise TypeError(f"`{name}` must be callable; got {f!r}.")
-  k = _validation.check_k(num_microbatches, "num_microbatches")
-  if callable(k):
-    raise TypeError("`num_microbatches` must be an int (it fixes the micro-batch shapes), not"
-                    " a schedule. Pass e.g. `num_microbatches=4`.")
   config = _Config(
-      embed_fn, loss_fn, k, _validation.check_argnums(batch_argnums, "batch_argnums"),
+      embed_fn, loss_fn, _batch.check_num_microbatches(num_microbatches),
+      _validation.check_argnums(batch_argnums, "batch_argnums"),
       _validation.check_argnums(rng_argnums, "rng_argnums", empty_ok=True),
       _validation.check_flag(has_aux, "has_aux"), axis_name)
 
   def grad_fn(params: Any, *args: Any) -> Any:
     args = (params, *args)
-    b_nums = _validation.resolve_argnums(config.batch_argnums, len(args), "batch_argnums")
-    r_nums = _validation.resolve_argnums(config.rng_argnums, len(args), "rng_argnums")
-    if 0 in (*b_nums, *r_nums) or set(b_nums) & set(r_nums):
-      raise ValueError(
-          f"`batch_argnums` {b_nums} and `rng_argnums` {r_nums} must not overlap nor name"
-          " position 0, the params (which `embed_fn` and `loss_fn` get first, and which are"
-          " differentiated). Count positions in `grad_fn(params, *args)`.")
-    size, split = _per_device.batch_rows({i: args[i] for i in b_nums})
-    _check_divides(size, config.k, 1, ())
-    nums = (b_nums, r_nums)
+    nums = _batch.positions(config.batch_argnums, config.rng_argnums, len(args))
+    size, split = _per_device.batch_rows({i: args[i] for i in nums[0]})
+    _batch.check_divides(size, config.k)
     with _arrays.mesh_context(args):
-      axes = _per_device.data_axes(config.axis_name, split, args, b_nums)
+      axes = _per_device.data_axes(config.axis_name, split, args, nums[0])
       if axes is None:  # one device, or inside shard_map/pmap
         bound = None if config.axis_name is None else _arrays.axis_names(config.axis_name)
         return _cached(config, args, nums, bound)
       mesh = jax.sharding.get_abstract_mesh()
-      _check_divides(size, config.k, math.prod(mesh.shape[a] for a in axes), axes)
-      value, grads = _per_device.run(lambda *a: _cached(config, a, nums, axes), args, b_nums,
+      _batch.check_divides(size, config.k, math.prod(mesh.shape[a] for a in axes), axes)
+      value, grads = _per_device.run(lambda *a: _cached(config, a, nums, axes), args, nums[0],
                                      axes, P())
       # Params sharded over the data axes (FSDP) get their gradients back in their sharding.
-      return value, jax.tree.map(
-          lambda g, p: g if _arrays.array_type(p).explicit_spec is None
-          else jax.reshard(g, _arrays.array_type(p).spec), grads, params)
+      return value, _batch.to_params(grads, params)
 
   return grad_fn
-
-
-def _check_divides(size: int, k: int, devices: int, axes: tuple[Any, ...]) -> None:
-  if size % (k * devices):
-    where = f" on each of {devices} devices (mesh axes {axes})" if devices > 1 else ""
-    per = size // devices
-    raise ValueError(
-        f"A batch of {size} examples cannot be split into num_microbatches={k} equal"
-        f" micro-batches{where}. Use a num_microbatches that divides {per} (one of"
-        f" {[d for d in range(1, per + 1) if per % d == 0]}), or pad the batch and mask"
-        " the padded rows out of `loss_fn` (it gets the whole batch's arguments).")
 
 
 def _cached(config: _Config, args: tuple[Any, ...],
@@ -201,22 +182,24 @@ def _cached(config: _Config, args: tuple[Any, ...],
   """The three stages on this device's rows; ``axes``: the devices to gather and reduce over."""
   b_nums, r_nums = nums
   params = args[0] if axes is None else _per_device.make_varying(args[0], axes)
-  keys = {i: args[i] if axes is None else jax.random.fold_in(args[i], lax.axis_index(axes))
-          for i in r_nums}
-  steps = (jnp.arange(config.k), {i: split_microbatches(args[i], config.k) for i in b_nums})
+  keys = {i: _batch.device_key(args[i], axes) for i in r_nums}
+  steps = (jnp.arange(config.k), {i: _batch.split(args[i], config.k) for i in b_nums})
   rows = jnp.shape(jax.tree.leaves(args[b_nums[0]])[0])[0] // config.k
 
   def embed(p: Any, i: jax.Array, micro: dict[int, Any]) -> Any:
     """``embed_fn`` on micro-batch ``i`` (its rows ``micro``, its keys)."""
-    a = [p, *args[1:]]
-    for j, tree in micro.items():
-      a[j] = tree
-    for j, key in keys.items():
-      a[j] = jax.random.fold_in(key, i)
-    return _check_rows(config.embed_fn(*a), rows)
+    micro_keys = {j: _batch.microbatch_key(key, i) for j, key in keys.items()}
+    return _check_rows(config.embed_fn(*_batch.micro_args([p, *args[1:]], micro, micro_keys)),
+                       rows)
 
   _, stacked = lax.scan(lambda _, xs: (None, embed(params, *xs)), None, steps)
-  local = jax.tree.map(lambda y: jnp.swapaxes(y, 0, 1).reshape(-1, *y.shape[2:]), stacked)
+  # Shapes only, at twice the rows: an output that merely happens to have `rows` rows (a
+  # mean over the micro-batch of that width) does not follow them.
+  doubled = {j: jax.tree.map(lambda x: jnp.concatenate([x[0], x[0]]), tree)
+             for j, tree in steps[1].items()}
+  _check_rows(jax.eval_shape(lambda: config.embed_fn(
+      *_batch.micro_args([params, *args[1:]], doubled, keys))), 2 * rows)
+  local = _batch.unsplit(stacked)
   emb, whole, devices = local, list(args[1:]), 1
   if axes is not None:  # the global batch: every device's rows, in order
     gather = lambda tree: jax.tree.map(lambda x: lax.all_gather(x, axes, tiled=True), tree)
@@ -238,7 +221,7 @@ def _cached(config: _Config, args: tuple[Any, ...],
   # The loss's own gradient starts the sum; each device holds it whole, so 1/devices of it
   # joins the one all-reduce.
   init = jax.tree.map(lambda g: g.astype(_arrays.accumulator_dtype(g.dtype)) / devices, g_params)
-  acc, _ = lax.scan(pull_back, init, (*steps, split_microbatches(g_emb, config.k)))
+  acc, _ = lax.scan(pull_back, init, (*steps, _batch.split(g_emb, config.k)))
   if axes is not None:
     acc = lax.psum(acc, axes)
     value = jax.tree.map(lambda v: lax.pmax(v, axes), value)  # equal everywhere; now typed so

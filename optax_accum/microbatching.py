@@ -35,11 +35,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _arrays, _per_device, _validation, _window, gradient_noise
+from optax_accum import _arrays, _batch, _per_device, _validation, _window, gradient_noise
 
 __all__ = [
     "AUX_RULES",
@@ -48,7 +47,6 @@ __all__ = [
     "split_microbatches",
 ]
 
-SPLITS = ("strided", "contiguous")
 RNG_MODES = ("fold_in", "split")
 AUX_RULES = ("mean", "sum", "max", "min", "last", "concat", "stack")
 
@@ -100,58 +98,27 @@ def _check_choice(value: Any, name: str, choices: tuple[str, ...], hint: str) ->
   return value
 
 
-def _check_batch(batches: dict[int, Any], k: int) -> tuple[int, tuple[Any, ...]]:
-  """The batch size, which ``k`` must divide, and the mesh axes the batch is split over."""
-  size, axes = _per_device.batch_rows(batches)
-  if size % k != 0:
-    divisors = [d for d in range(1, size + 1) if size % d == 0]
-    raise ValueError(
-        f"A batch of {size} examples cannot be split into num_microbatches={k}"
-        f" equal micro-batches ({size} % {k} = {size % k}). Use a"
-        f" num_microbatches that divides {size} (one of {divisors}), or pad the"
-        " batch to a multiple of it and mask the padding (normalize='weighted')."
-    )
-  return size, axes
-
-
 def split_microbatches(tree: Any, num_microbatches: int, split: str = "strided") -> Any:
   """Splits a batch pytree into a stacked ``[k, batch // k, ...]`` pytree.
 
-  The same split :func:`microbatched` uses, exposed for inspection and for
-  reference computations. With ``split="strided"`` micro-batch ``i`` holds
-  rows ``i, i + k, i + 2k, ...`` (a reshape to ``[batch // k, k, ...]``, so a
-  batch sharded along its leading dim stays sharded without any data
-  movement); with ``"contiguous"`` it holds rows ``i * m ... (i + 1) * m - 1``.
+  The same split :func:`microbatched` and
+  :func:`~optax_accum.cached_microbatched` use, exposed for inspection and
+  for reference computations: micro-batch ``i`` holds rows ``i, i + k,
+  i + 2k, ...`` (a reshape to ``[batch // k, k, ...]``, so a batch sharded
+  along its leading dim stays sharded without any data movement). ``split``
+  is for the layout of ``microbatched``'s deprecated ``split="contiguous"``
+  (rows ``i * m ... (i + 1) * m - 1``), which goes with it in 0.4.
 
   Example:
     >>> import jax.numpy as jnp
     >>> from optax_accum.microbatching import split_microbatches
     >>> split_microbatches(jnp.arange(6), 2).tolist()
     [[0, 2, 4], [1, 3, 5]]
-    >>> split_microbatches(jnp.arange(6), 2, "contiguous").tolist()
-    [[0, 1, 2], [3, 4, 5]]
   """
-  k = _validation.check_k(num_microbatches, "num_microbatches")
-  _check_choice(split, "split", SPLITS, "Use 'strided' (default) or 'contiguous'.")
-  _check_batch({0: tree}, k)
-  return jax.tree.map(lambda x: _index(_reshape(x, k, split), slice(None), split), tree)
-
-
-def _reshape(x: jax.Array, k: int, split: str) -> jax.Array:
-  """``[B, ...]`` to ``[B // k, k, ...]`` (strided) or ``[k, B // k, ...]``."""
-  x = jnp.asarray(x)
-  m = x.shape[0] // k
-  if split == "strided":
-    return x.reshape((m, k, *x.shape[1:]))
-  return x.reshape((k, m, *x.shape[1:]))
-
-
-def _index(x: jax.Array, i: Any, split: str) -> jax.Array:
-  """Micro-batch ``i`` of a reshaped leaf (all of them for ``i = slice``)."""
-  if isinstance(i, slice):
-    return jnp.swapaxes(x, 0, 1) if split == "strided" else x
-  axis = 1 if split == "strided" else 0
-  return lax.dynamic_index_in_dim(x, i, axis=axis, keepdims=False)
+  k = _batch.check_num_microbatches(num_microbatches)
+  _check_choice(split, "split", _batch.SPLITS, "Use 'strided' (default) or 'contiguous'.")
+  _batch.check_divides(_per_device.batch_rows({0: tree})[0], k)
+  return _batch.split(tree, k, split)
 
 
 def _unstack_concat(stacked: jax.Array, split: str, what: str) -> jax.Array:
@@ -162,9 +129,7 @@ def _unstack_concat(stacked: jax.Array, split: str, what: str) -> jax.Array:
         f" dimension, but the aux leaf at {what} has shape {stacked.shape[1:]}."
         " Use 'stack' to collect one value per micro-batch."
     )
-  if split == "strided":
-    stacked = jnp.swapaxes(stacked, 0, 1)
-  return stacked.reshape((-1, *stacked.shape[2:]))
+  return _batch.unsplit(stacked, split)
 
 
 def _acc_dtype(dtype: Any, requested: jnp.dtype | None) -> Any:
@@ -203,7 +168,7 @@ class _Inputs(NamedTuple):
   """``fn``'s positional arguments, prepared for the loop."""
 
   args: list[Any]  # as given; batch and key positions are replaced per micro-batch
-  splits: dict[int, Any]  # batch position -> its leaves reshaped by `_reshape`
+  splits: dict[int, Any]  # batch position -> its leaves reshaped by `_batch.reshape`
   keys: dict[int, Any]  # key position -> the key (fold_in) or k keys (split)
 
 
@@ -237,16 +202,6 @@ class _AuxPlan(NamedTuple):
 
 
 # ---------------------------------------------------------------- options
-def _check_num_microbatches(num_microbatches: Any) -> int:
-  if isinstance(num_microbatches, (float, np.floating)) or callable(num_microbatches):
-    raise TypeError(
-        "`num_microbatches` must be a positive int: it fixes the micro-batch shapes, so"
-        " floats and schedules are not supported inside one step; got"
-        f" {num_microbatches!r}. Pass e.g. `num_microbatches=4`."
-    )
-  return _validation.check_k(num_microbatches, "num_microbatches")
-
-
 def _check_aux_rules(aux_rules: Any) -> Any:
   for r in jax.tree.leaves(aux_rules, is_leaf=_is_rule):
     if not _is_rule(r) or (isinstance(r, str) and r not in AUX_RULES):
@@ -310,7 +265,9 @@ def microbatched(
       mixed-precision casts inside the loss that ``fn`` differentiates.
     num_microbatches: ``k``, a positive int dividing the batch size.
     batch_argnums: position(s) of the batch argument(s) of ``fn`` (default 1,
-      as in ``fn(params, batch)``). They must be passed positionally.
+      as in ``fn(params, batch)``). They must be passed positionally, and
+      not name position 0: the params, given whole to every micro-batch
+      (and whose layout the gradients are given back in).
     has_aux: whether ``fn``'s value carries an aux output.
     normalize: ``"mean"``, ``"sum"`` or ``"weighted"`` (see above).
     aux_rules: how each aux output is reduced over micro-batches: one rule for
@@ -367,9 +324,11 @@ def microbatched(
   Raises:
     ValueError: when called with a batch whose size ``num_microbatches`` does
       not divide, whose leaves disagree on the batch size, or with arguments
-      that do not match ``batch_argnums``/``rng_argnums``.
+      that do not match ``batch_argnums``/``rng_argnums`` (overlapping, or
+      naming position 0, the params). :func:`~optax_accum.cached_microbatched`
+      raises the same errors for the same inputs.
     TypeError: when called with complex values and a real
-      ``accumulator_dtype``.
+      ``accumulator_dtype`` (a deprecated option).
     ValueError: under plain ``jit``, for batch leaves split differently over
       the mesh, ``axis_name`` naming axes the batch is not split over or of
       mixed kinds, a mesh mixing Auto and Explicit axes where a split could
@@ -458,7 +417,7 @@ def microbatched(
   if not callable(fn):
     raise TypeError(f"`fn` must be callable (e.g. jax.value_and_grad(loss)); got {fn!r}.")
   config = _Config(
-      k=_check_num_microbatches(num_microbatches),
+      k=_batch.check_num_microbatches(num_microbatches),
       batch_argnums=_validation.check_argnums(batch_argnums, "batch_argnums"),
       rng_argnums=_validation.check_argnums(rng_argnums, "rng_argnums", empty_ok=True),
       has_aux=_validation.check_flag(has_aux, "has_aux"),
@@ -467,7 +426,7 @@ def microbatched(
           "Use 'mean' for a mean loss, 'sum' for a summed loss, or 'weighted' when"
           " `fn`'s value is (numerator, denominator)."),
       aux_rules=_check_aux_rules(aux_rules),
-      split=_check_choice(old["split"], "split", SPLITS,
+      split=_check_choice(old["split"], "split", _batch.SPLITS,
                           "Use 'strided' (default) or 'contiguous'."),
       rng_mode=_check_choice(old["rng_mode"], "rng_mode", RNG_MODES,
                              "Use 'fold_in' (default) or 'split'."),
@@ -480,8 +439,9 @@ def microbatched(
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
     call = functools.partial(fn, **kwargs)
-    nums = _positions(config, len(args))
-    size, split = _check_batch({i: args[i] for i in nums[0]}, config.k)  # the one check
+    nums = _batch.positions(config.batch_argnums, config.rng_argnums, len(args))
+    size, split = _per_device.batch_rows({i: args[i] for i in nums[0]})
+    _batch.check_divides(size, config.k)
     with _arrays.mesh_context(args):
       axes = _per_device.data_axes(config.axis_name, split, args, nums[0])
       if axes is None:
@@ -496,21 +456,9 @@ def microbatched(
 
 
 # ------------------------------------------------- stage 1: split the batch
-def _positions(config: _Config, nargs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """The positions of the batch arguments and of the keys, for ``nargs`` arguments."""
-  b_nums = _validation.resolve_argnums(config.batch_argnums, nargs, "batch_argnums")
-  r_nums = _validation.resolve_argnums(config.rng_argnums, nargs, "rng_argnums")
-  if set(b_nums) & set(r_nums):
-    raise ValueError(
-        f"`batch_argnums` {b_nums} and `rng_argnums` {r_nums} overlap; an"
-        " argument is either split (batch) or a key (folded per micro-batch)."
-    )
-  return b_nums, r_nums
-
-
 def _split_inputs(config: _Config, args: tuple[Any, ...],
                   nums: tuple[tuple[int, ...], tuple[int, ...]]) -> _Inputs:
-  """The batch arguments reshaped for ``_index``, the keys prepared, the rest device-varying.
+  """The batch arguments reshaped for ``_batch.index``, the keys prepared, the rest device-varying.
 
   Inside ``shard_map``/``pmap`` the other arguments are cast to device-varying:
   else the transpose of a replicated input would all-reduce its gradient on
@@ -522,7 +470,7 @@ def _split_inputs(config: _Config, args: tuple[Any, ...],
     axes = _arrays.axis_names(config.axis_name)
     rest = [x if i in b_nums or i in r_nums else _per_device.make_varying(x, axes)
             for i, x in enumerate(args)]
-  splits = {i: jax.tree.map(lambda x: _reshape(x, config.k, config.split), args[i])
+  splits = {i: jax.tree.map(lambda x: _batch.reshape(x, config.k, config.split), args[i])
             for i in b_nums}
   keys = {i: _device_key(config, args[i]) for i in r_nums}
   return _Inputs(rest, splits, keys)
@@ -530,28 +478,24 @@ def _split_inputs(config: _Config, args: tuple[Any, ...],
 
 # --------------------------------- stage 2: one micro-batch with its own key
 def _device_key(config: _Config, key: jax.Array) -> jax.Array:
-  """A key argument made per device; with ``rng_mode="split"``, split ``k`` ways."""
-  if config.axis_name is not None:
-    # Devices must not share the keys of their micro-batch i.
-    key = jax.random.fold_in(key, lax.axis_index(config.axis_name))
+  """A key argument made per device; split ``k`` ways for the deprecated ``rng_mode="split"``."""
+  key = _batch.device_key(key, config.axis_name)  # devices must not share micro-batch i's keys
   return jax.random.split(key, config.k) if config.rng_mode == "split" else key
 
 
 def _microbatch_key(config: _Config, key: jax.Array, idx: jax.Array) -> jax.Array:
   """Micro-batch ``idx``'s key; never the key given (not even for ``k = 1``)."""
-  return key[idx] if config.rng_mode == "split" else jax.random.fold_in(key, idx)
+  return key[idx] if config.rng_mode == "split" else _batch.microbatch_key(key, idx)
 
 
 def _call_microbatch(
     call: Callable[..., Any], config: _Config, inputs: _Inputs, idx: jax.Array,
 ) -> Any:
   """``call`` (``fn`` with its keyword arguments) on micro-batch ``idx``."""
-  args = list(inputs.args)
-  for i, tree in inputs.splits.items():
-    args[i] = jax.tree.map(lambda x: _index(x, idx, config.split), tree)
-  for i, key in inputs.keys.items():
-    args[i] = _microbatch_key(config, key, idx)
-  return call(*args)
+  micro = {i: jax.tree.map(lambda x: _batch.index(x, idx, config.split), tree)
+           for i, tree in inputs.splits.items()}
+  keys = {i: _microbatch_key(config, key, idx) for i, key in inputs.keys.items()}
+  return call(*_batch.micro_args(inputs.args, micro, keys))
 
 
 def _unpack(config: _Config, out: Any) -> _Out:
@@ -833,18 +777,13 @@ def _run_on_mesh(call: Callable[..., Any], config: _Config, args: tuple[Any, ...
   """
   mesh = jax.sharding.get_abstract_mesh()
   devices = math.prod(mesh.shape[a] for a in axes)
-  if size % (devices * config.k):
-    raise ValueError(
-        f"A batch of {size} examples split over {devices} devices (mesh axes"
-        f" {axes}) and num_microbatches={config.k} needs a multiple of"
-        f" {devices * config.k} examples: each device splits its own rows. Use a"
-        f" num_microbatches that divides {size // devices or 1}, or pad the batch.")
+  _batch.check_divides(size, config.k, devices, axes)
   rows = size // devices // config.k  # per device and micro-batch
   inner = dataclasses.replace(config, axis_name=_per_device.spec_entry(axes))
   shapes = _abstract_outputs(call, config, args, nums[0], rows)
   targets = scatter = None
   if _arrays.axis_kinds(mesh, axes) == {"Explicit"}:
-    targets = _per_device.param_specs(args, (*nums[0], *nums[1]), shapes.grads)
+    targets = _batch.param_specs(args[_batch.PARAMS], shapes.grads)
     scatter = targets and [_per_device.scatter_dim(spec, axes) for spec in targets]
 
   def body(*per_device_args: Any) -> Any:
@@ -854,8 +793,7 @@ def _run_on_mesh(call: Callable[..., Any], config: _Config, args: tuple[Any, ...
   if targets is None:
     return out
   (value, grads), stats = out if config.return_noise_stats else (out, None)
-  grads = jax.tree.unflatten(jax.tree.structure(grads), [
-      jax.reshard(g, spec) for g, spec in zip(jax.tree.leaves(grads), targets, strict=True)])
+  grads = _batch.to_params(grads, args[_batch.PARAMS])
   return ((value, grads), stats) if config.return_noise_stats else (value, grads)
 
 

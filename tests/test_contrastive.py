@@ -226,7 +226,7 @@ def test_bad_input_errors_before_anything_runs():
     oa.cached_microbatched(two_captions, clip_loss, 4)(params, batch)
   with pytest.raises(ValueError, match="position 0, the params"):
     oa.cached_microbatched(embed, clip_loss, 4, batch_argnums=(0, 1))(params, batch)
-  with pytest.raises(TypeError, match="`num_microbatches` must be an int"):
+  with pytest.raises(TypeError, match="`num_microbatches` must be a positive int"):
     oa.cached_microbatched(embed, clip_loss, lambda step: 4)
   with pytest.raises(TypeError, match="`loss_fn` must be callable"):
     oa.cached_microbatched(embed, None, 4)

@@ -490,3 +490,44 @@ def test_error_messages_name_only_public_names_that_exist() -> None:
         except AttributeError:
           obj = importlib.import_module(".".join(parts[: i + 1]))
     assert obj is not None, dotted
+
+
+# Deprecated spellings (optax_accum/__init__.py's _MOVED, microbatched's 0.2 options), as a
+# page or docstring would write them.
+_DEPRECATED = re.compile(
+    r"\b(?:oa|optax_accum)\.(?:" + "|".join(oa._MOVED) + r")\b"
+    r"|\bsplit\s*=\s*[\"']contiguous[\"']|\b(?:rng_mode|unroll)\s*="
+    r"|microbatched\([^)]*\baccumulator_dtype\s*=")
+# History is not advice: the changelogs record what was current then.
+_HISTORY = ("CHANGELOG.md", "docs/changelog.md", "docs/development/changes.md")
+
+
+def _paragraphs(text: str) -> list[str]:
+  """Blank-line separated paragraphs; a table's rows one by one."""
+  paragraphs = [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+  return [unit for p in paragraphs
+          for unit in (p.splitlines() if p.lstrip().startswith("|") else [p])]
+
+
+def _docstrings(path: Path) -> list[str]:
+  nodes = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(
+      n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+  return [d for d in (ast.get_docstring(n) for n in nodes) if d]
+
+
+def test_pages_and_docstrings_present_no_deprecated_name_as_current() -> None:
+  """A deprecated name appears only in a paragraph that says it is deprecated."""
+  root = Path(oa.__file__).parents[1]
+  texts = {str(p.relative_to(root)): [p.read_text()] for p in sorted(root.glob("docs/**/*.md"))}
+  texts["README.md"] = [(root / "README.md").read_text()]
+  for module in sorted(Path(oa.__file__).parent.glob("*.py")):
+    texts[str(module.relative_to(root))] = _docstrings(module)
+  found = [f"{where}: {match.group(0)!r} in {paragraph.strip()[:120]!r}"
+           for where, docs in texts.items() if where not in _HISTORY
+           for text in docs for paragraph in _paragraphs(text)
+           for match in [_DEPRECATED.search(paragraph)]
+           if match and "deprecat" not in paragraph.lower()]
+  assert len(texts) > 40 and all(_DEPRECATED.search(t) for t in (  # what the scan reads
+      "{class}`~optax_accum.AuxRule`", "oa.per_device_state(tx)", 'split="contiguous"',
+      "microbatched(fn, 4, accumulator_dtype=jnp.float32)"))
+  assert not found, "deprecated names presented as current:\n" + "\n".join(found)

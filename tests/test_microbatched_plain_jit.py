@@ -249,7 +249,7 @@ def test_batch_not_divisible_per_device_raises():
   params, batch = make_params(), make_batch(32)  # 4 rows per device
   with jax.set_mesh(explicit_mesh()):
     p, b = jax.device_put(params, P()), jax.device_put(batch, P("data"))
-    with pytest.raises(ValueError, match=r"32 examples split over 8 devices.*multiple of 64"):
+    with pytest.raises(ValueError, match=r"32 examples .* on each of 8 devices .*multiple of 64"):
       jax.jit(microbatched(jax.value_and_grad(mean_loss), 8))(p, b)
 
 

@@ -15,6 +15,10 @@ empty, and a ```` ```{testsetup} ````, ```` ```{testcleanup} ```` or a block
 with ``:hide:`` fails the build. So each page runs, top to bottom, on what it
 shows: copied into a fresh interpreter, its code runs too.
 
+Every code block of a page fits the page: a line wider than
+``executed_code_max_width`` characters (88: what the theme shows at 1280 px
+without a scroll bar) fails the build.
+
 Docstrings pulled in by autodoc are not checked here: their examples are
 doctests that the test suite runs (``pytest --doctest-modules``).
 """
@@ -46,6 +50,7 @@ def _check(app: Sphinx, doctree: nodes.document) -> None:
     source = node.source or doctree.get("source") or ""
     if ":docstring of " in source:  # autodoc: the test suite runs these
       continue
+    _check_width(node, app.config.executed_code_max_width)
     if node.get("testnodetype"):  # a sphinx.ext.doctest block: it runs
       continue
     language = (node.get("language") or "").lower()
@@ -64,6 +69,14 @@ def _check(app: Sphinx, doctree: nodes.document) -> None:
           subtype="language")
 
 
+def _check_width(node: nodes.literal_block, width: int) -> None:
+  for i, line in enumerate(node.astext().splitlines(), 1):
+    if len(line) > width:
+      logger.warning(
+          "executed_code: line %d of a code block is %d characters wide, over %d; wrap it",
+          i, len(line), width, location=node, type="executed_code", subtype="width")
+
+
 def _no_global_setup(app: Sphinx, config: Any) -> None:
   for name in ("doctest_global_setup", "doctest_global_cleanup"):
     if (getattr(config, name, "") or "").strip():
@@ -74,6 +87,7 @@ def _no_global_setup(app: Sphinx, config: Any) -> None:
 
 def setup(app: Sphinx) -> dict[str, Any]:
   app.add_config_value("executed_code_includes", [], "env")
+  app.add_config_value("executed_code_max_width", 88, "env")
   app.connect("config-inited", _no_global_setup, priority=900)
   app.connect("doctree-read", _check)
   return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}
