@@ -308,7 +308,7 @@ def test_running_stats_and_ghost_gradient(api: Any, mode: str):
   used = (_flat(params0) - _flat(params1)) / LR
   np.testing.assert_allclose(used, ghost, rtol=1e-4, atol=1e-5)
   gap = np.linalg.norm(ghost - whole) / np.linalg.norm(whole)
-  assert gap > 0.05, gap  # micro-batches of 4 normalise with their own statistics
+  assert gap > 1.0, gap  # 3.4 (Linen), 2.0 (NNX): micro-batches of 4, their own statistics
 
   # It trains.
   assert np.all(np.isfinite(losses))
