@@ -46,7 +46,8 @@ def test_memory_ordering(quick_run):
   # A quarter of the activations: well under half the whole batch's temporaries.
   assert max(micro["temp"], bf16["temp"], remat["temp"]) < 0.5 * whole["temp"], memory
   assert remat["temp"] < bf16["temp"], memory
-  # (bf16 against float32 is not asserted: XLA:CPU computes bf16 convolutions in float32.)
+  # bf16 against float32 is not asserted: XLA:CPU computes bf16 convolutions in float32.
+  assert sum(quick_run[1]["bf16_convolutions"].values()) == 26
 
 
 def test_both_runs_train_and_take_their_steps(quick_run):
