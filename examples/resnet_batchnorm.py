@@ -236,9 +236,10 @@ def check_report(state: State, batch: dict) -> str | None:
   if not hasattr(oa.debug, "check_large_batch"):
     return None
   loss_fn = make_loss(F32, remat=False)
+  start = time.perf_counter()
   report = oa.debug.check_large_batch(jax.value_and_grad(loss_fn, has_aux=True), K,
                                       has_aux=True)(state.params, batch, state.batch_stats)
-  print(report)
+  print(f"{report}\n(the check took {time.perf_counter() - start:.1f} s)")
   return str(report)
 
 
