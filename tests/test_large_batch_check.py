@@ -26,12 +26,13 @@ X2 = jnp.asarray(_rng.normal(size=(B, 6)), jnp.float32)  # CLIP's second modalit
 MASK = jnp.asarray(_rng.uniform(size=B) > 0.4, jnp.float32)  # 0: padding
 PARAMS = {"w1": jnp.asarray(_rng.normal(size=(6, 16)) / 2.5, jnp.float32),
           "b1": jnp.zeros(16, jnp.float32),
+          "w3": jnp.asarray(_rng.normal(size=(16, 16)) / 4, jnp.float32),
           "w2": jnp.asarray(_rng.normal(size=(16, 1)) / 4, jnp.float32)}
 
 
 def per_example(p, x, y, dtype=jnp.float32):
   p = jax.tree.map(lambda a: a.astype(dtype), p)
-  h = jnp.tanh(x.astype(dtype) @ p["w1"] + p["b1"])
+  h = jnp.tanh(jnp.tanh(x.astype(dtype) @ p["w1"] + p["b1"]) @ p["w3"])
   return ((h @ p["w2"] - y.astype(dtype)) ** 2)[:, 0]
 
 
