@@ -88,7 +88,7 @@ def test_padding_normalised_per_microbatch_gives_the_real_row_shares():
       [np.linalg.norm(d) for d in jax.tree.leaves(diff)]) / np.linalg.norm(
       [np.linalg.norm(w) for w in jax.tree.leaves(whole)]))
   np.testing.assert_allclose(report.max_relative_error, expected, rtol=1e-4)
-  with pytest.raises(AssertionError, match="cause 'weights'.*normalize='weighted'"):
+  with pytest.raises(AssertionError, match=r"cause 'weights'.*normalize='weighted'"):
     report.raise_if_different()
   assert "weights per micro-batch" in str(report) and "['w1']" in str(report)
 
@@ -210,6 +210,6 @@ def test_a_prng_key_is_refused(key):
     keep = jax.random.bernoulli(key, 0.9, (x.shape[0],))
     return jnp.mean(per_example(p, x, y) * keep)
 
-  with pytest.raises(ValueError, match="argument 3 is a PRNG key.*deterministic"):
+  with pytest.raises(ValueError, match=r"argument 3 is a PRNG key.*deterministic"):
     check_large_batch(jax.value_and_grad(dropout_loss), K, batch_argnums=(1, 2))(
         PARAMS, X, Y, key)
