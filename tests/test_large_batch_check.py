@@ -9,6 +9,8 @@ and BatchNorm in training mode couple the examples of a batch.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -44,8 +46,13 @@ def mean_loss_bf16(p, x, y):  # bfloat16 compute, float32 params and gradients
   return jnp.mean(per_example(p, x, y, jnp.bfloat16)).astype(jnp.float32)
 
 
+@functools.cache  # one jitted function per loss: its compilations are shared by the tests
+def value_and_grad(loss, has_aux=False):
+  return jax.jit(jax.value_and_grad(loss, has_aux=has_aux))
+
+
 def checked(loss, *args, k=K, has_aux=False, **options):
-  fn = jax.jit(jax.value_and_grad(loss, has_aux=has_aux))
+  fn = value_and_grad(loss, has_aux)
   nums = tuple(range(1, len(args)))
   return check_large_batch(fn, k, batch_argnums=nums, has_aux=has_aux, **options)(*args)
 
@@ -98,7 +105,7 @@ def masked_terms(p, x, y, m):  # (sum of the real rows' losses, their count)
 
 
 def test_the_same_loss_token_weighted_is_equal():
-  fn = jax.value_and_grad(masked_terms, has_aux=True)  # the value: (numerator, denominator)
+  fn = value_and_grad(masked_terms, has_aux=True)  # the value: (numerator, denominator)
   report = check_large_batch(fn, K, batch_argnums=(1, 2, 3), normalize="weighted")(
       PARAMS, X, Y, MASK)
   assert report.cause == "equal", str(report)
