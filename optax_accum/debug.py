@@ -20,6 +20,10 @@ question about it:
 All of them share one parser: the module is split into computations, and the
 computations reachable from the entry are walked through ``conditional``
 branches, ``while`` bodies and conditions, and calls.
+
+And one question about the gradient itself, asked by running the loss:
+:func:`check_large_batch` (is accumulating ``k`` micro-batches of my loss the
+large batch, and if not, why?).
 """
 
 from __future__ import annotations
@@ -30,7 +34,19 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-__all__ = ["Collective", "Copy", "conditionals", "copies", "hlo_collectives", "opcodes"]
+from optax_accum._large_batch import LargeBatchReport, LeafError, check_large_batch
+
+__all__ = [
+    "Collective",
+    "Copy",
+    "LargeBatchReport",
+    "LeafError",
+    "check_large_batch",
+    "conditionals",
+    "copies",
+    "hlo_collectives",
+    "opcodes",
+]
 
 Context = tuple[tuple[str, Any], ...]
 
