@@ -18,8 +18,9 @@ two ways from the same start on the same batches:
 It prints the compiled memory of one jitted step for the whole batch, 4 x 32,
 + bf16, + remat (on XLA:CPU, bf16 saves nothing: its convolutions compute in
 float32, with converts around them; compiled for an H200, the peaks are 29.5,
-8.8, 5.6 and 4.9 MiB, see ``docs/recipes/batchnorm.md``); the loss curves of the two runs (``loss_curves.png``,
-``results.json``) and their gap. The gap is not rounding: BatchNorm in
+8.8, 5.6 and 4.9 MiB, see ``docs/recipes/batchnorm.md``); the loss curves of
+the two runs (``loss_curves.png``, ``results.json``) and their gap; and the
+large-batch check's report on the loss (``coupling``). The gap is not rounding: BatchNorm in
 training mode normalises each micro-batch of 32 with its own statistics
 ("ghost batch norm"), so the accumulated gradient is not the batch of 128's
 (see ``docs/recipes/batchnorm.md``); the running statistics get one EMA
@@ -233,16 +234,16 @@ def train(steps: int, eval_every: int, seed: int) -> tuple[dict, dict]:
   return results, batches[-1]
 
 
-def check_report(state: State, batch: dict) -> str | None:
+def check_report(state: State, batch: dict) -> dict:
   """The large-batch check on the 4 x 32 run's loss (float32), at its final params."""
-  if not hasattr(oa.debug, "check_large_batch"):
-    return None
   loss_fn = make_loss(F32, remat=False)
   start = time.perf_counter()
   report = oa.debug.check_large_batch(jax.value_and_grad(loss_fn, has_aux=True), K,
                                       has_aux=True)(state.params, batch, state.batch_stats)
-  print(f"{report}\n(the check took {time.perf_counter() - start:.1f} s)")
-  return str(report)
+  seconds = time.perf_counter() - start
+  print(f"{report}\n(the check took {seconds:.1f} s)")
+  return {"cause": report.cause, "max_relative_error": report.max_relative_error,
+          "tolerance": report.tolerance, "seconds": seconds, "report": str(report)}
 
 
 def plot(results: dict, out: Path) -> Path:
