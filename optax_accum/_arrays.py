@@ -74,6 +74,12 @@ def array_type(x: Any) -> ArrayType:
 
 
 
+def laid_out_like(x: jax.Array, like: Any) -> jax.Array:
+  """``x`` resharded to ``like``'s layout where their types say different ones (explicit axes)."""
+  want = array_type(like).explicit_spec
+  return x if want is None or array_type(x).explicit_spec == want else jax.reshard(x, want)
+
+
 def strip_axes(partitions: tuple[Any, ...], axes: tuple[Any, ...]) -> tuple[Any, ...]:
   """A spec's partitions with ``axes`` removed (those dims all-gathered over them)."""
   def one(entry: Any) -> Any:  # (None, no axis, stays None)

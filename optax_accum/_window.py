@@ -373,6 +373,8 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
     # Optimizers may promote their state (Adam's f16 moments on f32 gradients);
     # both branches of the cond, and lax.scan, need stable dtypes.
     new_inner = optax.tree.cast_like(new_inner, ops.inner_state)
+    if ops.params is not None:  # a state laid out apart from the params (ZeRO-1): the params'
+      updates = jax.tree.map(_arrays.laid_out_like, updates, ops.params)
     out = optax.apply_updates(ops.params, updates) if apply else updates
   return Emitted(out, new_inner, noise)
 

@@ -108,18 +108,19 @@ class MultiSteps:
 
   def init(self, params: optax.Params) -> optax.MultiStepsState:
     """The initial ``optax.MultiStepsState``: empty buffer, counters at 0."""
-    window = _window.init_window(self._config, params)
-    skip_state = ()
-    if self._should_skip is not None:
-      _, skip_state = self._should_skip(
-          optax.tree.zeros_like(params), window.gradient_step, params)
-    return optax.MultiStepsState(
-        mini_step=window.mini_step,
-        gradient_step=window.gradient_step,
-        inner_opt_state=self._opt.init(params),
-        acc_grads=window.acc_grads,
-        skip_state=self._pack(skip_state, window.noise),
-    )
+    with _arrays.mesh_context(params):  # every leaf on the params' mesh, as `update` returns it
+      window = _window.init_window(self._config, params)
+      skip_state = ()
+      if self._should_skip is not None:
+        _, skip_state = self._should_skip(
+            optax.tree.zeros_like(params), window.gradient_step, params)
+      return optax.MultiStepsState(
+          mini_step=window.mini_step,
+          gradient_step=window.gradient_step,
+          inner_opt_state=self._opt.init(params),
+          acc_grads=window.acc_grads,
+          skip_state=self._pack(skip_state, window.noise),
+      )
 
   def update(
       self,
