@@ -169,6 +169,32 @@ def explicit_axes(axis_name: Any, *, check: bool = True) -> tuple[Any, ...] | No
   )
 
 
+class Layout(NamedTuple):
+  """Where a step's per-device values live, given ``axis_name``: computed once per call.
+
+  One of three: one device (``axis_name`` None); manual axes (``shard_map``,
+  ``pmap``: each device holds its own value, a ``psum`` reduces); or plain jit
+  on Explicit axes (``stacked``: one copy per device along a leading axis
+  sharded over them, a ``jax.reshard`` reduces).
+  """
+
+  axis_name: Any = None
+  stacked: tuple[Any, ...] | None = None  # plain jit: the data axes the copies are stacked over
+
+  @property
+  def manual(self) -> bool:
+    """``shard_map`` or ``pmap``: the cross-device reduction is a ``psum``."""
+    return self.axis_name is not None and self.stacked is None
+
+
+ONE_DEVICE = Layout()
+
+
+def device_layout(axis_name: Any, *, check: bool = True) -> Layout:
+  """The :class:`Layout` for ``axis_name`` on the current mesh (see :func:`explicit_axes`)."""
+  return Layout(axis_name, explicit_axes(axis_name, check=check))
+
+
 def mesh_context(tree: Any) -> Any:
   """A context that enters the mesh ``tree``'s arrays are placed on, when none is set.
 

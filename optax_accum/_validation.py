@@ -23,7 +23,7 @@ _INT32_MAX = 2**31 - 1
 
 
 def check_update(
-    config: Any, grads: Any, buffer: Any, *, weight: Any = None, emit_now: Any = False,
+    config: Any, grads: Any, window: Any, *, weight: Any = None, emit_now: Any = False,
     flushing: bool = False,
 ) -> tuple[Any, jax.Array | None, Any]:
   """Every check of an update's values; returns ``(grads, weight, emit_now)``, checked.
@@ -31,13 +31,16 @@ def check_update(
   The gradients must match the buffer's tree and shapes, fit its dtypes (no part of a
   value dropped: a complex gradient into a real buffer, or one wider than the buffer
   ``init`` built, float64 into float32, unless ``accumulator_dtype`` asked for it) and
-  live where the window expects them (:func:`_check_placement`). An integer param's
+  live where ``config.layout`` expects them (:func:`_check_placement`); under plain jit with
+  ``axis_name`` every per-device leaf of ``window`` must hold one copy per device
+  (:func:`_check_copies`). An integer param's
   gradient (``float0``) counts as zero, and so does a flush's (it carries no
   micro-batch): both come back as zeros like the buffer. Each message names the tree
   path at fault and the fix. Under plain jit with ``axis_name`` the gradients come back
   as one copy per device (``_per_device.stack``). Call it inside the inputs' mesh
   (``_arrays.mesh_context``).
   """
+  buffer = window.acc_grads
   g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
   b_leaves, b_def = jax.tree_util.tree_flatten_with_path(buffer)
   if g_def != b_def:
@@ -49,7 +52,9 @@ def check_update(
                         grads, buffer), None, True
   grads = jax.tree.map(lambda g, b: zeros(b) if _is_float0(g) else g, grads, buffer)
   g_leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
-  stacked = _arrays.explicit_axes(config.axis_name)  # plain jit: one buffer copy per device
+  stacked = config.layout.stacked  # plain jit: one copy per device of each per-device leaf
+  if stacked is not None:
+    _check_copies(window, stacked)
   for (path, g), (_, b) in zip(g_leaves, b_leaves, strict=True):
     if stacked is not None:
       _check_stacked(_path_str(path), g, b, stacked)
@@ -75,7 +80,7 @@ def check_update(
     )
   else:
     emit_now = jnp.asarray(emit_now).astype(jnp.bool_)
-  _check_placement(config, g_leaves)
+  _check_placement(config.layout, g_leaves)
   if stacked is not None:  # a partial sum typed unreduced, as its per-device copies
     grads = jax.tree.map(lambda g: _per_device.stack(g, stacked), grads)
   return grads, weight, emit_now
@@ -104,28 +109,38 @@ def _check_dtype(config: Any, path: str, g_dtype: Any, b_dtype: Any) -> None:
     )
 
 
+def _check_copies(window: Any, axes: tuple[Any, ...]) -> None:
+  """Raises unless each per-device leaf of ``window`` holds one copy per device over ``axes``.
+
+  Under plain jit the weight total is a global scalar (the weight is given whole).
+  """
+  n = _per_device.device_count(axes)
+  where = f"`axis_name={_per_device.spec_entry(axes)!r}`"
+  for path, b in _per_device.state_leaves(window, skip=("acc_weight",)):
+    if jnp.ndim(b) == 0 or jnp.shape(b)[0] != n:
+      raise ValueError(
+          f"The accumulator at {_path_str(path)} has shape {jnp.shape(b)}: it is not one copy"
+          f" per device for the {n} device(s) of {where}. A state saved on another number of"
+          " devices must be laid out for this mesh first:"
+          " `state = optax_accum.sharding.reshard_state(restored, tx.init(params))`.")
+    if _leading_axes(b) != set(axes) and jnp.size(b):  # (copies of size 0 are replicated)
+      raise ValueError(
+          f"The accumulator at {_path_str(path)} is {jax.typeof(b)}, not sharded over {where}"
+          " along its leading dim (one copy per device). Place a restored state as `init`"
+          " lays it out: `jax.device_put(restored, optax_accum.sharding.state_shardings(tx,"
+          " params))`, and call `tx.init` inside the mesh (`jax.set_mesh`, or params"
+          " placed on it).")
+
+
 def _check_stacked(path: str, g: Any, b: Any, axes: tuple[Any, ...]) -> None:
   """Raises unless ``g`` fits the buffer ``b`` of plain jit with ``axis_name``.
 
   ``b`` holds one copy per device along a leading dim sharded over the data
-  ``axes``; ``g`` is such copies too (``local_value_and_grad``) or a partial
-  sum typed unreduced over ``axes`` (``defer_reduction``).
+  ``axes`` (:func:`_check_copies`); ``g`` is such copies too
+  (``local_value_and_grad``) or a partial sum typed unreduced over ``axes``
+  (``defer_reduction``).
   """
-  n = _per_device.device_count(axes)
   where = f"`axis_name={_per_device.spec_entry(axes)!r}`"
-  if jnp.ndim(b) == 0 or jnp.shape(b)[0] != n:
-    raise ValueError(
-        f"The accumulator at {path} has shape {jnp.shape(b)}: it is not one copy per"
-        f" device for the {n} device(s) of {where}. A state saved on another number of"
-        " devices must be laid out for this mesh first:"
-        " `state = optax_accum.sharding.reshard_state(restored, tx.init(params))`.")
-  if _leading_axes(b) != set(axes) and jnp.size(b):  # (copies of size 0 are replicated)
-    raise ValueError(
-        f"The accumulator at {path} is {jax.typeof(b)}, not sharded over {where} along"
-        " its leading dim (one copy per device). Place a restored state as `init` lays"
-        " it out: `jax.device_put(restored, optax_accum.sharding.state_shardings(tx,"
-        " params))`, and call `tx.init` inside the mesh (`jax.set_mesh`, or params"
-        " placed on it).")
   unreduced = _arrays.array_type(g).unreduced
   if unreduced and unreduced != set(axes):
     raise ValueError(
@@ -349,16 +364,15 @@ def _raise_tree_mismatch(g_paths: list[str], b_paths: list[str], g_def: Any, b_d
   )
 
 
-def _check_placement(config: Any, g_leaves: list[Any]) -> None:
-  """Raises unless the gradients live where the window expects them: their types say it.
+def _check_placement(layout: _arrays.Layout, g_leaves: list[Any]) -> None:
+  """Raises unless the gradients live where ``layout`` expects them: their types say it.
 
   Without ``axis_name`` no gradient is a per-device partial sum; inside ``shard_map``
   each is device-local (:func:`_check_local`). (Plain jit: :func:`_check_stacked`.)
   """
-  axis_name = config.axis_name
-  if axis_name is not None:
-    if _arrays.explicit_axes(axis_name) is None:  # shard_map / pmap
-      _check_local(g_leaves, axis_name)
+  if layout.manual:  # shard_map / pmap
+    _check_local(g_leaves, layout.axis_name)
+  if layout.axis_name is not None:
     return
   for path, g in g_leaves:
     have = _arrays.array_type(g).unreduced

@@ -40,7 +40,6 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 from optax_accum import _arrays, _per_device, _validation
 from optax_accum._arrays import strip_axes
 from optax_accum.accumulation import AccumulateState
-from optax_accum.gradient_noise import NoiseScaleState
 
 __all__ = [
     "broadcast_like",
@@ -237,22 +236,13 @@ def state_shardings(
 
 
 def _map_per_device(state: Any, fn: Any) -> Any:
-  """Applies ``fn`` to the per-device leaves: the buffer and the open window's totals.
+  """Applies ``fn`` to the per-device leaves of each accumulation state in ``state``.
 
-  A noise-scale state's window sums are per device; its averages are not.
+  Those ``_per_device.map_state`` maps: the buffer and the open window's totals
+  (a noise-scale state's window sums are per device; its averages are not).
   """
-
-  def visit(node: Any) -> Any:
-    if not isinstance(node, AccumulateState):
-      return node
-    noise = node.noise_stats
-    if isinstance(noise, NoiseScaleState):
-      noise = noise._replace(window_sq_norms=fn(noise.window_sq_norms),
-                             window_count=fn(noise.window_count))
-    return node._replace(acc_grads=jax.tree.map(fn, node.acc_grads),
-                         acc_weight=jax.tree.map(fn, node.acc_weight), noise_stats=noise)
-
-  return jax.tree.map(visit, state, is_leaf=lambda n: isinstance(n, AccumulateState))
+  return jax.tree.map(lambda n: _per_device.map_state(fn, n) if isinstance(
+      n, AccumulateState) else n, state, is_leaf=lambda n: isinstance(n, AccumulateState))
 
 
 def reshard_state(restored: Any, like: Any) -> Any:
