@@ -120,3 +120,36 @@ def test_every_state_layout_takes_the_large_batch_step(path: str, kind: str) -> 
         assert not any(e for x in jax.tree.leaves(params) for e in x.sharding.spec), layout
         assert all(jax.tree.leaves(jax.tree.map(
             lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), state, given))), layout
+
+
+def test_a_field_added_to_the_per_device_list_is_followed_everywhere(
+    monkeypatch: pytest.MonkeyPatch) -> None:
+  """``_per_device.STATE`` is the one list: ``init``, ``per_device_state``, ``shard_map_specs``,
+  ``reshard_state`` and ``update``'s checks all lay out (or check) what it names."""
+  from optax_accum import _per_device
+  from optax_accum.sharding import per_device_state, reshard_state, shard_map_specs
+
+  tx = oa.accumulate(2, optax.sgd(0.1), axis_name="data")
+  def init_on(n: int) -> Any:  # plain jit on a mesh of n devices
+    m = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    return tx.init(jax.device_put({"w": jnp.zeros(3)}, NamedSharding(m, P())))
+
+  before = init_on(N_DEV)
+  monkeypatch.setattr(_per_device, "STATE", (*_per_device.STATE, "gradient_step"))
+  # init: one copy per device, sharded over the data axis.
+  after = init_on(N_DEV)
+  assert after.gradient_step.shape == (N_DEV,) and after.gradient_step.sharding.spec == P("data")
+  # update's checks: a state without the copies is refused, naming the field.
+  grads = jax.device_put({"w": jnp.zeros((N_DEV, 3))}, after.acc_grads["w"].sharding)
+  with pytest.raises(ValueError, match=r"accumulator at \.gradient_step has shape \(\)"):
+    tx.update(grads, before, {"w": jnp.zeros(3)})
+  # reshard_state: the saved copies are summed onto the first device.
+  saved = jax.device_get(after)._replace(gradient_step=np.ones(N_DEV, np.int32))
+  assert reshard_state(saved, init_on(2)).gradient_step.tolist() == [N_DEV, 0]
+  # shard_map: per_device_state gives it a leading axis, shard_map_specs the data axis.
+  wrapped = per_device_state(oa.accumulate(2, optax.sgd(0.1), axis_name="data"), "data")
+  specs = shard_map_specs(wrapped, {"w": jnp.zeros(3)}, "data")
+  assert specs.gradient_step == P("data") and specs.mini_step == P()
+  state = jax.jit(jax.shard_map(wrapped.init, mesh=mesh("Explicit"), in_specs=P(),
+                                out_specs=specs))({"w": jnp.zeros(3)})
+  assert state.gradient_step.shape == (N_DEV,) and state.mini_step.shape == ()
