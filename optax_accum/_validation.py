@@ -25,20 +25,17 @@ _INT32_MAX = 2**31 - 1
 def check_update(
     config: Any, grads: Any, window: Any, *, weight: Any = None, emit_now: Any = False,
     flushing: bool = False,
-) -> tuple[Any, jax.Array | None, Any]:
-  """Every check of an update's values; returns ``(grads, weight, emit_now)``, checked.
+) -> None:
+  """Every check of an update's values: raises, converts nothing (:func:`update_values` does).
 
   The gradients must match the buffer's tree and shapes, fit its dtypes (no part of a
   value dropped: a complex gradient into a real buffer, or one wider than the buffer
   ``init`` built, float64 into float32, unless ``accumulator_dtype`` asked for it) and
   live where ``config.layout`` expects them (:func:`_check_placement`); under plain jit with
   ``axis_name`` every per-device leaf of ``window`` must hold one copy per device
-  (:func:`_check_copies`). An integer param's
-  gradient (``float0``) counts as zero, and so does a flush's (it carries no
-  micro-batch): both come back as zeros like the buffer. Each message names the tree
-  path at fault and the fix. Under plain jit with ``axis_name`` the gradients come back
-  as one copy per device (``_per_device.stack``). Call it inside the inputs' mesh
-  (``_arrays.mesh_context``).
+  (:func:`_check_copies`). An integer param's gradient (``float0``) is not checked (it
+  counts as zero), nor is a flush's (it carries no micro-batch). Each message names the
+  tree path at fault and the fix. Call it inside the inputs' mesh (``_arrays.mesh_context``).
   """
   buffer = window.acc_grads
   g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
@@ -46,16 +43,14 @@ def check_update(
   if g_def != b_def:
     _raise_tree_mismatch([_path_str(p) for p, _ in g_leaves],
                          [_path_str(p) for p, _ in b_leaves], g_def, b_def)
-  zeros = lambda b, dtype=None: _arrays.match_varying(jnp.zeros_like(b, dtype), b)
-  if flushing:  # (shaped like the buffer: one copy per device under plain jit)
-    return jax.tree.map(lambda g, b: zeros(b, None if _is_float0(g) else jnp.result_type(g)),
-                        grads, buffer), None, True
-  grads = jax.tree.map(lambda g, b: zeros(b) if _is_float0(g) else g, grads, buffer)
-  g_leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+  if flushing:
+    return
+  pairs = [(path, g, b) for (path, g), (_, b) in zip(g_leaves, b_leaves, strict=True)
+           if not _is_float0(g)]  # (a float0 gradient counts as zero)
   stacked = config.layout.stacked  # plain jit: one copy per device of each per-device leaf
   if stacked is not None:
     _check_copies(window, stacked)
-  for (path, g), (_, b) in zip(g_leaves, b_leaves, strict=True):
+  for path, g, b in pairs:
     if stacked is not None:
       _check_stacked(_path_str(path), g, b, stacked)
     elif jnp.shape(g) != jnp.shape(b):
@@ -69,21 +64,36 @@ def check_update(
               f" with `accumulate(..., axis_name={_per_device.spec_entry(tuple(lead))!r})`.)"
               if lead else ""))
     _check_dtype(config, _path_str(path), jnp.result_type(g), jnp.result_type(b))
-  weight = check_weight(weight, config.reduction)
-  if isinstance(emit_now, (bool, np.bool_)):
-    emit_now = bool(emit_now)
-  elif jnp.ndim(emit_now) != 0:
+  check_weight(weight, config.reduction)
+  if not isinstance(emit_now, (bool, np.bool_)) and jnp.ndim(emit_now) != 0:
     raise ValueError(
         "`emit_now` must be a scalar bool (close the window after this"
         f" micro-batch or not); got shape {jnp.shape(emit_now)}. Pass e.g."
         " `emit_now=is_last_batch`."
     )
-  else:
-    emit_now = jnp.asarray(emit_now).astype(jnp.bool_)
-  _check_placement(config.layout, g_leaves)
-  if stacked is not None:  # a partial sum typed unreduced, as its per-device copies
-    grads = jax.tree.map(lambda g: _per_device.stack(g, stacked), grads)
-  return grads, weight, emit_now
+  _check_placement(config.layout, [(path, g) for path, g, _ in pairs])
+
+
+def update_values(config: Any, grads: Any, window: Any, weight: Any, emit_now: Any,
+                  flushing: bool) -> tuple[Any, jax.Array | None, Any]:
+  """``(grads, weight, emit_now)`` as the window reads them, once :func:`check_update` passed.
+
+  An integer param's gradient (``float0``) counts as zero, and so does a flush's (it
+  carries no micro-batch): zeros like the buffer (one copy per device under plain jit).
+  Under plain jit with ``axis_name`` a partial sum typed unreduced comes back as its
+  per-device copies (``_per_device.stack``). The weight as float32 (a traced negative one
+  as NaN, see :func:`check_weight`), ``emit_now`` as a bool.
+  """
+  zeros = lambda b, dtype=None: _arrays.match_varying(jnp.zeros_like(b, dtype), b)
+  if flushing:
+    return jax.tree.map(lambda g, b: zeros(b, None if _is_float0(g) else jnp.result_type(g)),
+                        grads, window.acc_grads), None, True
+  grads = jax.tree.map(lambda g, b: zeros(b) if _is_float0(g) else g, grads, window.acc_grads)
+  if config.layout.stacked is not None:
+    grads = jax.tree.map(lambda g: _per_device.stack(g, config.layout.stacked), grads)
+  emit_now = bool(emit_now) if isinstance(emit_now, (bool, np.bool_)) else jnp.asarray(
+      emit_now).astype(jnp.bool_)
+  return grads, check_weight(weight, config.reduction), emit_now
 
 
 def _is_float0(x: Any) -> bool:

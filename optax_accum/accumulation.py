@@ -252,10 +252,11 @@ def accumulate(
                                ("weight", "emit_now", "apply", "flush"))
     with _arrays.mesh_context((updates, params)):
       now = dataclasses.replace(config, layout=_arrays.device_layout(config.axis_name))
-      window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads,
-                              state.acc_weight, state.noise_stats)
-      updates, weight, emit_now = _validation.check_update(
-          now, updates, window, weight=weight, emit_now=emit_now, flushing=flushing)
+      window = _window.Window(**{f: getattr(state, f) for f in _window.Window._fields})
+      _validation.check_update(now, updates, window, weight=weight, emit_now=emit_now,
+                               flushing=flushing)
+      updates, weight, emit_now = _validation.update_values(now, updates, window, weight,
+                                                            emit_now, flushing)
       accept = False if flushing else (
           _accept(updates, weight, now.layout) if skip_nonfinite else True)
       out = _window.micro_step(now, updates, window, state.inner_opt_state, params,
@@ -264,11 +265,8 @@ def accumulate(
     num_skipped = state.num_skipped
     if skip_nonfinite and not flushing:
       num_skipped = num_skipped + jnp.logical_not(accept).astype(jnp.int32)
-    new_state = AccumulateState(
-        mini_step=out.window.mini_step, gradient_step=out.window.gradient_step,
-        acc_grads=out.window.acc_grads, acc_weight=out.window.acc_weight,
-        num_skipped=num_skipped, emitted=out.emitted, inner_opt_state=out.inner_state,
-        noise_stats=out.window.noise_stats)
+    new_state = state._replace(**out.window._asdict(), num_skipped=num_skipped,
+                               emitted=out.emitted, inner_opt_state=out.inner_state)
     return (Applied(out.out) if apply else out.out), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

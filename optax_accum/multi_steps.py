@@ -155,7 +155,8 @@ class MultiSteps:
     # (No `axis_name`: one device's layout, and the checks need no mesh.)
     skip_state, noise = self._unpack(state.skip_state)
     window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads, (), noise)
-    updates = _validation.check_update(self._config, updates, window, flushing=flush)[0]
+    _validation.check_update(self._config, updates, window, flushing=flush)
+    updates = _validation.update_values(self._config, updates, window, None, False, flush)[0]
     accept: Any = not flush  # a flush carries no micro-batch
     if accept and self._should_skip is not None:
       should_skip, skip_state = self._should_skip(updates, state.gradient_step, params)
