@@ -74,6 +74,12 @@ def array_type(x: Any) -> ArrayType:
 
 
 
+def laid_out_like(x: jax.Array, like: Any) -> jax.Array:
+  """``x`` resharded to ``like``'s layout where their types say different ones (explicit axes)."""
+  want = array_type(like).explicit_spec
+  return x if want is None or array_type(x).explicit_spec == want else jax.reshard(x, want)
+
+
 def strip_axes(partitions: tuple[Any, ...], axes: tuple[Any, ...]) -> tuple[Any, ...]:
   """A spec's partitions with ``axes`` removed (those dims all-gathered over them)."""
   def one(entry: Any) -> Any:  # (None, no axis, stays None)
@@ -161,6 +167,32 @@ def explicit_axes(axis_name: Any, *, check: bool = True) -> tuple[Any, ...] | No
       " and jax.set_mesh) for jit with unreduced gradients, or Manual ones"
       " (inside shard_map) for psum: not Auto axes, and not a mix."
   )
+
+
+class Layout(NamedTuple):
+  """Where a step's per-device values live, given ``axis_name``: computed once per call.
+
+  One of three: one device (``axis_name`` None); manual axes (``shard_map``,
+  ``pmap``: each device holds its own value, a ``psum`` reduces); or plain jit
+  on Explicit axes (``stacked``: one copy per device along a leading axis
+  sharded over them, a ``jax.reshard`` reduces).
+  """
+
+  axis_name: Any = None
+  stacked: tuple[Any, ...] | None = None  # plain jit: the data axes the copies are stacked over
+
+  @property
+  def manual(self) -> bool:
+    """``shard_map`` or ``pmap``: the cross-device reduction is a ``psum``."""
+    return self.axis_name is not None and self.stacked is None
+
+
+ONE_DEVICE = Layout()
+
+
+def device_layout(axis_name: Any, *, check: bool = True) -> Layout:
+  """The :class:`Layout` for ``axis_name`` on the current mesh (see :func:`explicit_axes`)."""
+  return Layout(axis_name, explicit_axes(axis_name, check=check))
 
 
 def mesh_context(tree: Any) -> Any:

@@ -33,6 +33,40 @@ from jax.sharding import PartitionSpec
 
 from optax_accum import _arrays, gradient_noise, precision
 
+# The per-device leaves of a state: each device's partial sums of the open window. The one
+# list that `init`, `per_device_state`, `shard_map_specs`, `reshard_state` and the checks read.
+STATE = ("acc_grads", "acc_weight", "noise_stats.window_sq_norms", "noise_stats.window_count")
+
+
+def map_state(fn: Callable[[Any], Any], state: Any, *, skip: tuple[str, ...] = ()) -> Any:
+  """``state`` with ``fn`` applied to every leaf of its per-device fields (:data:`STATE`).
+
+  ``state`` is a NamedTuple with such fields (``_window.Window``,
+  ``AccumulateState``, ``optax.MultiStepsState``); those it lacks, or holds as
+  ``()`` (no noise estimate), and those in ``skip`` are passed over.
+  """
+  for name in STATE:
+    head, _, field = name.partition(".")
+    node = getattr(state, head, None)
+    if name in skip or node is None or (field and not hasattr(node, field)):
+      continue
+    new = jax.tree.map(fn, getattr(node, field) if field else node)
+    state = state._replace(**{head: node._replace(**{field: new}) if field else new})
+  return state
+
+
+class _Marked:
+  """A marker leaf: a per-device leaf of a state, found with its key path."""
+
+  def __init__(self, leaf: Any):
+    self.leaf = leaf
+
+
+def state_leaves(state: Any, *, skip: tuple[str, ...] = ()) -> list[tuple[Any, Any]]:
+  """``[(key path, leaf)]`` of the per-device leaves of ``state``, as :func:`map_state` maps."""
+  marked = jax.tree_util.tree_flatten_with_path(map_state(_Marked, state, skip=skip))[0]
+  return [(path, x.leaf) for path, x in marked if isinstance(x, _Marked)]
+
 
 def spec_entry(axes: tuple[Any, ...]) -> Any:
   """Mesh axes as one entry of a ``PartitionSpec``: a name, or a tuple of names."""

@@ -23,34 +23,34 @@ _INT32_MAX = 2**31 - 1
 
 
 def check_update(
-    config: Any, grads: Any, buffer: Any, *, weight: Any = None, emit_now: Any = False,
+    config: Any, grads: Any, window: Any, *, weight: Any = None, emit_now: Any = False,
     flushing: bool = False,
-) -> tuple[Any, jax.Array | None, Any]:
-  """Every check of an update's values; returns ``(grads, weight, emit_now)``, checked.
+) -> None:
+  """Every check of an update's values: raises, converts nothing (:func:`update_values` does).
 
   The gradients must match the buffer's tree and shapes, fit its dtypes (no part of a
   value dropped: a complex gradient into a real buffer, or one wider than the buffer
   ``init`` built, float64 into float32, unless ``accumulator_dtype`` asked for it) and
-  live where the window expects them (:func:`_check_placement`). An integer param's
-  gradient (``float0``) counts as zero, and so does a flush's (it carries no
-  micro-batch): both come back as zeros like the buffer. Each message names the tree
-  path at fault and the fix. Under plain jit with ``axis_name`` the gradients come back
-  as one copy per device (``_per_device.stack``). Call it inside the inputs' mesh
-  (``_arrays.mesh_context``).
+  live where ``config.layout`` expects them (:func:`_check_placement`); under plain jit with
+  ``axis_name`` every per-device leaf of ``window`` must hold one copy per device
+  (:func:`_check_copies`). An integer param's gradient (``float0``) is not checked (it
+  counts as zero), nor is a flush's (it carries no micro-batch). Each message names the
+  tree path at fault and the fix. Call it inside the inputs' mesh (``_arrays.mesh_context``).
   """
+  buffer = window.acc_grads
   g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
   b_leaves, b_def = jax.tree_util.tree_flatten_with_path(buffer)
   if g_def != b_def:
     _raise_tree_mismatch([_path_str(p) for p, _ in g_leaves],
                          [_path_str(p) for p, _ in b_leaves], g_def, b_def)
-  zeros = lambda b, dtype=None: _arrays.match_varying(jnp.zeros_like(b, dtype), b)
-  if flushing:  # (shaped like the buffer: one copy per device under plain jit)
-    return jax.tree.map(lambda g, b: zeros(b, None if _is_float0(g) else jnp.result_type(g)),
-                        grads, buffer), None, True
-  grads = jax.tree.map(lambda g, b: zeros(b) if _is_float0(g) else g, grads, buffer)
-  g_leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
-  stacked = _arrays.explicit_axes(config.axis_name)  # plain jit: one buffer copy per device
-  for (path, g), (_, b) in zip(g_leaves, b_leaves, strict=True):
+  if flushing:
+    return
+  pairs = [(path, g, b) for (path, g), (_, b) in zip(g_leaves, b_leaves, strict=True)
+           if not _is_float0(g)]  # (a float0 gradient counts as zero)
+  stacked = config.layout.stacked  # plain jit: one copy per device of each per-device leaf
+  if stacked is not None:
+    _check_copies(window, stacked)
+  for path, g, b in pairs:
     if stacked is not None:
       _check_stacked(_path_str(path), g, b, stacked)
     elif jnp.shape(g) != jnp.shape(b):
@@ -64,21 +64,36 @@ def check_update(
               f" with `accumulate(..., axis_name={_per_device.spec_entry(tuple(lead))!r})`.)"
               if lead else ""))
     _check_dtype(config, _path_str(path), jnp.result_type(g), jnp.result_type(b))
-  weight = check_weight(weight, config.reduction)
-  if isinstance(emit_now, (bool, np.bool_)):
-    emit_now = bool(emit_now)
-  elif jnp.ndim(emit_now) != 0:
+  check_weight(weight, config.reduction)
+  if not isinstance(emit_now, (bool, np.bool_)) and jnp.ndim(emit_now) != 0:
     raise ValueError(
         "`emit_now` must be a scalar bool (close the window after this"
         f" micro-batch or not); got shape {jnp.shape(emit_now)}. Pass e.g."
         " `emit_now=is_last_batch`."
     )
-  else:
-    emit_now = jnp.asarray(emit_now).astype(jnp.bool_)
-  _check_placement(config, g_leaves)
-  if stacked is not None:  # a partial sum typed unreduced, as its per-device copies
-    grads = jax.tree.map(lambda g: _per_device.stack(g, stacked), grads)
-  return grads, weight, emit_now
+  _check_placement(config.layout, [(path, g) for path, g, _ in pairs])
+
+
+def update_values(config: Any, grads: Any, window: Any, weight: Any, emit_now: Any,
+                  flushing: bool) -> tuple[Any, jax.Array | None, Any]:
+  """``(grads, weight, emit_now)`` as the window reads them, once :func:`check_update` passed.
+
+  An integer param's gradient (``float0``) counts as zero, and so does a flush's (it
+  carries no micro-batch): zeros like the buffer (one copy per device under plain jit).
+  Under plain jit with ``axis_name`` a partial sum typed unreduced comes back as its
+  per-device copies (``_per_device.stack``). The weight as float32 (a traced negative one
+  as NaN, see :func:`check_weight`), ``emit_now`` as a bool.
+  """
+  zeros = lambda b, dtype=None: _arrays.match_varying(jnp.zeros_like(b, dtype), b)
+  if flushing:
+    return jax.tree.map(lambda g, b: zeros(b, None if _is_float0(g) else jnp.result_type(g)),
+                        grads, window.acc_grads), None, True
+  grads = jax.tree.map(lambda g, b: zeros(b) if _is_float0(g) else g, grads, window.acc_grads)
+  if config.layout.stacked is not None:
+    grads = jax.tree.map(lambda g: _per_device.stack(g, config.layout.stacked), grads)
+  emit_now = bool(emit_now) if isinstance(emit_now, (bool, np.bool_)) else jnp.asarray(
+      emit_now).astype(jnp.bool_)
+  return grads, check_weight(weight, config.reduction), emit_now
 
 
 def _is_float0(x: Any) -> bool:
@@ -104,28 +119,38 @@ def _check_dtype(config: Any, path: str, g_dtype: Any, b_dtype: Any) -> None:
     )
 
 
+def _check_copies(window: Any, axes: tuple[Any, ...]) -> None:
+  """Raises unless each per-device leaf of ``window`` holds one copy per device over ``axes``.
+
+  Under plain jit the weight total is a global scalar (the weight is given whole).
+  """
+  n = _per_device.device_count(axes)
+  where = f"`axis_name={_per_device.spec_entry(axes)!r}`"
+  for path, b in _per_device.state_leaves(window, skip=("acc_weight",)):
+    if jnp.ndim(b) == 0 or jnp.shape(b)[0] != n:
+      raise ValueError(
+          f"The accumulator at {_path_str(path)} has shape {jnp.shape(b)}: it is not one copy"
+          f" per device for the {n} device(s) of {where}. A state saved on another number of"
+          " devices must be laid out for this mesh first:"
+          " `state = optax_accum.sharding.reshard_state(restored, tx.init(params))`.")
+    if _leading_axes(b) != set(axes) and jnp.size(b):  # (copies of size 0 are replicated)
+      raise ValueError(
+          f"The accumulator at {_path_str(path)} is {jax.typeof(b)}, not sharded over {where}"
+          " along its leading dim (one copy per device). Place a restored state as `init`"
+          " lays it out: `jax.device_put(restored, optax_accum.sharding.state_shardings(tx,"
+          " params))`, and call `tx.init` inside the mesh (`jax.set_mesh`, or params"
+          " placed on it).")
+
+
 def _check_stacked(path: str, g: Any, b: Any, axes: tuple[Any, ...]) -> None:
   """Raises unless ``g`` fits the buffer ``b`` of plain jit with ``axis_name``.
 
   ``b`` holds one copy per device along a leading dim sharded over the data
-  ``axes``; ``g`` is such copies too (``local_value_and_grad``) or a partial
-  sum typed unreduced over ``axes`` (``defer_reduction``).
+  ``axes`` (:func:`_check_copies`); ``g`` is such copies too
+  (``local_value_and_grad``) or a partial sum typed unreduced over ``axes``
+  (``defer_reduction``).
   """
-  n = _per_device.device_count(axes)
   where = f"`axis_name={_per_device.spec_entry(axes)!r}`"
-  if jnp.ndim(b) == 0 or jnp.shape(b)[0] != n:
-    raise ValueError(
-        f"The accumulator at {path} has shape {jnp.shape(b)}: it is not one copy per"
-        f" device for the {n} device(s) of {where}. A state saved on another number of"
-        " devices must be laid out for this mesh first:"
-        " `state = optax_accum.sharding.reshard_state(restored, tx.init(params))`.")
-  if _leading_axes(b) != set(axes) and jnp.size(b):  # (copies of size 0 are replicated)
-    raise ValueError(
-        f"The accumulator at {path} is {jax.typeof(b)}, not sharded over {where} along"
-        " its leading dim (one copy per device). Place a restored state as `init` lays"
-        " it out: `jax.device_put(restored, optax_accum.sharding.state_shardings(tx,"
-        " params))`, and call `tx.init` inside the mesh (`jax.set_mesh`, or params"
-        " placed on it).")
   unreduced = _arrays.array_type(g).unreduced
   if unreduced and unreduced != set(axes):
     raise ValueError(
@@ -349,16 +374,15 @@ def _raise_tree_mismatch(g_paths: list[str], b_paths: list[str], g_def: Any, b_d
   )
 
 
-def _check_placement(config: Any, g_leaves: list[Any]) -> None:
-  """Raises unless the gradients live where the window expects them: their types say it.
+def _check_placement(layout: _arrays.Layout, g_leaves: list[Any]) -> None:
+  """Raises unless the gradients live where ``layout`` expects them: their types say it.
 
   Without ``axis_name`` no gradient is a per-device partial sum; inside ``shard_map``
   each is device-local (:func:`_check_local`). (Plain jit: :func:`_check_stacked`.)
   """
-  axis_name = config.axis_name
-  if axis_name is not None:
-    if _arrays.explicit_axes(axis_name) is None:  # shard_map / pmap
-      _check_local(g_leaves, axis_name)
+  if layout.manual:  # shard_map / pmap
+    _check_local(g_leaves, layout.axis_name)
+  if layout.axis_name is not None:
     return
   for path, g in g_leaves:
     have = _arrays.array_type(g).unreduced

@@ -58,6 +58,8 @@ class Config:
     acc_dtype: the requested buffer dtype, or None for the default rule.
     axis_name: a ``pmap``/``shard_map`` axis (or tuple) to reduce over at emit.
     noise_decay: the decay of the noise-scale averages, or None (not tracked).
+    layout: where this call's per-device values live for ``axis_name`` on its mesh (one
+      device, manual axes, per-device copies): the transform sets it once per call.
   """
 
   k: int | KSchedule | noise_lib.AdaptiveK
@@ -67,6 +69,7 @@ class Config:
   acc_dtype: jnp.dtype | None = None
   axis_name: Any = None
   noise_decay: float | None = None
+  layout: _arrays.Layout = _arrays.ONE_DEVICE
 
 
 class Window(NamedTuple):
@@ -76,7 +79,7 @@ class Window(NamedTuple):
   gradient_step: jax.Array
   acc_grads: optax.Updates
   acc_weight: jax.Array | tuple[()]  # () unless reduction="weighted"
-  noise: noise_lib.NoiseScaleState | tuple[()]
+  noise_stats: noise_lib.NoiseScaleState | tuple[()]
 
 
 class StepOut(NamedTuple):
@@ -120,31 +123,29 @@ class Decision(NamedTuple):
 def init_window(config: Config, params: optax.Params) -> Window:
   """An empty window: a zero buffer shaped (and sharded) like ``params``.
 
-  Under ``jax.jit`` with explicit sharding and ``axis_name`` naming data axes,
-  each device keeps its own partial sum: the buffer (and the noise estimate's
-  open-window sums) holds one copy per device, stacked along a leading axis
-  sharded over them (``_per_device.zeros``).
+  Under plain jit with ``axis_name`` naming Explicit axes each device keeps its
+  own partial sums: every per-device leaf (``_per_device.STATE``; the weight
+  total aside, a global scalar there) holds one copy per device, stacked along
+  a leading axis sharded over them (``_per_device.zeros``).
   """
-  stacked = _arrays.explicit_axes(config.axis_name, check=False)
+  def empty(params: optax.Params) -> Window:
+    return Window(
+        mini_step=jnp.zeros([], jnp.int32),
+        gradient_step=jnp.zeros([], jnp.int32),
+        acc_grads=jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_arrays.accumulator_dtype(
+            jnp.result_type(p), config.acc_dtype)), params),
+        # Unused state costs host time on every call: only weighted windows keep it.
+        acc_weight=jnp.zeros([], jnp.float32) if config.reduction == "weighted" else (),
+        noise_stats=() if config.noise_decay is None else noise_lib.init())
 
-  def zeros(p: Any, dtype: Any = None) -> jax.Array:
-    dtype = dtype or _arrays.accumulator_dtype(jnp.result_type(p), config.acc_dtype)
-    if stacked is None:
-      return jnp.zeros_like(p, dtype=dtype)
-    return _per_device.zeros(jnp.shape(p), dtype, _arrays.array_type(p).spec, stacked)
-
-  noise = () if config.noise_decay is None else noise_lib.init()
-  if noise and stacked is not None:
-    noise = noise._replace(window_sq_norms=zeros(noise.window_sq_norms, jnp.float32),
-                           window_count=zeros(noise.window_count, jnp.int32))
-  return Window(
-      mini_step=jnp.zeros([], jnp.int32),
-      gradient_step=jnp.zeros([], jnp.int32),
-      acc_grads=jax.tree.map(zeros, params),
-      # Unused state costs host time on every call: only weighted windows keep it.
-      acc_weight=jnp.zeros([], jnp.float32) if config.reduction == "weighted" else (),
-      noise=noise,
-  )
+  layout = config.layout
+  if layout.stacked is None:
+    return empty(params)
+  copies = _per_device.map_state(lambda s: _per_device.zeros(
+      s.shape, s.dtype, _arrays.array_type(s).spec, layout.stacked), jax.eval_shape(
+          empty, params), skip=("acc_weight",))
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(
+      x, jax.ShapeDtypeStruct) else x, copies)
 
 
 # ---------------------------------------------------------------- the algorithm
@@ -181,19 +182,18 @@ def micro_step(
     extra_args: passed to the inner optimizer.
   """
   # 1. Decide: does the window close, and does it emit?
-  stacked = _arrays.explicit_axes(config.axis_name)  # plain jit: per-device copies, stacked
-  manual = config.axis_name is not None and stacked is None
-  decision = decide(config, window, accept, weight, emit_now, manual)
-  noise = window.noise
+  layout = config.layout  # one device, manual axes, or plain jit's per-device copies
+  decision = decide(config, window, accept, weight, emit_now, layout.manual)
+  noise = window.noise_stats
   if config.noise_decay is not None:
-    sq_norm, device_weight = (noise_lib.sq_norm(grads), weight) if stacked is None else (
+    sq_norm, device_weight = (noise_lib.sq_norm(grads), weight) if layout.stacked is None else (
         _per_device.micro_batch_sq_norms(grads, weight))
     noise = noise_lib.add_micro_batch(noise, sq_norm, accept, device_weight)
   ops = Operands(decision.count, decision.window_weight, noise, inner_state, params, grads)
 
   # 2. Add this micro-batch: where(mini_step == 0, 0, acc) + w * g.
   seed = (window.gradient_step, window.mini_step)  # the narrow buffer's rounding
-  if manual:  # shard_map / pmap: each device rounds independently
+  if layout.manual:  # shard_map / pmap: each device rounds independently
     seed += (lax.axis_index(config.axis_name),)
   add = jax.named_scope(SCOPES["add"])(functools.partial(
       buffer_after, config, mini_step=window.mini_step, accept=accept, weight=weight, seed=seed))
@@ -234,7 +234,7 @@ def micro_step(
       acc_grads=buffer,
       acc_weight=jnp.where(d.closes, jnp.zeros_like(d.total_weight), d.total_weight)
       if config.reduction == "weighted" else window.acc_weight,
-      noise=new_noise)
+      noise_stats=new_noise)
   return StepOut(out, new_window, new_inner, d.emits)
 
 
@@ -276,7 +276,7 @@ def trace_updates(run_emit: Callable[..., Emitted], ops: Operands, buffer: optax
 def window_length(k: KSchedule | noise_lib.AdaptiveK, window: Window) -> jax.Array:
   """``k`` for this window; a schedule is checked when concrete, clamped under jit."""
   if isinstance(k, noise_lib.AdaptiveK):
-    return k(window.noise)
+    return k(window.noise_stats)
   value = k(window.gradient_step)
   _validation.check_schedule_value(value, window.gradient_step)
   return jnp.maximum(jnp.asarray(value).astype(jnp.int32), 1)
@@ -333,14 +333,13 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
   tracking = config.noise_decay is not None
   window_k = ops.noise.window_count if tracking else ops.count
   window_sq = ops.noise.window_sq_norms if tracking else jnp.zeros([], jnp.float32)
-  stacked = _arrays.explicit_axes(config.axis_name)
-  if stacked is not None:  # plain jit: the devices' copies summed, laid out like the params
+  if config.layout.stacked is not None:  # plain jit: the copies summed, laid out like the params
     window_sum = jax.tree.map(_per_device.total, window_sum, _per_device.param_layout(
         window_sum, ops.params))
     window_k, window_sq = jnp.sum(window_k), jnp.sum(window_sq)
   # Per device under shard_map / pmap (the total weight is global already).
   totals = jnp.stack([ops.count.astype(jnp.float32), window_k.astype(jnp.float32), window_sq])
-  if config.axis_name is not None and stacked is None:
+  if config.layout.manual:
     totals, window_sum = all_reduce(config.axis_name, totals, window_sum)
   total_weight, count, window_k, window_sq = ops.total_weight, totals[0], totals[1], totals[2]
   # In the buffer's precision (float64 buffers would lose digits to a float32 1/3).
@@ -373,6 +372,8 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
     # Optimizers may promote their state (Adam's f16 moments on f32 gradients);
     # both branches of the cond, and lax.scan, need stable dtypes.
     new_inner = optax.tree.cast_like(new_inner, ops.inner_state)
+    if ops.params is not None:  # a state laid out apart from the params (ZeRO-1): the params'
+      updates = jax.tree.map(_arrays.laid_out_like, updates, ops.params)
     out = optax.apply_updates(ops.params, updates) if apply else updates
   return Emitted(out, new_inner, noise)
 

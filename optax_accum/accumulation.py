@@ -8,6 +8,7 @@ The micro-step itself lives in :mod:`optax_accum._window`.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, NamedTuple
 
@@ -205,7 +206,8 @@ def accumulate(
   def init_fn(params: optax.Params) -> AccumulateState:
     """An empty window and the inner optimizer's initial state."""
     with _arrays.mesh_context(params):  # every leaf on the params' mesh, as `update` returns it
-      window = _window.init_window(config, params)
+      window = _window.init_window(dataclasses.replace(config, layout=_arrays.device_layout(
+          config.axis_name, check=False)), params)  # (`jax.pmap(tx.init)` names no axis)
       return AccumulateState(
           mini_step=window.mini_step,
           gradient_step=window.gradient_step,
@@ -214,7 +216,7 @@ def accumulate(
           num_skipped=jnp.zeros([], jnp.int32) if skip_nonfinite else (),
           emitted=jnp.zeros([], jnp.bool_),
           inner_opt_state=() if config.inner is None else config.inner.init(params),
-          noise_stats=window.noise,
+          noise_stats=window.noise_stats,
       )
 
   def update_fn(
@@ -249,40 +251,38 @@ def accumulate(
     _validation.check_keywords(extra_args, strict_kwargs, "the update of `accumulate`",
                                ("weight", "emit_now", "apply", "flush"))
     with _arrays.mesh_context((updates, params)):
-      updates, weight, emit_now = _validation.check_update(
-          config, updates, state.acc_grads, weight=weight, emit_now=emit_now, flushing=flushing)
+      now = dataclasses.replace(config, layout=_arrays.device_layout(config.axis_name))
+      window = _window.Window(**{f: getattr(state, f) for f in _window.Window._fields})
+      _validation.check_update(now, updates, window, weight=weight, emit_now=emit_now,
+                               flushing=flushing)
+      updates, weight, emit_now = _validation.update_values(now, updates, window, weight,
+                                                            emit_now, flushing)
       accept = False if flushing else (
-          _accept(updates, weight, config.axis_name) if skip_nonfinite else True)
-      window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads,
-                              state.acc_weight, state.noise_stats)
-      out = _window.micro_step(config, updates, window, state.inner_opt_state, params,
+          _accept(updates, weight, now.layout) if skip_nonfinite else True)
+      out = _window.micro_step(now, updates, window, state.inner_opt_state, params,
                                accept=accept, weight=weight, emit_now=emit_now, apply=apply,
                                extra_args=extra_args)
     num_skipped = state.num_skipped
     if skip_nonfinite and not flushing:
       num_skipped = num_skipped + jnp.logical_not(accept).astype(jnp.int32)
-    new_state = AccumulateState(
-        mini_step=out.window.mini_step, gradient_step=out.window.gradient_step,
-        acc_grads=out.window.acc_grads, acc_weight=out.window.acc_weight,
-        num_skipped=num_skipped, emitted=out.emitted, inner_opt_state=out.inner_state,
-        noise_stats=out.window.noise)
+    new_state = state._replace(**out.window._asdict(), num_skipped=num_skipped,
+                               emitted=out.emitted, inner_opt_state=out.inner_state)
     return (Applied(out.out) if apply else out.out), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _accept(grads: Any, weight: jax.Array | None, axis_name: Any) -> jax.Array:
+def _accept(grads: Any, weight: jax.Array | None, layout: _arrays.Layout) -> jax.Array:
   """Whether this micro-batch counts when non-finite ones are skipped.
 
   Every device must agree, or the windows drift apart: one scalar reduction
   (over the per-device copies under plain jit, a ``pmin`` under shard_map).
   """
-  stacked = _arrays.explicit_axes(axis_name) is not None
-  accept = _per_device.all_finite(grads) if stacked else all_finite(grads)
+  accept = all_finite(grads) if layout.stacked is None else _per_device.all_finite(grads)
   if weight is not None:
     accept = jnp.logical_and(accept, jnp.isfinite(weight))
-  if axis_name is not None and not stacked:
-    accept = lax.pmin(accept.astype(jnp.int32), axis_name).astype(jnp.bool_)
+  if layout.manual:
+    accept = lax.pmin(accept.astype(jnp.int32), layout.axis_name).astype(jnp.bool_)
   return accept
 
 

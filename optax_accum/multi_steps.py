@@ -108,18 +108,19 @@ class MultiSteps:
 
   def init(self, params: optax.Params) -> optax.MultiStepsState:
     """The initial ``optax.MultiStepsState``: empty buffer, counters at 0."""
-    window = _window.init_window(self._config, params)
-    skip_state = ()
-    if self._should_skip is not None:
-      _, skip_state = self._should_skip(
-          optax.tree.zeros_like(params), window.gradient_step, params)
-    return optax.MultiStepsState(
-        mini_step=window.mini_step,
-        gradient_step=window.gradient_step,
-        inner_opt_state=self._opt.init(params),
-        acc_grads=window.acc_grads,
-        skip_state=self._pack(skip_state, window.noise),
-    )
+    with _arrays.mesh_context(params):  # every leaf on the params' mesh, as `update` returns it
+      window = _window.init_window(self._config, params)
+      skip_state = ()
+      if self._should_skip is not None:
+        _, skip_state = self._should_skip(
+            optax.tree.zeros_like(params), window.gradient_step, params)
+      return optax.MultiStepsState(
+          mini_step=window.mini_step,
+          gradient_step=window.gradient_step,
+          inner_opt_state=self._opt.init(params),
+          acc_grads=window.acc_grads,
+          skip_state=self._pack(skip_state, window.noise_stats),
+      )
 
   def update(
       self,
@@ -151,14 +152,15 @@ class MultiSteps:
     flush, apply = _validation.check_flag(flush, "flush"), _validation.check_flag(apply, "apply")
     _validation.check_keywords(extra_args, self._strict_kwargs, "MultiSteps.update",
                                ("apply", "flush"))
-    # (No `axis_name` here: the checks need no mesh.)
-    updates = _validation.check_update(self._config, updates, state.acc_grads, flushing=flush)[0]
+    # (No `axis_name`: one device's layout, and the checks need no mesh.)
     skip_state, noise = self._unpack(state.skip_state)
+    window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads, (), noise)
+    _validation.check_update(self._config, updates, window, flushing=flush)
+    updates = _validation.update_values(self._config, updates, window, None, False, flush)[0]
     accept: Any = not flush  # a flush carries no micro-batch
     if accept and self._should_skip is not None:
       should_skip, skip_state = self._should_skip(updates, state.gradient_step, params)
       accept = jnp.logical_not(_check_skip(should_skip))
-    window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads, (), noise)
     with _arrays.mesh_context((updates, params)):
       out = _window.micro_step(
           self._config, updates, window, state.inner_opt_state, params, accept=accept,
@@ -168,7 +170,7 @@ class MultiSteps:
         gradient_step=out.window.gradient_step,
         inner_opt_state=out.inner_state,
         acc_grads=out.window.acc_grads,
-        skip_state=self._pack(skip_state, out.window.noise),
+        skip_state=self._pack(skip_state, out.window.noise_stats),
     )
     return (Applied(out.out) if apply else out.out), new_state
 
