@@ -9,7 +9,7 @@ taken inside with respect to it is the device's own, unreduced (for a
 replicated input, ``shard_map``'s autodiff would sum it over the devices on
 every call). Around it: the batch's rows and which axes they are split over
 (:func:`batch_rows`, :func:`data_axes`), and where gradients reduced per
-device go back to (:func:`param_specs`, :func:`scatter_dim`).
+device go back to (:func:`scatter_dim`).
 
 Outside ``shard_map`` a value that differs per device (a device's partial sum
 of the gradient, the accumulation buffer of ``accumulate(..., axis_name=...)``
@@ -301,17 +301,6 @@ def _check_no_hidden_split(args: tuple[Any, ...], batch_argnums: tuple[int, ...]
           " gradients would be reduced on every micro-batch. Make the data axes"
           " Explicit and shard the batch over them, or name them:"
           f" `microbatched(..., axis_name={spec_entry(auto)!r})`.")
-
-
-def param_specs(args: tuple[Any, ...], skip: tuple[int, ...], grads: Any) -> list[Any] | None:
-  """The params' specs: those of the first argument (not in ``skip``) shaped like ``grads``."""
-  g_leaves, g_def = jax.tree.flatten(grads)
-  for i, arg in enumerate(args):
-    leaves, treedef = jax.tree.flatten(arg)
-    if i not in skip and treedef == g_def and all(
-        jnp.shape(p) == g.shape for p, g in zip(leaves, g_leaves, strict=True)):
-      return [_arrays.array_type(p).spec for p in leaves]
-  return None
 
 
 def scatter_dim(spec: PartitionSpec, axes: tuple[Any, ...]) -> tuple[int, Any] | None:
