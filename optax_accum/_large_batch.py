@@ -124,7 +124,8 @@ def check_large_batch(
   * ``"coupling"``: no combination fits within the tolerance: the loss or the
     model couples the examples of a batch (a contrastive loss, BatchNorm in
     training mode). Telling it from ``"weights"`` needs more gradient entries
-    than micro-batches.
+    than micro-batches: with fewer, a gradient that is not the whole batch's
+    raises ``ValueError``.
 
   The tolerance is measured on the call itself, as twice the largest of
   three differences that are zero in exact arithmetic whatever the loss does,
@@ -357,8 +358,14 @@ def _explain(k: int, normalize: str, whole: _Parts, whole_perm: _Parts, micro: l
   scale = float(combined @ big_g / (combined @ combined)) if combined @ combined else 0.0
   if rel(scale * combined - big_g) <= tolerance and c.sum():
     return report("scale", c / c.sum(), _scale_fix(k, normalize, scale))
+  if gs.shape[0] <= k:  # k vectors of that few entries combine into any gradient
+    raise ValueError(
+        f"check_large_batch: the accumulated gradient is not the whole batch's (max relative"
+        f" error {max_error:.3g} > tolerance {tolerance:.3g}), but with {gs.shape[0]} gradient"
+        f" entries for num_microbatches={k} unequal weights cannot be told from coupling."
+        f" Check with num_microbatches < {gs.shape[0]}, or on a model with more parameters.")
   w = np.linalg.lstsq(gs, big_g, rcond=None)[0]
-  if rel(gs @ w - big_g) <= tolerance and gs.shape[0] > k and w.sum():
+  if rel(gs @ w - big_g) <= tolerance and w.sum():
     return report("weights", w / w.sum(), _weights_fix(normalize))
   return report("coupling", None, _COUPLING_FIX)
 

@@ -220,3 +220,16 @@ def test_a_prng_key_is_refused(key):
   with pytest.raises(ValueError, match=r"argument 3 is a PRNG key.*deterministic"):
     check_large_batch(jax.value_and_grad(dropout_loss), K, batch_argnums=(1, 2))(
         PARAMS, X, Y, key)
+
+
+def test_too_few_gradient_entries_to_tell_weights_from_coupling_is_an_error():
+  """Four micro-batch gradients of 3 entries combine into any gradient: no verdict."""
+  def masked_mean(p, x, mask):
+    per = ((x[:, :3] @ p["w"] - 1.0) ** 2)[:, 0] * mask
+    return jnp.sum(per) / jnp.sum(mask)
+
+  with pytest.raises(ValueError, match=r"3 gradient entries for num_microbatches=4.*< 3"):
+    checked(masked_mean, {"w": jnp.ones((3, 1))}, X, MASK)
+  # With as few entries, a loss that is the large batch still says so.
+  exact = lambda p, x, y: jnp.mean(((x[:, :3] @ p["w"] - y) ** 2)[:, 0])
+  assert checked(exact, {"w": jnp.ones((3, 1))}, X, Y).cause == "equal"
