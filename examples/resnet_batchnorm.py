@@ -2,8 +2,8 @@
 
 Run: ``python examples/resnet_batchnorm.py`` (``--quick`` for a few steps;
 ``--out DIR``, default ``examples_out/resnet_batchnorm``). On 2 CPU cores
-shared with other jobs it took 87 to 156 s, about half of it compiling, and
-the large-batch check at the end adds about 40 s.
+shared with other jobs it took 121 s in all, the large-batch check at the end
+24 s of it (87 to 156 s without the check in other runs).
 
 The job of the tutorials this package answers, in JAX: a Flax Linen ResNet
 with BatchNorm on 32x32x3 images of 10 classes (synthetic: one smooth pattern
