@@ -40,7 +40,6 @@ os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
 os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
 
 import importlib.metadata
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +77,7 @@ device_description_str: "NVIDIA H200"
 """
 SETUP = __doc__.split("Setup (a separate venv; ``--setup`` prints it)::\n\n")[1].split("\n\n")[0]
 TEMPS_LIMIT = 0.05
+XLA_DISTRIBUTIONS = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt")
 
 
 def target(tpu: str | None) -> tuple[NamedSharding, dict[str, str]]:
@@ -100,8 +100,7 @@ def target(tpu: str | None) -> tuple[NamedSharding, dict[str, str]]:
   if any(d.platform in ("gpu", "tpu") for d in jax.devices()):
     raise SystemExit(f"An accelerator runtime is visible ({jax.devices()}); this is deviceless.")
   compiler = (f"libtpu {_version('libtpu')}, topology `{tpu}`, one chip" if tpu
-              else ", ".join(f"{d} {_version(d)}" for d in (
-                  "jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt")))
+              else ", ".join(f"{d} {_version(d)}" for d in XLA_DISTRIBUTIONS))
   info = {"kind": "TPU" if tpu else "H200", "stem": "tpu_hlo" if tpu else "gpu_hlo",
           "title": f"{device.device_kind} (deviceless: {compiler})"}
   return NamedSharding(jax.sharding.Mesh(np.array(topo.devices[:1]), ("d",)), P()), info
@@ -233,10 +232,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   meta = harness.machine()
   result = {
       "meta": {"command": " ".join(["python benchmarks/gpu_hlo.py", *(argv or sys.argv[1:])]),
-               "python": platform.python_version(), "date": meta["date"], "commit": _commit(),
+               "python": sys.version.split()[0], "date": meta["date"], "commit": _commit(),
                "params": n, "k": args.k,
-               "versions": {d: _version(d) for d in (
-                   "jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "libtpu", "optax")}},
+               "versions": {d: _version(d) for d in (*XLA_DISTRIBUTIONS, "libtpu", "optax")}},
       "target": tgt,
       "accelerator": compile_all(n, args.k, sharding),
       "cpu": compile_all(n, args.k, None),
