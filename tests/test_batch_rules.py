@@ -98,25 +98,30 @@ def test_same_answer_and_layout_on_a_mesh():
       assert_close((value, grads), ref)
 
 
+# name: (num_microbatches, options, rows, the error, what its message says)
 BAD_CALLS = {
-    "a float k": ((4.0,), {}, 16),
-    "a schedule k": ((lambda step: 4,), {}, 16),
-    "k = 0": ((0,), {}, 16),
-    "a bool k": ((True,), {}, 16),
-    "an indivisible batch": ((4,), {}, 30),
-    "the params as the batch": ((4,), {"batch_argnums": (0, 1)}, 16),
-    "a key that is the batch": ((4,), {"batch_argnums": 1, "rng_argnums": 1}, 16),
+    "a float k": (4.0, {}, 16, TypeError, r"`num_microbatches` must be a positive int.* 4\.0"),
+    "a schedule k": (lambda step: 4, {}, 16, TypeError, "schedules are not supported"),
+    "k = 0": (0, {}, 16, ValueError, "`num_microbatches` must be >= 1"),
+    "k < 0": (-2, {}, 16, ValueError, "`num_microbatches` must be >= 1"),
+    "a bool k": (True, {}, 16, TypeError, "`num_microbatches` must be a positive int"),
+    "an indivisible batch": (4, {}, 30, ValueError,
+                             r"30 examples .*num_microbatches=4.*\[1, 2, 3, 5, 6, 10, 15, 30\]"),
+    "the params as the batch": (4, {"batch_argnums": (0, 1)}, 16, ValueError,
+                                "position 0, the params"),
+    "a key that is the batch": (4, {"batch_argnums": 1, "rng_argnums": 1}, 16, ValueError,
+                                "must not overlap"),
 }
 
 
 @pytest.mark.parametrize("name", BAD_CALLS)
 def test_same_error(name):
-  (k, *_), kwargs, rows = BAD_CALLS[name]
+  k, kwargs, rows, exc, pattern = BAD_CALLS[name]
   params, batch, key = make_params(), make_batch(rows), jax.random.key(0)
   errors = {}
   for wrapper in ("microbatched", "cached_microbatched"):
     opts = {"rng_argnums": 2, **kwargs}
-    with pytest.raises((TypeError, ValueError)) as info:
+    with pytest.raises(exc, match=pattern) as info:
       if wrapper == "microbatched":
         fn = oa.microbatched(jax.value_and_grad(composed), k, **opts)
       else:
@@ -143,7 +148,7 @@ def test_disagreeing_batch_leaves_and_sizes_per_device_raise_alike():
     sharded = jax.device_put(make_batch(32), P("data"))
     for fn in wrappers(8).values():
       with pytest.raises(ValueError, match=r"32 examples .* on each of 8 devices .*\[1, 2, 4\]"
-                         ) as info:
+                         r".* multiple of 64") as info:
         jax.jit(fn)(params, sharded, key)
       messages.add(str(info.value))
   assert len(messages) == 1

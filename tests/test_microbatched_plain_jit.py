@@ -27,10 +27,6 @@ RTOL, ATOL = 2e-5, 1e-6
 D_IN, HIDDEN = 16, 64
 LOOP = ("while", "body")
 
-# The 0.2.0 options (`split`, `rng_mode`, `accumulator_dtype`, `unroll`) keep working
-# for one release; their warning is tested in test_microbatching.py.
-_deprecated_options = pytest.mark.filterwarnings(
-    "ignore:`microbatched`'s .* is deprecated:DeprecationWarning")
 pytestmark = pytest.mark.skipif(
     len(jax.devices()) < 8, reason="needs 8 devices (tests/conftest.py forces 8 host CPU devices)")
 
@@ -91,14 +87,13 @@ def naive_in_step_loop(k):
 
 
 # ------------------------------------------------------- Explicit axes, 1-D
-@_deprecated_options
-@pytest.mark.parametrize("k, split", [(1, "strided"), (4, "strided"), (4, "contiguous")])
-def test_replicated_params_equal_full_batch_with_one_all_reduce_after_the_loop(k, split):
+@pytest.mark.parametrize("k", [1, 4])
+def test_replicated_params_equal_full_batch_with_one_all_reduce_after_the_loop(k):
   params, batch = make_params(), make_batch()
   ref = jax.value_and_grad(mean_loss)(params, batch)
   with jax.set_mesh(explicit_mesh()):
     p, b = jax.device_put(params, P()), jax.device_put(batch, P("data"))
-    fn = microbatched(jax.value_and_grad(mean_loss), k, split=split)
+    fn = microbatched(jax.value_and_grad(mean_loss), k)
     loss, grads = jax.jit(fn)(p, b)
     assert_close((loss, grads), ref)
     assert all(jax.typeof(g).sharding.spec == jax.typeof(q).sharding.spec
@@ -245,12 +240,7 @@ def test_batch_leaves_split_differently_raise():
       jax.jit(microbatched(jax.value_and_grad(mean_loss), 4))(p, b)
 
 
-def test_batch_not_divisible_per_device_raises():
-  params, batch = make_params(), make_batch(32)  # 4 rows per device
-  with jax.set_mesh(explicit_mesh()):
-    p, b = jax.device_put(params, P()), jax.device_put(batch, P("data"))
-    with pytest.raises(ValueError, match=r"32 examples .* on each of 8 devices .*multiple of 64"):
-      jax.jit(microbatched(jax.value_and_grad(mean_loss), 8))(p, b)
+# A batch that does not divide on each device: tests/test_batch_rules.py, for both wrappers.
 
 
 def test_mixed_axis_kinds_with_a_hidden_batch_split_raise():

@@ -26,10 +26,6 @@ BF16 = Policy.from_string("params=float32,compute=bfloat16,output=float32")
 F16 = Policy.from_string("p=f32,c=f16,o=f32")
 
 
-def maybe_jit(f, jit):
-  return jax.jit(f) if jit else f
-
-
 def mlp_loss(params, batch):
   h = jnp.tanh(batch["x"] @ params["w1"])
   return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
@@ -93,14 +89,14 @@ def test_casts_touch_only_floating_leaves():
 
 
 # ------------------------------------------------------------- mixed precision
-@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
-def test_mixed_precision_computes_in_bf16_returns_f32(params, batch, jit):
+def test_mixed_precision_computes_in_bf16_returns_f32(params, batch):
   seen = {}
   def loss(p, b):
     seen["w1"], seen["x"], seen["ids"] = p["w1"].dtype, b["x"].dtype, b["ids"].dtype
     return mlp_loss(p, b)
   b = {**batch, "ids": jnp.arange(16)}
-  value, grads = maybe_jit(jax.value_and_grad(mixed_precision(loss, BF16)), jit)(params, b)
+  # The file's one un-jitted call: jit traces the same program (the other tests jit).
+  value, grads = jax.value_and_grad(mixed_precision(loss, BF16))(params, b)
   assert seen == {"w1": jnp.bfloat16, "x": jnp.bfloat16, "ids": jnp.int32}
   assert value.dtype == jnp.float32
   assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
@@ -127,10 +123,9 @@ def test_mixed_precision_bad_policy():
     mixed_precision(mlp_loss, "bf16")
 
 
-@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
-def test_policy_composes_with_microbatched(params, batch, jit):
+def test_policy_composes_with_microbatched(params, batch):
   fn = jax.value_and_grad(mixed_precision(mlp_loss, BF16))
-  loss, grads = maybe_jit(microbatched(fn, 4), jit)(params, batch)
+  loss, grads = jax.jit(microbatched(fn, 4))(params, batch)
   assert loss.dtype == jnp.float32
   assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
   # Against the full-batch float32 reference (bf16 compute: ~1e-2 relative).
@@ -217,11 +212,10 @@ def test_scaled_value_and_grad_bad_args():
     scaled_value_and_grad(mlp_loss, scaler, 1024.0)
 
 
-@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
-def test_scaled_value_and_grad_equals_value_and_grad_in_f32(params, batch, jit):
+def test_scaled_value_and_grad_equals_value_and_grad_in_f32(params, batch):
   scaler = dynamic_loss_scale(2.0**12)
   vg = scaled_value_and_grad(mlp_loss, scaler, scaler.init())
-  loss, grads = maybe_jit(vg, jit)(params, batch)
+  loss, grads = jax.jit(vg)(params, batch)
   ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
