@@ -14,10 +14,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jax_core
+from jax.flatten_util import ravel_pytree
 
 from optax_accum import _validation, microbatching
-
-CAUSES = ("equal", "weights", "scale", "coupling")
 
 
 class LeafError(NamedTuple):
@@ -84,13 +84,6 @@ class LargeBatchReport(NamedTuple):
           f"Accumulating {self.num_microbatches} micro-batches is not the large batch:"
           f" cause {self.cause!r} (max relative error {self.max_relative_error:.3g},"
           f" tolerance {self.tolerance:.3g}). {self.fix}\n{self}")
-
-
-class _Parts(NamedTuple):
-  """One call of ``fn`` on some rows: its gradient and ``normalize="weighted"``'s denominator."""
-
-  grads: Any
-  den: float | None
 
 
 def check_large_batch(
@@ -203,41 +196,43 @@ def check_large_batch(
   nums = _validation.check_argnums(batch_argnums, "batch_argnums")
 
   def check(*args: Any, **kwargs: Any) -> LargeBatchReport:
-    b_nums = _validation.resolve_argnums(nums, len(args), "batch_argnums")
-    b_nums = tuple(sorted({n % len(args) for n in b_nums}))
+    b_nums = sorted(set(_validation.resolve_argnums(nums, len(args), "batch_argnums")))
     _refuse_keys(args, kwargs, b_nums)
     splits = {i: microbatching.split_microbatches(args[i], k) for i in b_nums}  # checks k
 
-    def call(rows: dict[int, Any]) -> _Parts:
+    def call(rows: dict[int, Any]) -> tuple[np.ndarray, float | None]:
       out = fn(*[rows.get(i, a) for i, a in enumerate(args)], **kwargs)
-      return _parts(out, has_aux, normalize)
-
-    def permuted(order: np.ndarray) -> dict[int, Any]:
-      return {i: jax.tree.map(lambda x: jnp.asarray(x)[order], args[i]) for i in b_nums}
+      return _mean_grad(out, has_aux, normalize)
 
     size = jax.tree.leaves(args[b_nums[0]])[0].shape[0]
-    rng = np.random.default_rng(0)
-    whole = call({})
-    whole_perm = call(permuted(rng.permutation(size)))
+    order = np.random.default_rng(0).permutation(size)
+    big_g, _ = call({})
+    perm_g, _ = call({i: jax.tree.map(lambda x: jnp.asarray(x)[order], args[i]) for i in b_nums})
     micro = [call({i: jax.tree.map(lambda x, j=j: x[j], splits[i]) for i in b_nums})
              for j in range(k)]
+    gs = np.stack([g for g, _ in micro], axis=1)  # [entries, k]
+    # c: how microbatched combines the micro-batch gradients.
+    if normalize == "weighted":
+      dens = np.array([den for _, den in micro])
+      c = dens / dens.sum() if dens.sum() else np.zeros(k)
+    else:
+      c = np.full(k, 1.0 / k if normalize == "mean" else 1.0)
     acc = accumulated(*args, **kwargs)[1]
-    return _explain(k, normalize, whole, whole_perm, micro, acc, _largest_eps(fn, args, kwargs))
+    return _explain(k, normalize, big_g, perm_g, gs, c, acc, _largest_eps(fn, args, kwargs))
 
   return check
 
 
-def _refuse_keys(args: tuple[Any, ...], kwargs: dict[str, Any], b_nums: tuple[int, ...]) -> None:
+def _refuse_keys(args: tuple[Any, ...], kwargs: dict[str, Any], b_nums: list[int]) -> None:
   """Raises if a PRNG key is among the arguments that are not batches."""
   named = [(f"argument {i}", a) for i, a in enumerate(args) if i not in b_nums]
   named += [(f"keyword `{n}`", a) for n, a in kwargs.items()]
   for where, tree in named:
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      dtype = getattr(x, "dtype", None)
-      if dtype is None:
+      if not hasattr(x, "dtype"):
         continue
-      typed = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-      if typed or (dtype == np.uint32 and np.shape(x) == (2,)):
+      typed = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+      if typed or (x.dtype == np.uint32 and np.shape(x) == (2,)):
         raise ValueError(
             f"{where}{jax.tree_util.keystr(path)} is a PRNG key"
             f" ({'a typed key' if typed else 'a raw uint32[2] key'}): a loss with a key"
@@ -247,8 +242,11 @@ def _refuse_keys(args: tuple[Any, ...], kwargs: dict[str, Any], b_nums: tuple[in
             " `deterministic=True`), then train with `microbatched(..., rng_argnums=...)`.")
 
 
-def _parts(out: Any, has_aux: bool, normalize: str) -> _Parts:
-  """``fn``'s output to its gradient (over the denominator for ``"weighted"``)."""
+def _mean_grad(out: Any, has_aux: bool, normalize: str) -> tuple[np.ndarray, float | None]:
+  """``fn``'s output to its gradient vector and ``"weighted"``'s denominator (else None).
+
+  For ``"weighted"`` the gradient is over the denominator: the gradient of the mean.
+  """
   if not (isinstance(out, (tuple, list)) and len(out) == 2):
     raise TypeError(
         "`fn` must return (value, grads); got a value with structure"
@@ -267,89 +265,57 @@ def _parts(out: Any, has_aux: bool, normalize: str) -> _Parts:
     raise TypeError(
         f"`fn`'s value must be a scalar loss; got shape {jnp.shape(value)}. Pass"
         " `jax.value_and_grad(loss_fn)` of a scalar loss_fn (has_aux=True for (loss, aux)).")
-  return _Parts(grads, den)
+  g = np.asarray(ravel_pytree(grads)[0], np.float64)
+  if den is not None:
+    g = g / den if den else np.zeros_like(g)
+  return g, den
 
 
 def _largest_eps(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
   """The largest machine epsilon of the float dtypes in ``fn``'s program (its coarsest rounding)."""
-  closed = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
   dtypes = set()
 
-  def walk(jaxpr: Any) -> None:
-    for var in (*jaxpr.invars, *jaxpr.outvars):
-      dtypes.add(getattr(getattr(var, "aval", None), "dtype", None))
-    for eqn in jaxpr.eqns:
-      dtypes.update(getattr(v.aval, "dtype", None) for v in eqn.outvars)
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-          inner = getattr(sub, "jaxpr", sub)
-          if hasattr(inner, "eqns"):
-            walk(inner)
+  def walk(jaxpr: jax_core.Jaxpr) -> None:
+    eqn_outs = [v for eqn in jaxpr.eqns for v in eqn.outvars]
+    for var in (*jaxpr.invars, *jaxpr.outvars, *eqn_outs):
+      dtypes.add(getattr(var.aval, "dtype", None))  # a token has none
+    for sub in jax_core.subjaxprs(jaxpr):  # jit, cond branches, scan bodies
+      walk(sub)
 
-  walk(closed.jaxpr)
+  walk(jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args).jaxpr)
   floats = [d for d in dtypes if d is not None and jnp.issubdtype(d, jnp.inexact)]
   return max((float(jnp.finfo(d).eps) for d in floats), default=float(jnp.finfo(jnp.float32).eps))
 
 
-class _Flat(NamedTuple):
-  """Gradient trees as float64 vectors, with the leaf boundaries for per-leaf norms."""
+def _explain(k: int, normalize: str, big_g: np.ndarray, perm_g: np.ndarray, gs: np.ndarray,
+             c: np.ndarray, acc: Any, eps: float) -> LargeBatchReport:
+  """The report: error, measured tolerance, and the combination of micro-batches that fits.
 
-  paths: list[str]
-  shapes: list[tuple[int, ...]]
-  bounds: np.ndarray  # leaf i is entries bounds[i]:bounds[i + 1]
-
-  @classmethod
-  def of(cls, tree: Any) -> _Flat:
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    sizes = [int(np.size(x)) for _, x in leaves]
-    return cls([jax.tree_util.keystr(p) for p, _ in leaves],
-               [tuple(np.shape(x)) for _, x in leaves],
-               np.concatenate([[0], np.cumsum(sizes)]).astype(int))
-
-  @staticmethod
-  def vector(tree: Any) -> np.ndarray:
-    leaves = jax.tree.leaves(tree)
-    return np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in leaves] or [np.zeros(0)])
-
-  def leaf_norms(self, v: np.ndarray) -> np.ndarray:
-    ends = zip(self.bounds[:-1], self.bounds[1:], strict=True)
-    return np.array([np.linalg.norm(v[a:b]) for a, b in ends])
-
-
-def _explain(k: int, normalize: str, whole: _Parts, whole_perm: _Parts, micro: list[_Parts],
-             acc: Any, eps: float) -> LargeBatchReport:
-  """The report: error, measured tolerance, and the combination of micro-batches that fits."""
-  flat = _Flat.of(whole.grads)
-  vec = _Flat.vector
-
-  def mean_grad(p: _Parts) -> np.ndarray:  # "weighted": the gradient of the mean, grad n / d
-    v = vec(p.grads)
-    return v if p.den is None else (v / p.den if p.den else np.zeros_like(v))
-
-  big_g = mean_grad(whole)
-  gs = np.stack([mean_grad(p) for p in micro], axis=1)  # [entries, k]
-  if normalize == "weighted":
-    dens = np.array([p.den for p in micro])
-    c = dens / dens.sum() if dens.sum() else np.zeros(k)
-  else:
-    c = np.full(k, 1.0 / k if normalize == "mean" else 1.0)
-  a = vec(acc)
+  ``big_g``: the whole batch's gradient, ``perm_g`` on its rows permuted; ``gs``: the
+  micro-batches' ``[entries, k]``; ``c``: microbatched's weights; ``acc``: its gradient tree.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(acc)[0]
+  leaf_of = np.repeat(np.arange(len(leaves)), [np.size(x) for _, x in leaves])  # per entry
+  a = np.asarray(ravel_pytree(acc)[0], np.float64)
   norm = np.linalg.norm(big_g) or np.linalg.norm(a) or 1.0
 
-  def rel(v: np.ndarray) -> float:
-    return float(flat.leaf_norms(v).max(initial=0.0) / norm)
+  def leaf_errors(v: np.ndarray) -> np.ndarray:  # each leaf's norm of v, over |G|
+    return np.sqrt(np.bincount(leaf_of, v * v, minlength=len(leaves))) / norm
 
-  measured = max(rel(big_g - mean_grad(whole_perm)), rel(a - gs @ c))
+  def rel(v: np.ndarray) -> float:
+    return float(leaf_errors(v).max(initial=0.0))
+
+  measured = max(rel(big_g - perm_g), rel(a - gs @ c))
   one_rounding = eps * (np.linalg.norm(big_g) + np.abs(c) @ np.linalg.norm(gs, axis=0)) / norm
   tolerance = 2 * max(measured, float(one_rounding))
-  errors = flat.leaf_norms(a - big_g) / norm
+  errors = leaf_errors(a - big_g)
   max_error = float(errors.max(initial=0.0))
-  rows = zip(flat.paths, flat.shapes, errors, strict=True)
-  leaves = tuple(LeafError(p, s, float(e)) for p, s, e in rows)
+  table = tuple(LeafError(jax.tree_util.keystr(path), tuple(np.shape(x)), float(e))
+                for (path, x), e in zip(leaves, errors, strict=True))
 
-  def report(cause: str, weights: Any, fix: str) -> LargeBatchReport:
+  def report(cause: str, weights: np.ndarray | None, fix: str) -> LargeBatchReport:
     w = None if weights is None else tuple(float(x) for x in weights)
-    return LargeBatchReport(cause == "equal", cause, max_error, tolerance, w, fix, leaves, k)
+    return LargeBatchReport(cause == "equal", cause, max_error, tolerance, w, fix, table, k)
 
   if max_error <= tolerance:
     return report("equal", None, "Nothing to fix: accumulating these micro-batches gives the"
@@ -366,7 +332,8 @@ def _explain(k: int, normalize: str, whole: _Parts, whole_perm: _Parts, micro: l
         f" Check with num_microbatches < {gs.shape[0]}, or on a model with more parameters.")
   w = np.linalg.lstsq(gs, big_g, rcond=None)[0]
   if rel(gs @ w - big_g) <= tolerance and w.sum():
-    return report("weights", w / w.sum(), _weights_fix(normalize))
+    fix = _WEIGHTED_FIX if normalize == "weighted" else _WEIGHTS_FIX
+    return report("weights", w / w.sum(), fix)
   return report("coupling", None, _COUPLING_FIX)
 
 
@@ -383,19 +350,17 @@ def _scale_fix(k: int, normalize: str, scale: float) -> str:
           " the number of rows it sees?): divide by the whole batch's size, or scale the loss.")
 
 
-def _weights_fix(normalize: str) -> str:
-  if normalize == "weighted":
-    return ("The whole batch weighs the micro-batches unequally, and not by the denominators"
-            " `fn` returns: return (sum of the per-example losses, the count they are divided"
-            " by) so that the whole batch's loss is their ratio.")
-  return ("The whole batch weighs the micro-batches unequally (the weights above): the loss is"
-          " normalised per micro-batch, e.g. a mean over its own real tokens. Return (sum of"
-          " per-token losses, number of real tokens) and use"
-          " `microbatched(jax.value_and_grad(loss, has_aux=True), k, normalize='weighted')`;"
-          " across steps `accumulate(k, opt, reduction='weighted')` with"
-          " `update(..., weight=count)`.")
-
-
+_WEIGHTED_FIX = (
+    "The whole batch weighs the micro-batches unequally, and not by the denominators"
+    " `fn` returns: return (sum of the per-example losses, the count they are divided"
+    " by) so that the whole batch's loss is their ratio.")
+_WEIGHTS_FIX = (
+    "The whole batch weighs the micro-batches unequally (the weights above): the loss is"
+    " normalised per micro-batch, e.g. a mean over its own real tokens. Return (sum of"
+    " per-token losses, number of real tokens) and use"
+    " `microbatched(jax.value_and_grad(loss, has_aux=True), k, normalize='weighted')`;"
+    " across steps `accumulate(k, opt, reduction='weighted')` with"
+    " `update(..., weight=count)`.")
 _COUPLING_FIX = (
     "No combination of the micro-batch gradients gives the whole batch's: the loss or the"
     " model couples the examples of a batch, and each micro-batch sees only its own. A loss"
