@@ -123,6 +123,5 @@ def to_params(grads: Any, params: Any) -> Any:
   """``grads`` each in its param's sharding under explicit axes (as given if not params')."""
   if param_specs(params, grads) is None:
     return grads
-  return jax.tree.map(lambda g, p: g if _arrays.array_type(p).explicit_spec is None
-                      else jax.reshard(g, _arrays.array_type(p).spec), grads, params)
+  return jax.tree.map(_arrays.laid_out_like, grads, params)
 
