@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -776,7 +775,7 @@ def _run_on_mesh(call: Callable[..., Any], config: _Config, args: tuple[Any, ...
   shardings: everything is all-reduced, and the partitioner places the result.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  devices = math.prod(mesh.shape[a] for a in axes)
+  devices = _per_device.device_count(axes)
   _batch.check_divides(size, config.k, devices, axes)
   rows = size // devices // config.k  # per device and micro-batch
   inner = dataclasses.replace(config, axis_name=_per_device.spec_entry(axes))
