@@ -126,7 +126,7 @@ def unpack(out: Any, normalize: str, has_aux: bool) -> Out:
       raise TypeError(f"{needs}; got a value with structure {jax.tree.structure(x)}.")
     return x
 
-  value, grads = pair(out, "`fn` must return `(value, grads)` like `jax.value_and_grad`")
+  value, grads = pair(out, "`fn` must return `(value, grads)` like `jax.value_and_grad(loss_fn)`")
   den = aux = None
   if normalize == "weighted":
     value, den = pair(value, (
