@@ -5,14 +5,15 @@ params are argument 0; ``num_microbatches`` is a positive int; which
 positions are the batch and which the keys; a batch that ``k`` micro-batches
 per device must divide; the strided split (micro-batch ``i`` holds rows
 ``i, i + k, ...``: a reshape, so a batch sharded along its leading dim stays
-on its devices) and its inverse; the key of each device and micro-batch; and
-each gradient given back in its param's layout.
+on its devices) and its inverse; the key of each device and micro-batch; the
+wrapped ``fn``'s output unpacked (:func:`unpack`, which ``check_large_batch``
+reads too); and each gradient given back in its param's layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,43 @@ def micro_args(args: Sequence[Any], micro: dict[int, Any], keys: dict[int, Any])
   for j, value in (*micro.items(), *keys.items()):
     out[j] = value
   return out
+
+
+class Out(NamedTuple):
+  """One output of the wrapped ``fn``, unpacked."""
+
+  num: Any  # the value (the numerator with normalize="weighted")
+  den: Any  # the scalar denominator with normalize="weighted", else None
+  aux: Any  # the aux with has_aux=True, else None
+  grads: Any
+
+
+def unpack(out: Any, normalize: str, has_aux: bool) -> Out:
+  """``fn``'s output (``microbatched``'s contract) to ``(numerator, denominator, aux, grads)``."""
+  def pair(x: Any, needs: str) -> Any:
+    if not (isinstance(x, (tuple, list)) and len(x) == 2):
+      raise TypeError(f"{needs}; got a value with structure {jax.tree.structure(x)}.")
+    return x
+
+  value, grads = pair(out, "`fn` must return `(value, grads)` like `jax.value_and_grad(loss_fn)`")
+  den = aux = None
+  if normalize == "weighted":
+    value, den = pair(value, (
+        "normalize='weighted' needs `fn`'s value to be (numerator, denominator) — e.g."
+        " jax.value_and_grad(loss_fn, has_aux=True) with loss_fn returning (sum of token"
+        " losses, number of real tokens)"))
+    if has_aux:
+      den, aux = pair(den, "normalize='weighted' with has_aux=True needs `fn`'s value to be"
+                           " (numerator, (denominator, aux))")
+    if jnp.ndim(den) != 0:
+      raise ValueError(
+          "normalize='weighted' needs a scalar denominator (e.g. the count of"
+          f" real tokens); got shape {jnp.shape(den)}. Sum it before returning."
+      )
+  elif has_aux:
+    value, aux = pair(value, "has_aux=True needs `fn` to return ((value, aux), grads), like"
+                             " jax.value_and_grad(loss, has_aux=True)")
+  return Out(value, den, aux, grads)
 
 
 def param_specs(params: Any, grads: Any) -> list[Any] | None:

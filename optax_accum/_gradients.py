@@ -11,7 +11,6 @@ that lay out the state.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -127,7 +126,7 @@ def local_value_and_grad(
             f"`batch_argnums={batch_argnums!r}` names argument 0 of `fn`, the params being"
             " differentiated; name the batch arguments (1 or more).")
       _check_data_axes_only(axes, nums, (params, *args))
-      share = 1 / math.prod(mesh.shape[a] for a in axes) if combine == "mean" else 1
+      share = 1 / _per_device.device_count(axes) if combine == "mean" else 1
 
       def per_device(params: Any, *args: Any) -> Any:
         def scaled(p: Any) -> tuple[jax.Array, Any]:

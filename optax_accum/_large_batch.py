@@ -17,7 +17,7 @@ import numpy as np
 from jax.extend import core as jax_core
 from jax.flatten_util import ravel_pytree
 
-from optax_accum import _validation, microbatching
+from optax_accum import _batch, _validation, microbatching
 
 
 class LeafError(NamedTuple):
@@ -247,20 +247,8 @@ def _mean_grad(out: Any, has_aux: bool, normalize: str) -> tuple[np.ndarray, flo
 
   For ``"weighted"`` the gradient is over the denominator: the gradient of the mean.
   """
-  if not (isinstance(out, (tuple, list)) and len(out) == 2):
-    raise TypeError(
-        "`fn` must return (value, grads); got a value with structure"
-        f" {jax.tree.structure(out)}. Pass `jax.value_and_grad(loss_fn)` (with"
-        " `has_aux=True` if the loss returns (loss, aux)), not the loss or `jax.grad`.")
-  value, grads = out
-  den = None
-  if normalize == "weighted":
-    value, den = value
-    if has_aux:
-      den, _ = den
-    den = float(den)
-  elif has_aux:
-    value, _ = value
+  value, den, _, grads = _batch.unpack(out, normalize, has_aux)
+  den = None if den is None else float(den)
   if jnp.ndim(value) != 0:
     raise TypeError(
         f"`fn`'s value must be a scalar loss; got shape {jnp.shape(value)}. Pass"

@@ -353,8 +353,7 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
   scale = lax.optimization_barrier(scale)
   noise = ops.noise
   if tracking:
-    window_sq_norm = functools.reduce(
-        lax.add, map(noise_lib.sq_norm, jax.tree.leaves(window_sum)), jnp.zeros([], jnp.float32))
+    window_sq_norm = noise_lib.sq_norm(window_sum)
     mean = scale if config.reduction != "sum" else 1.0 / count
     noise = noise_lib.fold_window(noise, noise_lib.WindowStats(
         window_sq_norms=window_sq, window_count=window_k.astype(jnp.int32),

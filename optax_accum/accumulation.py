@@ -184,16 +184,13 @@ def accumulate(
         UserWarning, stacklevel=2)
     optimizer = None
   _validation.check_optimizer(optimizer)
-  noise_decay = noise_lib.check_decay(track_noise_scale)
-  if adaptive and noise_decay is None:
-    noise_decay = noise_lib.DEFAULT_DECAY  # the policy reads the estimate
   config = _window.Config(
       k=k,
       inner=None if optimizer is None else optax.with_extra_args_support(optimizer),
       reduction=_validation.check_reduction(reduction),
       acc_dtype=_validation.check_accumulator_dtype(accumulator_dtype),
       axis_name=axis_name,
-      noise_decay=noise_decay,
+      noise_decay=noise_lib.check_decay(track_noise_scale, k),
   )
   skip_nonfinite = _validation.check_flag(skip_nonfinite, "skip_nonfinite")
   # Only an optimizer that had to be wrapped is known to take no extra args;
@@ -209,14 +206,10 @@ def accumulate(
       window = _window.init_window(dataclasses.replace(config, layout=_arrays.device_layout(
           config.axis_name, check=False)), params)  # (`jax.pmap(tx.init)` names no axis)
       return AccumulateState(
-          mini_step=window.mini_step,
-          gradient_step=window.gradient_step,
-          acc_grads=window.acc_grads,
-          acc_weight=window.acc_weight,
+          **window._asdict(),
           num_skipped=jnp.zeros([], jnp.int32) if skip_nonfinite else (),
           emitted=jnp.zeros([], jnp.bool_),
           inner_opt_state=() if config.inner is None else config.inner.init(params),
-          noise_stats=window.noise_stats,
       )
 
   def update_fn(
@@ -328,7 +321,8 @@ def has_updated(state: Any) -> jax.Array:
     >>> bool(oa.has_updated(state))
     True
   """
-  found = _find_accumulation_state(state)
+  has_window = lambda n: hasattr(n, "mini_step") and hasattr(n, "gradient_step")
+  found = _arrays.first_node(state, has_window)  # AccumulateState, optax.MultiStepsState, ...
   if found is None:
     raise TypeError(
         "`has_updated` needs the state of `accumulate` or `MultiSteps` (or a"
@@ -338,12 +332,6 @@ def has_updated(state: Any) -> jax.Array:
   if isinstance(found, AccumulateState):
     return jnp.asarray(found.emitted)
   return jnp.logical_and(jnp.asarray(found.mini_step) == 0, jnp.asarray(found.gradient_step) > 0)
-
-
-def _find_accumulation_state(state: Any) -> Any:
-  is_window = lambda n: isinstance(n, (AccumulateState, optax.MultiStepsState)) or (
-      hasattr(n, "mini_step") and hasattr(n, "gradient_step"))
-  return _arrays.first_node(state, is_window)
 
 
 def flush(

@@ -26,7 +26,6 @@ global batch, and the gradients are all-reduced once, after the second pass.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -167,8 +166,7 @@ def cached_microbatched(
       if axes is None:  # one device, or inside shard_map/pmap
         bound = None if config.axis_name is None else _arrays.axis_names(config.axis_name)
         return _cached(config, args, nums, bound)
-      mesh = jax.sharding.get_abstract_mesh()
-      _batch.check_divides(size, config.k, math.prod(mesh.shape[a] for a in axes), axes)
+      _batch.check_divides(size, config.k, _per_device.device_count(axes), axes)
       value, grads = _per_device.run(lambda *a: _cached(config, a, nums, axes), args, nums[0],
                                      axes, P())
       # Params sharded over the data axes (FSDP) get their gradients back in their sharding.

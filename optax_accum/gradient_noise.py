@@ -87,10 +87,13 @@ def init() -> NoiseScaleState:
   return NoiseScaleState(f32(), i32(), f32(), f32(), i32())
 
 
-def check_decay(value: Any) -> float | None:
-  """``track_noise_scale`` as an EMA decay: None (off), or a float in (0, 1)."""
+def check_decay(value: Any, k: Any = None) -> float | None:
+  """``track_noise_scale`` as an EMA decay: None (off), or a float in (0, 1).
+
+  An :class:`AdaptiveK` window length ``k`` turns the estimate on: it reads it.
+  """
   if value is False or value is None:
-    return None
+    return DEFAULT_DECAY if isinstance(k, AdaptiveK) else None
   if value is True:
     return DEFAULT_DECAY
   if isinstance(value, (int, float)) and 0.0 < float(value) < 1.0:

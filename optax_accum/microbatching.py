@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -170,15 +169,6 @@ class _Inputs(NamedTuple):
   args: list[Any]  # as given; batch and key positions are replaced per micro-batch
   splits: dict[int, Any]  # batch position -> its leaves reshaped by `_batch.reshape`
   keys: dict[int, Any]  # key position -> the key (fold_in) or k keys (split)
-
-
-class _Out(NamedTuple):
-  """One output of ``fn``, unpacked."""
-
-  num: Any  # the value (the numerator with normalize="weighted")
-  den: Any  # the scalar denominator with normalize="weighted", else None
-  aux: Any  # the aux with has_aux=True, else None
-  grads: Any
 
 
 class _Carry(NamedTuple):
@@ -472,58 +462,24 @@ def _split_inputs(config: _Config, args: tuple[Any, ...],
             for i, x in enumerate(args)]
   splits = {i: jax.tree.map(lambda x: _batch.reshape(x, config.k, config.split), args[i])
             for i in b_nums}
-  keys = {i: _device_key(config, args[i]) for i in r_nums}
+  # Per device: devices must not share micro-batch i's keys.
+  keys = {i: _batch.device_key(args[i], config.axis_name) for i in r_nums}
+  if config.rng_mode == "split":  # deprecated: k keys, one per micro-batch
+    keys = {i: jax.random.split(key, config.k) for i, key in keys.items()}
   return _Inputs(rest, splits, keys)
 
 
 # --------------------------------- stage 2: one micro-batch with its own key
-def _device_key(config: _Config, key: jax.Array) -> jax.Array:
-  """A key argument made per device; split ``k`` ways for the deprecated ``rng_mode="split"``."""
-  key = _batch.device_key(key, config.axis_name)  # devices must not share micro-batch i's keys
-  return jax.random.split(key, config.k) if config.rng_mode == "split" else key
-
-
-def _microbatch_key(config: _Config, key: jax.Array, idx: jax.Array) -> jax.Array:
-  """Micro-batch ``idx``'s key; never the key given (not even for ``k = 1``)."""
-  return key[idx] if config.rng_mode == "split" else _batch.microbatch_key(key, idx)
-
-
 def _call_microbatch(
     call: Callable[..., Any], config: _Config, inputs: _Inputs, idx: jax.Array,
 ) -> Any:
   """``call`` (``fn`` with its keyword arguments) on micro-batch ``idx``."""
   micro = {i: jax.tree.map(lambda x: _batch.index(x, idx, config.split), tree)
            for i, tree in inputs.splits.items()}
-  keys = {i: _microbatch_key(config, key, idx) for i, key in inputs.keys.items()}
+  # Never the key given (not even for k = 1).
+  keys = {i: key[idx] if config.rng_mode == "split" else _batch.microbatch_key(key, idx)
+          for i, key in inputs.keys.items()}
   return call(*_batch.micro_args(inputs.args, micro, keys))
-
-
-def _unpack(config: _Config, out: Any) -> _Out:
-  """``fn``'s output to ``(numerator, denominator, aux, grads)``."""
-  def pair(x: Any, needs: str) -> Any:
-    if not (isinstance(x, (tuple, list)) and len(x) == 2):
-      raise TypeError(f"{needs}; got a value with structure {jax.tree.structure(x)}.")
-    return x
-
-  value, grads = pair(out, "`fn` must return `(value, grads)` like `jax.value_and_grad`")
-  den = aux = None
-  if config.normalize == "weighted":
-    value, den = pair(value, (
-        "normalize='weighted' needs `fn`'s value to be (numerator, denominator) — e.g."
-        " jax.value_and_grad(loss_fn, has_aux=True) with loss_fn returning (sum of token"
-        " losses, number of real tokens)"))
-    if config.has_aux:
-      den, aux = pair(den, "normalize='weighted' with has_aux=True needs `fn`'s value to be"
-                           " (numerator, (denominator, aux))")
-    if jnp.ndim(den) != 0:
-      raise ValueError(
-          "normalize='weighted' needs a scalar denominator (e.g. the count of"
-          f" real tokens); got shape {jnp.shape(den)}. Sum it before returning."
-      )
-  elif config.has_aux:
-    value, aux = pair(value, "has_aux=True needs `fn` to return ((value, aux), grads), like"
-                             " jax.value_and_grad(loss, has_aux=True)")
-  return _Out(value, den, aux, grads)
 
 
 # ------------------------------------------------------ stage 3: the loop
@@ -537,13 +493,15 @@ def _run(
   """
   step = functools.partial(_call_microbatch, call, config)
   leaves = _arrays.ArrayLeaves.of(inputs)  # only arrays are abstract (Equinox modules' functions)
-  shapes = _unpack(config, jax.eval_shape(
-      lambda *a: step(leaves.rebuild(a), jnp.zeros([], jnp.int32)), *leaves.arrays))
+  shapes = _batch.unpack(jax.eval_shape(
+      lambda *a: step(leaves.rebuild(a), jnp.zeros([], jnp.int32)), *leaves.arrays),
+      config.normalize, config.has_aux)
   _validation.check_no_float0(shapes.grads, where="gradient `fn` returns")
   plan = _resolve_aux_rules(config, shapes.aux) if config.has_aux else None
 
   def body(carry: _Carry, idx: jax.Array) -> _Carry:
-    return _add(config, plan, carry, _unpack(config, step(inputs, idx)), idx)
+    out = _batch.unpack(step(inputs, idx), config.normalize, config.has_aux)
+    return _add(config, plan, carry, out, idx)
 
   varying = any(_arrays.array_type(x).varying for x in leaves.arrays)
   carry = _loop(config, body, _init_carry(config, plan, shapes), varying)
@@ -565,7 +523,7 @@ def _filled(s: jax.ShapeDtypeStruct, dtype: Any, fill: Any = 0) -> jax.Array:
   return jnp.full(s.shape, fill, dtype, out_sharding=_arrays.array_type(s).explicit_spec)
 
 
-def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _Out) -> _Carry:
+def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _batch.Out) -> _Carry:
   """Zero accumulators shaped like one micro-batch's output, in the accumulator dtypes."""
   def zeros(s: jax.ShapeDtypeStruct) -> jax.Array:
     return _filled(s, _acc_dtype(s.dtype, config.acc_dtype))
@@ -583,7 +541,7 @@ def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _Out) -> _Carry:
 
 
 def _add(
-    config: _Config, plan: _AuxPlan | None, carry: _Carry, out: _Out, idx: jax.Array,
+    config: _Config, plan: _AuxPlan | None, carry: _Carry, out: _batch.Out, idx: jax.Array,
 ) -> _Carry:
   """One loop step: micro-batch ``idx``'s outputs ``out`` added to the carry."""
   num, den, grads = jax.tree.map(  # den: None (no leaves) unless normalize="weighted"
@@ -596,7 +554,7 @@ def _add(
   return _Carry(num, den, grads, aux, noise)
 
 
-def _add_noise(noise: gradient_noise.NoiseScaleState, out: _Out,
+def _add_noise(noise: gradient_noise.NoiseScaleState, out: _batch.Out,
                ) -> gradient_noise.NoiseScaleState:
   """One micro-batch's (weighted) squared gradient norm: a scalar, no gradient-sized buffer.
 
@@ -776,7 +734,7 @@ def _run_on_mesh(call: Callable[..., Any], config: _Config, args: tuple[Any, ...
   shardings: everything is all-reduced, and the partitioner places the result.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  devices = math.prod(mesh.shape[a] for a in axes)
+  devices = _per_device.device_count(axes)
   _batch.check_divides(size, config.k, devices, axes)
   rows = size // devices // config.k  # per device and micro-batch
   inner = dataclasses.replace(config, axis_name=_per_device.spec_entry(axes))
@@ -798,17 +756,18 @@ def _run_on_mesh(call: Callable[..., Any], config: _Config, args: tuple[Any, ...
 
 
 def _abstract_outputs(call: Callable[..., Any], config: _Config, args: tuple[Any, ...],
-                      b_nums: tuple[int, ...], rows: int) -> _Out:
+                      b_nums: tuple[int, ...], rows: int) -> _batch.Out:
   """``fn``'s output shapes on one device's micro-batch of ``rows`` examples (for out_specs)."""
   leaves = _arrays.ArrayLeaves.of(tuple(args))
   shapes = [jax.ShapeDtypeStruct((rows, *jnp.shape(x)[1:]) if path[0].idx in b_nums
                                  else jnp.shape(x), jnp.result_type(x))
             for path, x in zip(leaves.paths, leaves.arrays, strict=True)]
-  return _unpack(config, jax.eval_shape(lambda *v: call(*leaves.rebuild(v)), *shapes))
+  out = jax.eval_shape(lambda *v: call(*leaves.rebuild(v)), *shapes)
+  return _batch.unpack(out, config.normalize, config.has_aux)
 
 
-def _out_specs(config: _Config, axes: tuple[Any, ...], shapes: _Out, scatter: list[Any] | None,
-               rows: int) -> Any:
+def _out_specs(config: _Config, axes: tuple[Any, ...], shapes: _batch.Out,
+               scatter: list[Any] | None, rows: int) -> Any:
   """``shard_map`` out_specs: reduced outputs replicated, per-example aux split like the batch."""
   rep = P()
   leaves, treedef = jax.tree.flatten(shapes.grads)

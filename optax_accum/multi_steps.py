@@ -88,16 +88,13 @@ class MultiSteps:
     _validation.check_optimizer(opt, "opt")
     self._strict_kwargs = not isinstance(opt, optax.GradientTransformationExtraArgs)
     self._opt = optax.with_extra_args_support(opt)
-    noise_decay = noise_lib.check_decay(track_noise_scale)
-    if isinstance(every_k_schedule, noise_lib.AdaptiveK) and noise_decay is None:
-      noise_decay = noise_lib.DEFAULT_DECAY  # the policy reads the estimate
     self._config = _window.Config(
         k=_validation.check_k(every_k_schedule, "every_k_schedule"),
         inner=self._opt,
         reduction="mean" if use_grad_mean else "sum",
         running_mean=use_grad_mean,
         acc_dtype=_validation.check_accumulator_dtype(accumulator_dtype),
-        noise_decay=noise_decay,
+        noise_decay=noise_lib.check_decay(track_noise_scale, every_k_schedule),
     )
     self._should_skip = should_skip_update_fn
 
@@ -114,13 +111,7 @@ class MultiSteps:
       if self._should_skip is not None:
         _, skip_state = self._should_skip(
             optax.tree.zeros_like(params), window.gradient_step, params)
-      return optax.MultiStepsState(
-          mini_step=window.mini_step,
-          gradient_step=window.gradient_step,
-          inner_opt_state=self._opt.init(params),
-          acc_grads=window.acc_grads,
-          skip_state=self._pack(skip_state, window.noise_stats),
-      )
+      return self._state(window, self._opt.init(params), skip_state)
 
   def update(
       self,
@@ -165,13 +156,7 @@ class MultiSteps:
       out = _window.micro_step(
           self._config, updates, window, state.inner_opt_state, params, accept=accept,
           emit_now=flush, apply=apply, extra_args=extra_args)
-    new_state = optax.MultiStepsState(
-        mini_step=out.window.mini_step,
-        gradient_step=out.window.gradient_step,
-        inner_opt_state=out.inner_state,
-        acc_grads=out.window.acc_grads,
-        skip_state=self._pack(skip_state, out.window.noise_stats),
-    )
+    new_state = self._state(out.window, out.inner_state, skip_state)
     return (Applied(out.out) if apply else out.out), new_state
 
   def has_updated(self, state: optax.MultiStepsState | Any) -> jax.Array:
@@ -183,8 +168,18 @@ class MultiSteps:
     """``init`` and ``update`` as an ``optax.GradientTransformationExtraArgs``."""
     return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)
 
-  def _pack(self, skip_state: Any, noise: Any) -> Any:
-    return skip_state if self._config.noise_decay is None else (skip_state, noise)
+  def _state(self, window: _window.Window, inner_state: Any, skip_state: Any
+             ) -> optax.MultiStepsState:
+    """optax's state of ``window``; the noise estimate rides in ``skip_state``."""
+    if self._config.noise_decay is not None:
+      skip_state = (skip_state, window.noise_stats)
+    return optax.MultiStepsState(
+        mini_step=window.mini_step,
+        gradient_step=window.gradient_step,
+        inner_opt_state=inner_state,
+        acc_grads=window.acc_grads,
+        skip_state=skip_state,
+    )
 
   def _unpack(self, skip_state: Any) -> tuple[Any, Any]:
     return (skip_state, ()) if self._config.noise_decay is None else tuple(skip_state)

@@ -244,8 +244,7 @@ def plan_k(
   """
   if not callable(make_step):
     raise TypeError(f"`make_step` must be a function k -> step; got {type(make_step).__name__}.")
-  if not isinstance(across_steps, bool):
-    raise TypeError(f"`across_steps` must be a bool; got {across_steps!r}.")
+  across_steps = _validation.check_flag(across_steps, "across_steps")
   nums = _validation.resolve_argnums(
       _validation.check_argnums(batch_argnums, "batch_argnums"), len(args), "batch_argnums")
   if len(set(nums)) != len(nums):
@@ -412,17 +411,14 @@ def _annotate(rows: list[PlanRow], chosen: int | None) -> tuple[tuple[PlanRow, .
     notes = ["chosen"] if r.k == chosen else []
     if r.peak_bytes is None:
       notes.append("the compiler ran out of memory")
-    for earlier in rows[:j]:
-      if earlier.peak_bytes is not None and r.peak_bytes is not None and (
-          r.peak_bytes > earlier.peak_bytes):
-        notes.append(f"not monotone: peak above k={earlier.k}'s {_mib(earlier.peak_bytes)} MiB")
-        monotone = False
-        break
-    for earlier in rows[:j]:
-      if earlier.fits and not r.fits:
-        notes.append(f"not monotone: k={earlier.k} fits, this larger k does not")
-        monotone = False
-        break
+    below = [e for e in rows[:j] if None not in (e.peak_bytes, r.peak_bytes)
+             and r.peak_bytes > e.peak_bytes]  # a smaller k with a smaller peak
+    if below:
+      notes.append(f"not monotone: peak above k={below[0].k}'s {_mib(below[0].peak_bytes)} MiB")
+    fitting = [e for e in rows[:j] if e.fits and not r.fits]  # a smaller k that fits
+    if fitting:
+      notes.append(f"not monotone: k={fitting[0].k} fits, this larger k does not")
+    monotone = monotone and not below and not fitting
     out.append(r._replace(note="; ".join(notes)))
   return tuple(out), monotone
 

@@ -36,7 +36,6 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from optax_accum import _arrays, _per_device
-from optax_accum._arrays import strip_axes
 from optax_accum._gradients import broadcast_like, defer_reduction, local_value_and_grad
 from optax_accum.accumulation import AccumulateState
 
@@ -74,8 +73,8 @@ def _leaf_layout(value: Any, target: Any, param: Any, other: Any) -> Any:
     return target
   if not (named or isinstance(target, PartitionSpec)):
     return other
-  spec = PartitionSpec(*(None,) * lead, *strip_axes(tuple(target.spec if named else target),
-                                                    tuple(unreduced)), unreduced=unreduced)
+  spec = PartitionSpec(*(None,) * lead, *_arrays.strip_axes(
+      tuple(target.spec if named else target), tuple(unreduced)), unreduced=unreduced)
   return NamedSharding(target.mesh, spec, memory_kind=target.memory_kind) if named else spec
 
 
