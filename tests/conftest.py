@@ -16,19 +16,22 @@ import os
 import shutil
 import tempfile
 
+
+def _add_xla_flag(flag: str) -> None:
+  """Appends ``--name=value`` to ``XLA_FLAGS`` unless ``--name`` is set there already."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if flag.split("=")[0] not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
 if os.environ.get("OPTAX_ACCUM_TEST_DEVICES") != "1":
-  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-  flags = os.environ["XLA_FLAGS"]
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=8"
+  _add_xla_flag("--xla_force_host_platform_device_count=8")
 # The suite compiles about a thousand small programs and runs each a few times: LLVM's
 # optimisation of their machine code costs more than it saves (a step of the demo's model
 # compiles in 1.2 s at level 0, 4.9 s at the default; XLA's own passes, buffer assignment
 # and so every `memory_analysis()` the tests read are unchanged). Users' programs are
 # compiled as JAX compiles them; this is only the test session's setting.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+_add_xla_flag("--xla_backend_optimization_level=0")
 # One compilation cache per session, empty when it starts, shared by the xdist workers and
 # the processes the tests start: a program that two tests build alike compiles once.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -37,7 +40,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
   atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
-import jax
+import jax  # noqa: E402  (after XLA_FLAGS: jax reads it on import)
 
 jax.config.update("jax_enable_x64", False)
 # Tests compare against float64 references with float32 tolerances. GPUs run
