@@ -200,7 +200,7 @@ def mesh_context(tree: Any) -> Any:
 
   The pjit idiom places arrays with ``NamedSharding(mesh, spec)`` and never
   calls ``jax.set_mesh``; a new array typed with a ``PartitionSpec`` (the
-  unreduced buffer, a cond's zeros, a reshard) needs a mesh in context. Under
+  per-device buffer, a cond's zeros, a reshard) needs a mesh in context. Under
   ``jax.jit`` the inputs' abstract mesh is entered, eagerly the concrete one.
   A set mesh, or inputs on no Explicit mesh, leave everything as it is.
   """

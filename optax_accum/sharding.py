@@ -58,23 +58,20 @@ def _leaf_layout(value: Any, target: Any, param: Any, other: Any) -> Any:
   """The layout of one state leaf found at ``param``'s place in the state.
 
   ``target`` (a sharding or spec) if the leaf has the param's shape; the same
-  after unsharded leading axes if it stacks copies of it (L-BFGS's memory), or
-  typed unreduced over the axes the plain-jit buffer is a partial sum over;
-  else ``other``. A MaskedNode stays as it is.
+  after unsharded leading axes if it stacks copies of it (L-BFGS's memory, the
+  buffer of :func:`per_device_state`); else ``other``. A MaskedNode stays as it is.
   """
   if _is_masked(value):
     return value
   shape, lead = tuple(jnp.shape(value)), len(jnp.shape(value)) - len(param.shape)
   if lead < 0 or shape[lead:] != tuple(param.shape):
     return other
-  named = isinstance(target, NamedSharding)
-  unreduced = _arrays.array_type(value).unreduced if named else frozenset()
-  if (lead == 0 and not unreduced) or isinstance(target, SingleDeviceSharding):
+  if lead == 0 or isinstance(target, SingleDeviceSharding):
     return target
+  named = isinstance(target, NamedSharding)
   if not (named or isinstance(target, PartitionSpec)):
     return other
-  spec = PartitionSpec(*(None,) * lead, *_arrays.strip_axes(
-      tuple(target.spec if named else target), tuple(unreduced)), unreduced=unreduced)
+  spec = PartitionSpec(*(None,) * lead, *(target.spec if named else target))
   return NamedSharding(target.mesh, spec, memory_kind=target.memory_kind) if named else spec
 
 
