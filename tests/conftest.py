@@ -33,12 +33,12 @@ if os.environ.get("OPTAX_ACCUM_TEST_DEVICES") != "1":
 # and so every `memory_analysis()` the tests read are unchanged). Users' programs are
 # compiled as JAX compiles them; this is only the test session's setting.
 _add_xla_flag("--xla_backend_optimization_level=0")
-# jaxlib 0.10 and 0.11 emit XLA:CPU's fusions through MLIR fusion emitters by default; the
-# LLVM IR emitters this flag selects compile the suite's programs faster (the whole suite:
-# 7.6 CPU-minutes instead of 12.0, 4:13 instead of 6:04 on 2 cores) into programs with the
-# same `memory_analysis()` (memory_table.py --cpu prints the same rows either way). jaxlib
-# 0.12 has no such flag, and XLA aborts on a flag it does not know.
-if tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2]) < (0, 12):
+# jaxlib 0.10 emits XLA:CPU's fusions through MLIR fusion emitters by default; the LLVM IR
+# emitters this flag selects compile the suite's programs faster (the whole suite: 7.6
+# CPU-minutes instead of 12.0, 4:13 instead of 6:04 on 2 cores) into programs with the same
+# `memory_analysis()` (memory_table.py --cpu prints the same rows either way). jaxlib 0.11.2
+# and 0.12 do not know the flag, and XLA aborts on a flag it does not know.
+if tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2]) < (0, 11):
   _add_xla_flag("--xla_cpu_use_fusion_emitters=false")
 # One compilation cache per session, empty when it starts, shared by the xdist workers and
 # the processes the tests start: a program that two tests build alike compiles once.
