@@ -31,7 +31,7 @@ import optax_accum  # noqa: E402
 
 project = "optax_accum"
 author = "The optax_accum authors"
-copyright = "2026, the optax_accum authors"  # noqa: A001
+copyright = "2026, the optax_accum authors"
 release = optax_accum.__version__
 version = release
 

@@ -177,7 +177,7 @@ def process_signature(app: Sphinx, what: str, name: str, obj: Any, options: Any,
                       signature: str | None, return_annotation: str | None) -> Any:
   if signature is None and return_annotation is None:
     return None
-  fix = lambda s: public_name(s) if s else s  # noqa: E731
+  fix = lambda s: public_name(s) if s else s
   return fix(signature), fix(return_annotation)
 
 

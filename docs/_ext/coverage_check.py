@@ -6,8 +6,8 @@ never from a list kept here:
 
 * every name in ``optax_accum.__all__``;
 * every name in the ``__all__`` of each public submodule: the package's
-  modules whose names do not start with an underscore. Found with ``pkgutil``, so a new module is checked as soon as it
-  exists.
+  modules whose names do not start with an underscore. Found with ``pkgutil``,
+  so a new module is checked as soon as it exists.
 
 A name counts as documented when an autodoc entry (``autofunction``,
 ``autoclass``, ``autodata``, ...) exists for it under the module that exports
