@@ -126,6 +126,16 @@ def test_summed_loss_averaged_again_is_a_scale_of_k():
   assert checked(sum_loss, PARAMS, X, Y, normalize="sum").cause == "equal"
 
 
+def test_mean_loss_summed_is_a_scale_of_one_over_k():
+  """The mirror case: each micro-batch's mean, summed, is ``k`` times the whole batch's."""
+  report = checked(mean_loss, PARAMS, X, Y, normalize="sum")
+  assert report.cause == "scale" and not report.equal
+  np.testing.assert_allclose(report.weights, [1 / K] * K, rtol=1e-6)
+  expected = (K - 1) * leaf_shares(jax.grad(mean_loss)(PARAMS, X, Y)).max()
+  np.testing.assert_allclose(report.max_relative_error, expected, rtol=1e-5)
+  assert "normalize='mean'" in report.fix and f"{1 / K:.4g} times" in report.fix
+
+
 def test_a_defect_of_one_percent_is_found():
   """A mean over ``n - 1`` rows: the micro-batches give ``(B - 1) / (B - k)`` times the whole."""
   b = 320

@@ -398,12 +398,14 @@ def test_a_bf16_buffer_on_every_path(path: str, n: int) -> None:
 @needs(8)
 @pytest.mark.parametrize("path,before,after", [
     ("jit", 8, 4), ("jit", 8, 2), ("jit", 8, 1), ("jit", 1, 8), ("fsdp", 8, 2),
-    ("shard_map", 8, 2)])
+    ("shard_map", 8, 2), ("jit->single", 8, 1), ("single->jit", 1, 8)])
 def test_resume_on_another_number_of_devices(path: str, before: int, after: int,
                                              tmp_path: Path) -> None:
   """Saved mid-window on ``before`` devices, resumed on ``after`` through orbax's host
   restore and ``reshard_state``: the partial sums combine, the run ends as the large
-  batch does (weighted: the partial sums are shares on every path)."""
+  batch does (weighted: the partial sums are shares on every path). ``a->b``: saved on
+  path ``a``, resumed on ``b`` (one device without ``axis_name``, one buffer)."""
+  path, _, resumed = path.partition("->")
   first = PATHS[path](before, "update", "weighted")
   _, _, saved = train(first, first.params, first.state, 0, STEPS, (6,))
   p_at, s_at = saved[6]
@@ -411,10 +413,11 @@ def test_resume_on_another_number_of_devices(path: str, before: int, after: int,
   # The documented restore onto another mesh: host arrays in the saved layout.
   meta = checkpointer.metadata(ckpt).item_metadata.tree
   host = checkpointer.restore(ckpt, jax.tree.map(lambda m: np.empty(m.shape, m.dtype), meta))
-  second = PATHS[path](after, "update", "weighted")
+  second = PATHS[resumed or path](after, "update", "weighted")
   state = reshard_state(host["state"], second.init())
   assert jax.tree.structure(state) == jax.tree.structure(second.state)
-  assert state.acc_grads["w"].shape[0] == after and int(state.mini_step) == 2
+  assert state.acc_grads["w"].shape == second.state.acc_grads["w"].shape
+  assert int(state.mini_step) == 2
   params = reshard_state(host["params"], second.params)  # (params: no per-device leaf)
   params, state, _ = train(second, params, state, 6, STEPS)
   assert int(state.gradient_step) == 2
