@@ -129,10 +129,13 @@ def test_weighted_is_normalised_globally():
     assert_close(jax.jit(fn)(p, b), ref)
 
 
-def test_fsdp_params_are_gathered_before_and_reduce_scattered_after():
+@pytest.mark.parametrize("w1_spec", [P("data"), P(None, "data")], ids=str)
+def test_fsdp_params_are_gathered_before_and_reduce_scattered_after(w1_spec):
+  """FSDP over the data axis, on w1's first dim or its second (each gradient is
+  reduce-scattered onto the dim its param is sharded on)."""
   params, batch = make_params(), make_batch()
   ref = jax.value_and_grad(mean_loss)(params, batch)
-  specs = {"w1": P("data"), "b1": P("data"), "w2": P()}
+  specs = {"w1": w1_spec, "b1": P("data"), "w2": P()}
   with jax.set_mesh(explicit_mesh()):
     p = {n: jax.device_put(v, specs[n]) for n, v in params.items()}
     b = jax.device_put(batch, P("data"))

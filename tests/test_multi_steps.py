@@ -7,6 +7,7 @@ suite: its MultiSteps tests are loaded from the installed optax and run with
 
 from __future__ import annotations
 
+import functools
 import types
 import unittest
 
@@ -17,7 +18,13 @@ import optax
 import pytest
 
 import optax_accum as oa
-from tests._reference import assert_trees_close, grad_fn, init_params, make_batches
+from tests._reference import (
+    assert_trees_close,
+    grad_fn,
+    init_params,
+    large_batch_run,
+    make_batches,
+)
 
 
 def test_optax_own_multisteps_tests_pass_against_ours():
@@ -75,6 +82,26 @@ def test_inner_optimizer_skipped_on_mid_steps():
   for _ in range(3):
     _, state = ms.update({"w": jnp.ones(3)}, state, params)
   chex.assert_trees_all_equal(state.inner_opt_state, ms.init(params).inner_opt_state)
+
+
+def test_flush_closes_a_partial_window_and_has_updated_reads_the_state():
+  """``oa.flush`` on a MultiSteps: the 3 micro-batches of a window of 5 take the large
+  batch's step on those 3 (SGD: a wrong divisor shows). ``oa.has_updated`` reads a
+  MultiStepsState as ``MultiSteps.has_updated`` does, optax's own included."""
+  params = init_params(jax.random.key(21))
+  batches = make_batches(jax.random.key(22), 3)
+  ms = oa.MultiSteps(optax.sgd(0.5), 5)
+  state = ms.init(params)
+  theirs = optax.MultiSteps(optax.sgd(0.5), 5).init(params)
+  assert not bool(oa.has_updated(state)) and not bool(oa.has_updated(theirs))
+  for b in batches:
+    _, state = jax.jit(ms.update)(grad_fn(params, b), state, params)
+    assert not bool(oa.has_updated(state)) and not bool(ms.has_updated(state))
+  updates, state = jax.jit(functools.partial(oa.flush, ms))(state, params)
+  assert bool(oa.has_updated(state)) and bool(ms.has_updated(state))
+  assert (int(state.mini_step), int(state.gradient_step)) == (0, 1)
+  ref = large_batch_run(optax.sgd(0.5), params, [batches])[0]
+  assert_trees_close(optax.apply_updates(params, updates), ref)
 
 
 def test_skip_large_updates_and_nan_safety():
