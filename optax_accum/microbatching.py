@@ -262,10 +262,11 @@ def microbatched(
     normalize: ``"mean"``, ``"sum"`` or ``"weighted"`` (see above).
     aux_rules: how each aux output is reduced over micro-batches: one rule for
       all, or a pytree of rules that is a prefix of the aux. Built-in rules:
-      ``"mean"``, ``"sum"``, ``"max"``, ``"min"``, ``"last"``, ``"concat"``
-      (per-example outputs, concatenated back in the original batch order)
-      and ``"stack"`` (a new leading axis of ``k`` values, in micro-batch
-      order); or an :class:`AuxRule` for anything else.
+      ``"mean"`` (of an integer output, a float32), ``"sum"``, ``"max"``,
+      ``"min"``, ``"last"``, ``"concat"`` (per-example outputs, concatenated
+      back in the original batch order) and ``"stack"`` (a new leading axis
+      of ``k`` values, in micro-batch order); or an :class:`AuxRule` for
+      anything else.
     rng_argnums: position(s) of PRNG key arguments (e.g. dropout keys).
       Micro-batch ``i`` gets ``jax.random.fold_in(key, i)``, never ``key``
       itself (not even with ``k = 1``); with ``axis_name``, ``key`` is first

@@ -489,6 +489,19 @@ def test_complex_aux_mean_and_sum_keep_the_imaginary_part():
   assert_trees_close(aux, ref_aux, rtol=1e-5, atol=1e-5)
 
 
+def test_integer_aux_mean_is_a_float_and_sum_stays_an_integer():
+  """A count per micro-batch (strided rows i and i + 4 of 0..7 above 2.5: 1, 1, 1, 2):
+  its mean is 1.25, not truncated to the count's dtype; its sum keeps int32."""
+  def loss(w, x):
+    count = jnp.sum(x > 2.5).astype(jnp.int32)
+    return jnp.mean(w * x), {"mean": count, "sum": count}
+  fn = jax.value_and_grad(loss, has_aux=True)
+  (_, aux), _ = jax.jit(oa.microbatched(fn, 4, has_aux=True, aux_rules={
+      "mean": "mean", "sum": "sum"}))(1.0, jnp.arange(8.0))
+  assert aux["mean"].dtype == jnp.float32 and float(aux["mean"]) == 1.25
+  assert aux["sum"].dtype == jnp.int32 and int(aux["sum"]) == 5
+
+
 def test_real_accumulator_dtype_for_complex_values_raises():
   w, x = complex_problem()
   fn = oa.microbatched(jax.value_and_grad(abs2_loss), 2, accumulator_dtype=jnp.float32)
