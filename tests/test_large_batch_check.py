@@ -76,6 +76,19 @@ def test_separable_mean_loss_is_equal_and_bf16_raises_no_false_alarm():
     assert bf16.max_relative_error > 10 * f32.tolerance
 
 
+def test_a_large_float32_batch_raises_no_false_alarm():
+  """At 16384 rows the whole batch's own float32 rounding (1.5e-06 here) is three times
+  one rounding of its norm: the check measures it on the batch permuted, which is what
+  keeps it from reporting coupling."""
+  rng = np.random.default_rng(1)
+  x, y = (jnp.asarray(rng.normal(size=(16384, d)), jnp.float32) for d in (6, 1))
+  report = checked(mean_loss, PARAMS, x, y, k=8)
+  assert report.cause == "equal", str(report)
+  eps = float(jnp.finfo(jnp.float32).eps)
+  assert report.max_relative_error > 4 * eps  # above what an error budget of eps would allow
+  assert report.tolerance < 1e-5
+
+
 def masked_mean(p, x, y, m):  # the mean over the real rows of the batch it is given
   return jnp.sum(per_example(p, x, y) * m) / jnp.sum(m)
 
