@@ -182,8 +182,9 @@ def _parse_module(text: str) -> tuple[str, dict[str, list[_Instruction]]]:
 def _callees(instruction: _Instruction) -> Iterator[tuple[str, tuple[tuple[str, Any], ...]]]:
   """``(computation, context step)`` of each computation an instruction runs.
 
-  The step is ``()`` for a plain call or a fusion; ``to_apply`` bodies
-  (reductions, sorts) are scalar helpers and are not followed.
+  The step is ``()`` for a call or a fusion. A ``call`` runs its ``to_apply``
+  computation; elsewhere ``to_apply`` names a scalar helper (a reduction's
+  add, a sort's comparison), which is not followed.
   """
   for kind, callee in _CALLEES.findall(instruction.attributes):
     names = [c.strip().lstrip("%") for c in callee.strip("{}").split(",") if c.strip()]
@@ -194,7 +195,7 @@ def _callees(instruction: _Instruction) -> Iterator[tuple[str, tuple[tuple[str, 
       yield names[0], (("conditional", int(kind == "true_computation")),)
     elif kind in ("body", "condition"):
       yield names[0], (("while", kind),)
-    elif kind == "calls":
+    elif kind == "calls" or (kind == "to_apply" and instruction.opcode == "call"):
       for c in names:
         yield c, ()
 

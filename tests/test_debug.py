@@ -263,6 +263,52 @@ def test_parser_conditionals_and_copies_on_hand_written_hlo() -> None:
   assert math.prod(got[0].shape) * 2 == got[0].bytes
 
 
+SHARED = """\
+HloModule shared
+
+%neg (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%a)
+}
+
+%same (b: f32[4]) -> f32[4] {
+  ROOT %b = f32[4]{0} parameter(0)
+}
+
+%add (a.1: f32[], b.1: f32[]) -> f32[] {
+  %a.1 = f32[] parameter(0)
+  %b.1 = f32[] parameter(1)
+  ROOT %s = f32[] add(%a.1, %b.1)
+}
+
+%sub (p: pred[], x: f32[4]) -> f32[4] {
+  %p = pred[] parameter(0)
+  %x = f32[4]{0} parameter(1)
+  %r = f32[4]{0} all-reduce(%x), replica_groups={}, to_apply=%add
+  ROOT %c = f32[4]{0} conditional(%p, %r, %r), true_computation=%neg, \
+false_computation=%same
+}
+
+ENTRY %main (q: pred[], y: f32[4]) -> f32[4] {
+  %q = pred[] parameter(0)
+  %y = f32[4]{0} parameter(1)
+  %first = f32[4]{0} call(%q, %y), to_apply=%sub
+  ROOT %second = f32[4]{0} call(%q, %first), to_apply=%sub
+}
+""".replace("\\\n", "")
+
+
+def test_a_computation_called_twice_is_walked_on_each_path() -> None:
+  """A ``call`` runs its computation: ``conditionals`` counts the instruction once,
+  ``opcodes`` and ``hlo_collectives`` every path that runs it; the all-reduce's
+  ``to_apply`` reducer is not code the step runs."""
+  assert conditionals(SHARED) == 1
+  counts = opcodes(SHARED)
+  assert counts["conditional"] == 2 and counts["call"] == 2 and counts["all-reduce"] == 2
+  assert "add" not in counts
+  assert hlo_collectives(SHARED) == [Collective("all-reduce", 16, "sub", ())] * 2
+
+
 def test_opcodes_count_every_path_and_see_a_cond_turned_into_selects() -> None:
   counts = opcodes(HLO)
   # Copies: one in main, one in the true branch, and one inside each of two fusions.

@@ -184,8 +184,10 @@ def test_skip_nonfinite_weighted_and_flush_with_a_narrow_buffer() -> None:
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py)")
 def test_axis_name_under_shard_map_with_a_narrow_buffer() -> None:
   """Each device keeps a bf16 buffer of its own gradients; one psum per window.
-  256 micro-batches of ones per device, each device rounding with its own
-  bits: the window's mean over every device's micro-batches is 1."""
+  256 micro-batches of 1/3 (not a bf16 number) per device, each device rounding
+  with its own bits: mid-window the devices' buffers differ though their
+  gradients are equal, and the window's mean over every device's micro-batches
+  is 1/3."""
   from jax.sharding import Mesh
   from jax.sharding import PartitionSpec as P
 
@@ -204,11 +206,15 @@ def test_axis_name_under_shard_map_with_a_narrow_buffer() -> None:
   run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P("data")),
                               out_specs=(P(), specs)))
   state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-  ones = jnp.ones((8, 512))
-  for _ in range(256):
-    out, state = run(state, ones)
+  thirds = jnp.full((8, 512), 1 / 3)
+  for i in range(256):
+    out, state = run(state, thirds)
+    if i == 99:
+      copies = np.asarray(state.acc_grads["w"], np.float32)  # one row per device
+      assert copies.shape == (8, 512)
+      assert all(not np.array_equal(copies[0], row) for row in copies[1:])
   mean = float(jnp.mean(out["w"]))  # the global mean over devices and micro-batches
-  assert abs(mean - 1.0) < 0.01, mean
+  assert abs(mean - 1 / 3) < 0.01 / 3, mean
   assert state.acc_grads["w"].dtype == jnp.bfloat16
 
 

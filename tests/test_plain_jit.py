@@ -547,6 +547,31 @@ def test_local_grads_reject_a_tensor_parallel_layout() -> None:
       grad_fn(params, x)
 
 
+def test_local_grads_aux_is_the_mean_of_the_devices_values() -> None:
+  """With ``has_aux``: the global loss and the aux (a per-device mean of the rows, and
+  that mean's maximum over features) as the mean over the devices, and the sum of the
+  per-device gradient copies is the whole batch's gradient."""
+  x, y, _ = make_data(1)
+  x, y = x[0], y[0]
+
+  def loss(p: Any, x: jax.Array, y: jax.Array) -> tuple[jax.Array, Any]:
+    return jnp.mean(per_example_loss(p, x, y)), {"x_mean": jnp.mean(x, 0),
+                                                   "peak": jnp.max(jnp.mean(x, 0))}
+
+  with jax.set_mesh(data_mesh()):
+    params = place_params(REPLICATED)
+    grad_fn = local_value_and_grad(loss, "data", batch_argnums=(1, 2), has_aux=True)
+    (value, aux), grads = jax.jit(grad_fn)(params, jax.device_put(x, P("data")),
+                                           jax.device_put(y, P("data")))
+  (ref_value, _), ref_grads = jax.value_and_grad(loss, has_aux=True)(make_params(), x, y)
+  per_device = np.asarray(x).reshape(N_DEV, -1, x.shape[-1]).mean(1)  # [devices, features]
+  np.testing.assert_allclose(value, ref_value, rtol=2e-5)
+  np.testing.assert_allclose(aux["x_mean"], np.asarray(x).mean(0), rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(aux["peak"], per_device.max(1).mean(), rtol=2e-5)
+  assert not np.isclose(per_device.max(1).mean(), per_device.max(1).max())  # mean, not max
+  assert_trees_close(jax.tree.map(lambda g: jnp.sum(g, 0), grads), ref_grads)
+
+
 def test_local_grads_name_bad_batch_argnums() -> None:
   loss = lambda p, x: jnp.mean(x @ p["w1"])
   with pytest.raises(TypeError, match=r"`batch_argnums` must be an int or a sequence of ints"):

@@ -26,7 +26,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
-from optax_accum.planning import Plan, PlanRow, compiled_peak_bytes
+from optax_accum.planning import HEADROOM, Plan, PlanRow, compiled_peak_bytes
 
 D_IN, HIDDEN = 32, 64
 BATCH = 256
@@ -418,6 +418,30 @@ def test_nothing_fits_names_the_smallest_peak_and_what_to_try(in_step_peaks, sta
 def test_no_memory_limit_on_cpu_asks_for_one(state_types):
   with pytest.raises(ValueError, match=r"reports none.*pass `memory_limit`"):
     oa.plan_k(in_step, param_types(), state_types, batch_types(), batch_argnums=2)
+
+
+def test_no_memory_limit_plans_within_headroom_of_the_smallest_device(
+    monkeypatch, in_step_peaks, state_types):
+  """``memory_limit=None``: HEADROOM (0.9) of the smallest ``bytes_limit`` the local
+  devices report (devices that report one, faked here: XLA:CPU reports none)."""
+  class Device:
+    def __init__(self, stats):
+      self.stats = stats
+
+    def memory_stats(self):
+      if self.stats is None:
+        raise RuntimeError("no stats on this backend")
+      return self.stats
+
+  # The 0.9 decides: k=2's peak fits the smaller device's whole limit but not 90% of it.
+  smallest = int(in_step_peaks[2] / 0.95)
+  devices = [Device({"bytes_limit": smallest}), Device(None), Device({}),
+             Device({"bytes_limit": 4 * smallest})]
+  monkeypatch.setattr(jax, "local_devices", lambda: devices)
+  plan = oa.plan_k(cached("in_step"), param_types(), state_types, batch_types(),
+                   batch_argnums=2, candidates=[1, 2, 4])
+  assert plan.memory_limit == int(HEADROOM * smallest)
+  assert plan.k == 4 and in_step_peaks[4] <= plan.memory_limit < in_step_peaks[2]
 
 
 def test_bad_arguments_name_the_argument_and_the_fix(state_types):
