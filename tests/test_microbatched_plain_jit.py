@@ -199,10 +199,15 @@ def test_aux_rules_under_plain_jit():
   params, batch = make_params(), make_batch()
   def loss(p, b):
     per = per_example(p, b)
-    return jnp.mean(per), {"per_example": per, "mean": jnp.mean(per), "max": jnp.max(per)}
+    return jnp.mean(per), {"per_example": per, "mean": jnp.mean(per), "max": jnp.max(per),
+                           "stacked": per}
   fn = jax.value_and_grad(loss, has_aux=True)
   (ref_loss, ref_aux), ref_grads = fn(params, batch)
-  rules = {"per_example": "concat", "mean": "mean", "max": "max"}
+  # "stack": row i holds micro-batch i's rows of every device, device by device; each
+  # device's micro-batch i is its rows i, i + 4 (strided, k = 4, 8 rows per device).
+  stacked = np.asarray(ref_aux["stacked"]).reshape(8, 2, 4)  # [device, row, micro-batch]
+  ref_aux["stacked"] = stacked.transpose(2, 0, 1).reshape(4, 16)
+  rules = {"per_example": "concat", "mean": "mean", "max": "max", "stacked": "stack"}
   with jax.set_mesh(explicit_mesh()):
     p, b = jax.device_put(params, P()), jax.device_put(batch, P("data"))
     (loss_val, aux), g = jax.jit(microbatched(fn, 4, has_aux=True, aux_rules=rules))(p, b)
