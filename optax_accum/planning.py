@@ -415,10 +415,9 @@ def _annotate(rows: list[PlanRow], chosen: int | None) -> tuple[tuple[PlanRow, .
              and r.peak_bytes > e.peak_bytes]  # a smaller k with a smaller peak
     if below:
       notes.append(f"not monotone: peak above k={below[0].k}'s {_mib(below[0].peak_bytes)} MiB")
-    fitting = [e for e in rows[:j] if e.fits and not r.fits]  # a smaller k that fits
-    if fitting:
-      notes.append(f"not monotone: k={fitting[0].k} fits, this larger k does not")
-    monotone = monotone and not below and not fitting
+    # (A fitting k beside a larger one that does not fit is never compiled: the search
+    # only compiles below a k that fits and above one that does not.)
+    monotone = monotone and not below
     out.append(r._replace(note="; ".join(notes)))
   return tuple(out), monotone
 
