@@ -105,6 +105,19 @@ def test_mid_step_updates_are_zeros_of_gradient_shape_and_dtype():
   chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, grads))
 
 
+def test_bf16_gradients_of_f32_params_reach_the_optimizer_unrounded():
+  """The window's mean of bf16 gradients 1 and 2^-9 is 0.5 + 2^-10: a float32 number
+  that bfloat16 rounds to 0.5. The optimizer sees it in the params' float32."""
+  params = {"w": jnp.zeros(3, jnp.float32)}
+  tx = oa.accumulate(2, optax.sgd(1.0))
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for g in (1.0, 2.0**-9):
+    updates, state = update({"w": jnp.full(3, g, jnp.bfloat16)}, state, params)
+  assert updates["w"].dtype == jnp.float32
+  np.testing.assert_array_equal(updates["w"], np.full(3, -(0.5 + 2.0**-10), np.float32))
+
+
 def test_chain_form_exact_for_stateless_inexact_for_stateful():
   params = init_params(jax.random.key(5))
   windows = make_windows(6, K, NUM_WINDOWS)

@@ -283,6 +283,17 @@ def test_nan_until_min_windows_and_never_a_silent_zero() -> None:
   # No signal at all (zero gradients): NaN, not 0.
   zeros = _feed(tx, np.zeros((20, k, 8), np.float32))
   assert int(zeros.noise_stats.num_windows) == 20 and np.isnan(oa.noise_scale(zeros))
+  # A negative signal estimate (gradients of mean 0 can give one): NaN, not a negative scale.
+  negative = NoiseScaleState(jnp.zeros([]), jnp.zeros([], jnp.int32), jnp.asarray(-1.0),
+                             jnp.asarray(5.0), jnp.asarray(MIN_WINDOWS))
+  assert np.isnan(oa.noise_scale(negative))
+  assert float(oa.noise_scale(negative._replace(signal=jnp.asarray(2.0)))) == 2.5
+
+
+def test_sq_norm_of_complex_leaves_is_the_squared_modulus() -> None:
+  tree = {"z": jnp.array([3 + 4j, 1j], jnp.complex64), "r": jnp.array([2.0], jnp.bfloat16)}
+  got = oa.gradient_noise.sq_norm(tree)
+  assert got.dtype == jnp.float32 and float(got) == 25.0 + 1.0 + 4.0
 
 
 @pytest.mark.parametrize("skip_nonfinite", [False, True])
