@@ -106,6 +106,17 @@ def test_rounding_is_unbiased_value_by_value() -> None:
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(special))
 
 
+def test_every_position_of_a_leaf_draws_its_own_bits() -> None:
+  """Rounding decisions are independent across a leaf's elements: the positions of a
+  leaf of 4096 (64 x 64, 16 x 256, 4 x 32 x 32) get 4096 different draws, and the
+  draws change with the counters (step, micro-step, leaf)."""
+  for shape in ((64, 64), (16, 256), (4, 32, 32)):
+    bits = np.asarray(_rounding.random_bits(shape, [7, 1, 0]))
+    assert bits.shape == shape and len(np.unique(bits)) > 4090, shape
+  a, b = (np.asarray(_rounding.random_bits((64, 64), c)) for c in ([7, 1, 0], [7, 2, 0]))
+  assert np.mean(a == b) < 0.01
+
+
 def _stream(n: int, seed: int = 0) -> list[Any]:
   rng = np.random.default_rng(seed)
   return [{"w": jnp.asarray(rng.normal(size=(64,)).astype(np.float32)),
