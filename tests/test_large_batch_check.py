@@ -119,13 +119,11 @@ def masked_terms(p, x, y, m):  # (sum of the real rows' losses, their count)
 
 def test_the_same_loss_token_weighted_is_equal():
   fn = value_and_grad(masked_terms, has_aux=True)  # the value: (numerator, denominator)
-  report = check_large_batch(fn, K, batch_argnums=(1, 2, 3), normalize="weighted")(
-      PARAMS, X, Y, MASK)
+  check = check_large_batch(fn, K, batch_argnums=(1, 2, 3), normalize="weighted")
+  report = check(PARAMS, X, Y, MASK)
   assert report.cause == "equal", str(report)
   # A micro-batch of only padding (rows 0, 4, 8, ...): weight 0, not a NaN gradient.
-  padded = MASK.at[0::K].set(0.0)
-  report = check_large_batch(fn, K, batch_argnums=(1, 2, 3), normalize="weighted")(
-      PARAMS, X, Y, padded)
+  report = check(PARAMS, X, Y, MASK.at[0::K].set(0.0))
   assert report.cause == "equal" and np.isfinite(report.max_relative_error), str(report)
   # The tolerance keeps its epsilon floor (twice one float32 rounding of |G| and more).
   assert report.tolerance >= 2 * float(jnp.finfo(jnp.float32).eps)

@@ -105,7 +105,6 @@ def test_flush_closes_a_partial_window_and_has_updated_reads_the_state():
 
 
 def test_skip_large_updates_and_nan_safety():
-  import functools
   skip = functools.partial(optax.skip_large_updates, max_squared_norm=50.0)
   ms = oa.MultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=skip)
   params = {"w": jnp.zeros(2)}
