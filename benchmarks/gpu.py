@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   log(f"device {jax.devices()[0].device_kind}; matmul precision: {precision_meaning()}")
   sizes = [ba.parse_size(s) for s in (SMOKE_SIZES if smoke else GPU_SIZES)]
   rounds = args.rounds or (3 if smoke else 15)
-  copy = ba.CopyTimer(16 * 2**20) if smoke else ba.CopyTimer(2**30, reps=8)
+  copy = ba.CopyTimer(16 * 2**20) if smoke else ba.CopyTimer(2**30)
   # Windows per round: many at 1M (dispatch-bound), 2 at 256M.
   measured = ba.measure(sizes, ["adam"], copy, rounds,
                         lambda size: max(2, min(32, (64 * 2**20) // size)), max(sizes))
