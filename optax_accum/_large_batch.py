@@ -1,21 +1,22 @@
 """Is accumulating ``k`` micro-batches of my loss the large batch? (``debug.check_large_batch``)
 
 The check compares the gradient :func:`~optax_accum.microbatched` accumulates
-with ``fn`` on the whole batch and, when they differ, explains why by solving
-for the combination of the micro-batch gradients that gives the whole batch's.
-It runs eagerly on the host, once: a debugging tool, not a training step.
+with ``fn`` on the whole batch, leaf by leaf, against a tolerance that only
+floating point can explain, and when they differ it says why. It runs on the
+host, once, streaming the micro-batches: a debugging tool, not a training step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
-from jax.flatten_util import ravel_pytree
 
 from optax_accum import _batch, _validation, microbatching
 
@@ -27,32 +28,43 @@ class LeafError(NamedTuple):
     path: the leaf's path in the gradient tree, e.g. ``"['dense']['w']"``.
     shape: its shape.
     relative_error: the norm of its accumulated-minus-whole difference over
-      the whole batch's gradient norm (all leaves).
+      the norm of the whole batch's gradient of this leaf.
+    tolerance: the rounding this leaf's difference may hold, relative likewise.
   """
 
   path: str
   shape: tuple[int, ...]
   relative_error: float
+  tolerance: float
 
 
 class LargeBatchReport(NamedTuple):
   """What :func:`check_large_batch` found.
 
   Attributes:
-    equal: whether the accumulated gradient is the whole batch's, within
-      ``tolerance``.
-    cause: ``"equal"``, ``"weights"`` (the whole batch weighs the micro-batches
-      unequally: per-micro-batch normalisation), ``"scale"`` (equal weights,
-      wrong total) or ``"coupling"`` (no combination of micro-batch gradients
-      gives it: the loss or the model couples the examples of a batch).
-    max_relative_error: the largest leaf's ``relative_error``.
-    tolerance: the rounding the check measured (see :func:`check_large_batch`).
+    equal: whether every leaf of the accumulated gradient is the whole batch's
+      within its tolerance.
+    cause: ``"equal"``; ``"order"`` (the loss depends on the order of the rows:
+      pairs or sequences laid along the batch axis, which the micro-batches
+      split apart); ``"scale"`` (a positive multiple: the normalisation depends
+      on the batch size); ``"weights"`` (the whole batch weighs the
+      micro-batches unequally: per-micro-batch normalisation); ``"coupling"``
+      (no non-negative combination of micro-batch gradients gives it: the loss
+      or the model couples the examples of a batch); ``"accumulation"`` (the
+      micro-batch gradients combine into the whole batch's but
+      ``microbatched`` returned something else: a bug in optax_accum).
+    max_relative_error: the ``relative_error`` of the leaf furthest above its
+      tolerance (of the largest error-to-tolerance ratio).
+    tolerance: that leaf's tolerance: ``equal`` is ``max_relative_error <=
+      tolerance``.
     weights: for ``"weights"`` and ``"scale"``, the weight per micro-batch
       that makes their combination the whole batch's gradient, normalised to
       sum 1; ``None`` otherwise.
     fix: what to write instead, naming the API.
     leaves: one :class:`LeafError` per gradient leaf.
     num_microbatches: ``k``.
+    rounding: the precision the tolerance assumes, e.g. ``"bfloat16 results,
+      float32 sums over 32 rows"``.
   """
 
   equal: bool
@@ -63,15 +75,17 @@ class LargeBatchReport(NamedTuple):
   fix: str
   leaves: tuple[LeafError, ...]
   num_microbatches: int
+  rounding: str
 
   def __str__(self) -> str:
     width = max([4, *(len(leaf.path) for leaf in self.leaves)])
-    rows = [f"{'leaf':<{width}}  {'shape':<14}  relative error"]
-    rows += [f"{leaf.path:<{width}}  {leaf.shape!s:<14}  {leaf.relative_error:.2e}"
+    rows = [f"{'leaf':<{width}}  {'shape':<14}  relative error  tolerance"]
+    rows += [f"{leaf.path:<{width}}  {leaf.shape!s:<14}  {leaf.relative_error:<14.2e}"
+             f"  {leaf.tolerance:.2e}{'' if leaf.relative_error <= leaf.tolerance else '  <--'}"
              for leaf in self.leaves]
     sign = "<=" if self.equal else ">"
-    rows.append(f"k={self.num_microbatches}: max relative error {self.max_relative_error:.2e}"
-                f" {sign} tolerance {self.tolerance:.2e}: {self.cause}")
+    rows.append(f"k={self.num_microbatches}: relative error {self.max_relative_error:.2e}"
+                f" {sign} tolerance {self.tolerance:.2e} ({self.rounding}): {self.cause}")
     if self.weights is not None:
       rows.append("weights per micro-batch: " + " ".join(f"{w:.4g}" for w in self.weights))
     rows.append(self.fix)
@@ -82,7 +96,7 @@ class LargeBatchReport(NamedTuple):
     if not self.equal:
       raise AssertionError(
           f"Accumulating {self.num_microbatches} micro-batches is not the large batch:"
-          f" cause {self.cause!r} (max relative error {self.max_relative_error:.3g},"
+          f" cause {self.cause!r} (relative error {self.max_relative_error:.3g},"
           f" tolerance {self.tolerance:.3g}). {self.fix}\n{self}")
 
 
@@ -99,55 +113,71 @@ def check_large_batch(
   ``fn``, ``batch_argnums``, ``has_aux`` and ``normalize`` are what
   :func:`~optax_accum.microbatched` takes (``fn`` is
   ``jax.value_and_grad(loss_fn)``). ``check_large_batch(fn, k)(params,
-  *args)`` compares the gradient ``microbatched(fn, k, ...)`` accumulates over
-  its ``k`` micro-batches (strided rows) with ``fn`` on the whole batch (for
-  ``"weighted"``, the gradient over the denominator), and explains a
-  difference: it calls ``fn`` on each micro-batch for its gradient
-  :math:`g_i` and finds weights :math:`w` with :math:`\sum_i w_i g_i` the
-  whole batch's gradient :math:`G` (least squares, float64, on the host).
+  *args)`` compares, leaf by leaf, the gradient ``microbatched(fn, k, ...)``
+  accumulates over its ``k`` micro-batches (strided rows) with ``fn``'s on
+  the whole batch, :math:`G` (for ``"weighted"``, the gradient over the
+  denominator). To explain a difference it calls ``fn`` on each micro-batch,
+  combines their gradients :math:`g_i` in float64 as ``microbatched`` does,
+  :math:`C = \sum_i c_i g_i` (:math:`c_i = 1/k` for ``"mean"``, 1 for
+  ``"sum"``, the micro-batch's share of the denominator for ``"weighted"``),
+  and calls ``fn`` on the batch's rows permuted:
 
-  * ``"equal"``: the accumulated gradient is :math:`G` within the tolerance.
-  * ``"scale"``: :math:`G` is a multiple of what ``microbatched`` combines
-    (:math:`\sum_i c_i g_i` with :math:`c_i = 1/k` for ``"mean"``, 1 for
-    ``"sum"``, the micro-batch's share of the denominator for
-    ``"weighted"``), e.g. a summed loss averaged again.
-  * ``"weights"``: :math:`G` is another combination of the :math:`g_i`, e.g.
-    a loss normalised per micro-batch over its own real tokens (the weights
-    are then the micro-batches' shares of the real tokens).
-  * ``"coupling"``: no combination fits within the tolerance: the loss or the
-    model couples the examples of a batch (a contrastive loss, BatchNorm in
-    training mode). Telling it from ``"weights"`` needs more gradient entries
-    than micro-batches: with fewer, a gradient that is not the whole batch's
+  * ``"equal"``: every leaf is :math:`G`'s within its tolerance.
+  * ``"accumulation"``: :math:`C` is :math:`G`, ``microbatched``'s result is
+    not: a bug in this package, which the check exists to catch too.
+  * ``"order"``: ``fn`` on the permuted rows is not :math:`G`: the loss reads
+    the batch axis as something other than a set of examples (pairs of views
+    at rows ``2i`` and ``2i + 1``, time-major ``[T, B]`` data), and the
+    micro-batches cut through it.
+  * ``"scale"``: :math:`G` is a positive multiple of :math:`C`, e.g. a summed
+    loss averaged again.
+  * ``"weights"``: :math:`G` is a combination of the :math:`g_i` with other,
+    non-negative weights, e.g. a loss normalised per micro-batch over its own
+    real tokens (the weights are then the micro-batches' shares of them).
+  * ``"coupling"``: no such combination fits: the loss or the model couples
+    the examples of a batch (a contrastive loss, BatchNorm in training mode).
+    Telling it from ``"weights"`` needs more gradient entries than
+    micro-batches: with fewer, a gradient that is not the whole batch's
     raises ``ValueError``.
 
-  The tolerance is measured on the call itself, as twice the largest of
-  three differences that are zero in exact arithmetic whatever the loss does,
-  so that what is left is rounding: ``fn`` on the whole batch against ``fn``
-  on its rows permuted (another summation order); ``microbatched`` (compiled,
-  summing in float32) against the float64 combination of the ``k`` calls of
-  ``fn``; and one rounding at the precision the loss computes in, the largest
-  machine epsilon of the float dtypes in ``fn``'s program
-  (``jax.make_jaxpr``) times
-  :math:`(\lVert G\rVert + \sum_i |c_i| \lVert g_i\rVert) / \lVert G\rVert`
-  (a micro-batch gradient rounds at its own, larger, norm). All of it is
-  relative to :math:`\lVert G\rVert`, like the errors. A loss computing in
-  bfloat16 gets a tolerance of a few percent (its final roundings do not
-  change with the summation order, hence the epsilon term); one in float32
-  finds a 1% defect. ``fn`` must not depend on the order of the rows beyond
-  the summation order.
+  **The tolerance is what rounding can explain, never a difference between
+  the two sides.** Per gradient entry it is 4 times (a safety factor)
+  :math:`u_r (|G| + S) + u_s (\sqrt{B}\, S + \sigma)` with
+  :math:`S = \sum_i |c_i g_i|`: :math:`u_r` the unit roundoff of the
+  coarsest dtype that ``fn``'s reductions over the rows (matmuls, sums) or
+  its gradients come out in, read from ``fn``'s jaxpr (the inputs' dtypes,
+  elementwise casts and reductions over the params alone do not count),
+  each result rounded once; :math:`u_s` that of the sums over the :math:`B`
+  rows (float32 for 16-bit results: XLA and ``jnp.sum`` accumulate them in
+  float32); :math:`\sigma` the spread of one row's contribution, from the
+  micro-batch gradients' spread. Added to it, leaf by leaf, 4 times how far
+  ``fn``'s whole-batch gradient moves when every input is nudged by one unit
+  roundoff (two calls): what the gradient's conditioning (a residual near
+  zero, rows that cancel) does to rounding. Neither a coupling nor the row
+  order can produce any of it. Each leaf is held to its own tolerance, so a
+  small leaf that is wholly wrong is found whatever its share of the whole.
+  A float32 loss finds a defect of 0.01%, a bfloat16 one of a few percent.
 
-  Cost: ``k + 2`` calls of ``fn`` (the whole batch, the permuted whole batch,
-  each micro-batch), one trace of it and one call of ``microbatched(fn, k)``,
-  eagerly (``fn`` as given: pass it jitted to compile it once per shape);
-  then a least-squares solve of size (gradient entries) x ``k`` on the host.
-  Run it on one batch, in a test or a notebook, for every ``k`` you train
-  with.
+  **What "equal" proves**: on these arguments, accumulating the ``k``
+  micro-batches gives the large batch's gradient up to rounding. Not that it
+  does on every batch: a loss equal here by coincidence (a mask that happens
+  to give every micro-batch the same count of real rows) can differ on the
+  next; check a batch like the ones you train on, for every ``k`` you train
+  with. Randomness must be deterministic per example: ``fn`` drawing random
+  numbers from a key that is not part of a batch argument (a key argument, a
+  key captured by a closure, ``jax.random.key(0)`` inside the loss) draws
+  other masks on the whole batch and on each micro-batch and is refused
+  (``ValueError``) before anything runs; per-example keys inside a batch
+  argument are split with it and fine.
 
-  A loss with a PRNG key (dropout) draws other masks on the whole batch and on
-  each micro-batch, which no accumulation can match: a key among the
-  arguments that are not batches (a typed key array, or a raw ``uint32[2]``)
-  is refused; call the check with a deterministic loss. Per-example keys
-  inside a batch argument are split with it and fine.
+  **Cost**: ``k + 4`` calls of ``fn`` (the whole batch, twice nudged, once
+  permuted, each micro-batch, streamed) and one of ``microbatched(fn, k)``;
+  ``k`` more for a ``"weights"`` or ``"coupling"`` verdict; one trace of
+  ``fn``. Pass ``fn`` jitted to compile it once per shape. The host holds
+  about 20 bytes per parameter whatever ``k`` (float64 :math:`C`, three
+  float32 statistics; 22 measured at 1e7 parameters,
+  ``benchmarks/bench_large_batch.py``): 2 GB at 1e8 parameters. Parameters
+  and batches may be sharded over the devices of one process.
 
   Args:
     fn: ``(*args) -> (value, grads)`` like ``jax.value_and_grad(loss_fn)``
@@ -165,8 +195,10 @@ def check_large_batch(
     and the fix.
 
   Raises:
-    ValueError: (when called) for a batch ``k`` does not divide, or a PRNG key
-      among the other arguments.
+    ValueError: (when called) for a batch ``k`` does not divide; ``fn``
+      drawing random numbers from a key that is not in a batch argument; a
+      gradient with NaN or Inf; a difference that too few gradient entries
+      cannot explain.
     TypeError: (when called) when ``fn`` does not return ``(value, grads)``
       with a scalar value.
 
@@ -190,138 +222,416 @@ def check_large_batch(
     >>> print(report.fix)   # doctest: +ELLIPSIS
     The whole batch weighs the micro-batches unequally...normalize='weighted'...
   """
-  accumulated = microbatching.microbatched(  # checks the options
-      fn, num_microbatches, batch_argnums=batch_argnums, has_aux=has_aux, normalize=normalize)
+  accumulated = jax.jit(microbatching.microbatched(  # checks the options
+      fn, num_microbatches, batch_argnums=batch_argnums, has_aux=has_aux, normalize=normalize))
   k = int(num_microbatches)
   nums = _validation.check_argnums(batch_argnums, "batch_argnums")
 
   def check(*args: Any, **kwargs: Any) -> LargeBatchReport:
-    b_nums = sorted(set(_validation.resolve_argnums(nums, len(args), "batch_argnums")))
-    _refuse_keys(args, kwargs, b_nums)
+    b_nums = sorted(set(_batch.positions(nums, (), len(args))[0]))
     splits = {i: microbatching.split_microbatches(args[i], k) for i in b_nums}  # checks k
+    rows = jax.tree.leaves(args[b_nums[0]])[0].shape[0]
+    rounding = _rounding(fn, args, kwargs, b_nums, rows)  # refuses hidden randomness
 
-    def call(rows: dict[int, Any]) -> tuple[np.ndarray, float | None]:
-      out = fn(*[rows.get(i, a) for i, a in enumerate(args)], **kwargs)
-      return _mean_grad(out, has_aux, normalize)
+    def grads(what: str, rows_at: dict[int, Any]) -> _Grads:
+      out = fn(*[rows_at.get(i, a) for i, a in enumerate(args)], **kwargs)
+      value, den, _, tree = _batch.unpack(out, normalize, has_aux)
+      if jnp.ndim(value) != 0:
+        raise TypeError(
+            f"`fn`'s value must be a scalar loss; got shape {jnp.shape(value)}. Pass"
+            " `jax.value_and_grad(loss_fn)` of a scalar loss_fn (has_aux=True for (loss, aux)).")
+      return _Grads.of(tree, what, den)
 
-    size = jax.tree.leaves(args[b_nums[0]])[0].shape[0]
-    order = np.random.default_rng(0).permutation(size)
-    big_g, _ = call({})
-    perm_g, _ = call({i: jax.tree.map(lambda x: jnp.asarray(x)[order], args[i]) for i in b_nums})
-    micro = [call({i: jax.tree.map(lambda x, j=j: x[j], splits[i]) for i in b_nums})
-             for j in range(k)]
-    gs = np.stack([g for g, _ in micro], axis=1)  # [entries, k]
-    # c: how microbatched combines the micro-batch gradients.
-    if normalize == "weighted":
-      dens = np.array([den for _, den in micro])
-      c = dens / dens.sum() if dens.sum() else np.zeros(k)
-    else:
-      c = np.full(k, 1.0 / k if normalize == "mean" else 1.0)
-    acc = accumulated(*args, **kwargs)[1]
-    return _explain(k, normalize, big_g, perm_g, gs, c, acc, _largest_eps(fn, args, kwargs))
+    def micro_batches() -> Iterator[_Grads]:
+      for j in range(k):
+        yield grads(f"micro-batch {j}",
+                    {i: jax.tree.map(lambda x, j=j: x[j], splits[i]) for i in b_nums})
+
+    whole = grads("the whole batch", {})
+    nudged = [whole.distance(grads("the nudged batch", {
+        i: _nudge(a, rounding.result, seed) for i, a in enumerate(args)}))
+        for seed in range(_NUDGES)]
+    order = np.random.default_rng(0).permutation(rows)
+    permuted = whole.distance(grads("the permuted batch", {
+        i: jax.tree.map(lambda x: _rows(x, order), args[i]) for i in b_nums}))
+    stats = _Stats.of(whole, micro_batches(), normalize, k)
+    acc = _Grads.of(accumulated(*args, **kwargs)[1], "microbatched")
+    tol = stats.tolerance(whole, rounding, rows) + _SAFETY * np.sqrt(np.mean(
+        np.square(nudged), axis=0))
+    return _classify(k, normalize, whole, permuted, acc, stats, tol, rounding, micro_batches)
 
   return check
 
 
-def _refuse_keys(args: tuple[Any, ...], kwargs: dict[str, Any], b_nums: list[int]) -> None:
-  """Raises if a PRNG key is among the arguments that are not batches."""
-  named = [(f"argument {i}", a) for i, a in enumerate(args) if i not in b_nums]
-  named += [(f"keyword `{n}`", a) for n, a in kwargs.items()]
-  for where, tree in named:
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      if not hasattr(x, "dtype"):
-        continue
-      typed = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-      if typed or (x.dtype == np.uint32 and np.shape(x) == (2,)):
-        raise ValueError(
-            f"{where}{jax.tree_util.keystr(path)} is a PRNG key"
-            f" ({'a typed key' if typed else 'a raw uint32[2] key'}): a loss with a key"
-            " (dropout) draws other random numbers on the whole batch and on each"
-            " micro-batch, so no accumulation can match it and the check would report"
-            " coupling. Check a deterministic call (dropout off, e.g."
-            " `deterministic=True`), then train with `microbatched(..., rng_argnums=...)`.")
+def _rows(x: Any, order: np.ndarray) -> jax.Array:
+  """``x``'s rows in ``order``, laid out over the devices as ``x`` is (sharded rows stay so)."""
+  x = jnp.asarray(x)
+  return x.at[order].get(out_sharding=jax.typeof(x).sharding)
 
 
-def _mean_grad(out: Any, has_aux: bool, normalize: str) -> tuple[np.ndarray, float | None]:
-  """``fn``'s output to its gradient vector and ``"weighted"``'s denominator (else None).
+# ------------------------------------------------------------- the gradients, leaf by leaf
+class _Grads(NamedTuple):
+  """One call's gradient: its differentiable leaves where ``fn`` left them, and their paths.
 
-  For ``"weighted"`` the gradient is over the denominator: the gradient of the mean.
+  The host sees one leaf at a time (:meth:`host`), as a flat float64 vector: the check
+  keeps no gradient on the host but the float64 combination of the micro-batches'.
   """
-  value, den, _, grads = _batch.unpack(out, normalize, has_aux)
-  den = None if den is None else float(den)
-  if jnp.ndim(value) != 0:
-    raise TypeError(
-        f"`fn`'s value must be a scalar loss; got shape {jnp.shape(value)}. Pass"
-        " `jax.value_and_grad(loss_fn)` of a scalar loss_fn (has_aux=True for (loss, aux)).")
-  g = np.asarray(ravel_pytree(grads)[0], np.float64)
-  if den is not None:
-    g = g / den if den else np.zeros_like(g)
-  return g, den
+
+  leaves: list[Any]
+  paths: list[tuple[str, tuple[int, ...]]]  # (path in the gradient tree, shape)
+  den: float  # "weighted"'s denominator (the gradient is over it); 1 otherwise
+  what: str
+
+  @classmethod
+  def of(cls, tree: Any, what: str, den: Any = None) -> _Grads:
+    found = [(path, g) for path, g in jax.tree_util.tree_flatten_with_path(tree)[0]
+             if jnp.issubdtype(jnp.result_type(g), jnp.inexact)]  # float0: no gradient
+    return cls([g for _, g in found],
+               [(jax.tree_util.keystr(p), tuple(np.shape(g))) for p, g in found],
+               1.0 if den is None else float(den), what)
+
+  def host(self, n: int) -> np.ndarray:
+    """Leaf ``n`` on the host (a complex one as its real and imaginary parts)."""
+    x = np.asarray(self.leaves[n])
+    x = (np.ascontiguousarray(x, np.complex128).reshape(-1).view(np.float64)
+         if np.iscomplexobj(x) else np.array(x, np.float64).reshape(-1))
+    if not np.isfinite(x).all():
+      raise ValueError(
+          f"The gradient of {self.what} holds NaN or Inf at {self.paths[n][0]}: no comparison"
+          " can mean anything. Check the loss on these arguments first (jax.debug_nans).")
+    if self.den != 1.0:
+      x *= 1.0 / self.den if self.den else 0.0
+    return x
+
+  def distance(self, other: _Grads) -> np.ndarray:
+    """Each leaf's norm of ``self - other``."""
+    return np.array([np.linalg.norm(self.host(n) - other.host(n))
+                     for n in range(len(self.leaves))])
 
 
-def _largest_eps(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
-  """The largest machine epsilon of the float dtypes in ``fn``'s program (its coarsest rounding)."""
-  dtypes = set()
-
-  def walk(jaxpr: jax_core.Jaxpr) -> None:
-    eqn_outs = [v for eqn in jaxpr.eqns for v in eqn.outvars]
-    for var in (*jaxpr.invars, *jaxpr.outvars, *eqn_outs):
-      dtypes.add(getattr(var.aval, "dtype", None))  # a token has none
-    for sub in jax_core.subjaxprs(jaxpr):  # jit, cond branches, scan bodies
-      walk(sub)
-
-  walk(jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args).jaxpr)
-  floats = [d for d in dtypes if d is not None and jnp.issubdtype(d, jnp.inexact)]
-  return max((float(jnp.finfo(d).eps) for d in floats), default=float(jnp.finfo(jnp.float32).eps))
+# ------------------------------------------------------------ streaming statistics
+_SKETCH_ROWS = 1024  # CountSketch rows: the weights' least squares, at any size
+_CHUNK = 1 << 16  # entries at a time: the temporaries stay a few MB on any model
 
 
-def _explain(k: int, normalize: str, big_g: np.ndarray, perm_g: np.ndarray, gs: np.ndarray,
-             c: np.ndarray, acc: Any, eps: float) -> LargeBatchReport:
-  """The report: error, measured tolerance, and the combination of micro-batches that fits.
+def _sketch(grads: _Grads) -> np.ndarray:
+  """A CountSketch of ``grads``: each entry, with a random sign, added to a random row.
 
-  ``big_g``: the whole batch's gradient, ``perm_g`` on its rows permuted; ``gs``: the
-  micro-batches' ``[entries, k]``; ``c``: microbatched's weights; ``acc``: its gradient tree.
+  Linear, so an exact combination of the micro-batch gradients stays exact in it.
   """
-  leaves = jax.tree_util.tree_flatten_with_path(acc)[0]
-  leaf_of = np.repeat(np.arange(len(leaves)), [np.size(x) for _, x in leaves])  # per entry
-  a = np.asarray(ravel_pytree(acc)[0], np.float64)
-  norm = np.linalg.norm(big_g) or np.linalg.norm(a) or 1.0
+  out = np.zeros(_SKETCH_ROWS)
+  for n in range(len(grads.leaves)):
+    _sketch_leaf(n, grads.host(n), out)
+  return out
 
-  def leaf_errors(v: np.ndarray) -> np.ndarray:  # each leaf's norm of v, over |G|
-    return np.sqrt(np.bincount(leaf_of, v * v, minlength=len(leaves))) / norm
 
-  def rel(v: np.ndarray) -> float:
-    return float(leaf_errors(v).max(initial=0.0))
+def _sketch_leaf(n: int, x: np.ndarray, out: np.ndarray) -> None:
+  """Adds leaf ``n``'s share of the sketch to ``out``."""
+  for start in range(0, x.size, _CHUNK):
+    rng = np.random.default_rng((n, start))  # the same hash for every call
+    part = x[start:start + _CHUNK]
+    rows = rng.integers(0, _SKETCH_ROWS, part.size, dtype=np.int32)
+    signs = rng.integers(0, 2, part.size, dtype=np.int8) * 2 - 1
+    out += np.bincount(rows, part * signs, minlength=_SKETCH_ROWS)
 
-  measured = max(rel(big_g - perm_g), rel(a - gs @ c))
-  one_rounding = eps * (np.linalg.norm(big_g) + np.abs(c) @ np.linalg.norm(gs, axis=0)) / norm
-  tolerance = 2 * max(measured, float(one_rounding))
-  errors = leaf_errors(a - big_g)
-  max_error = float(errors.max(initial=0.0))
-  table = tuple(LeafError(jax.tree_util.keystr(path), tuple(np.shape(x)), float(e))
-                for (path, x), e in zip(leaves, errors, strict=True))
+
+@dataclasses.dataclass
+class _Stats:
+  """What the check keeps of the micro-batch gradients: their combination and its magnitudes.
+
+  With ``a_i`` each micro-batch's raw weight (``1/k``, 1, or its denominator) and
+  ``norm`` what divides them into ``c_i`` (1, or the sum of the denominators):
+  ``combined`` is ``sum a_i g_i`` (float64), ``abs_sum`` ``sum |a_i g_i|``,
+  ``sq_sum`` ``sum a_i^2 g_i^2`` and ``sq_lin`` ``sum a_i^2 g_i`` (float32: they set
+  the tolerance), and one sketch per micro-batch.
+  """
+
+  combined: list[np.ndarray]
+  abs_sum: list[np.ndarray]
+  sq_sum: list[np.ndarray]
+  sq_lin: list[np.ndarray]
+  raw: np.ndarray  # a_i
+  norm: float
+  sketches: np.ndarray  # [k, _SKETCH_ROWS]
+
+  @classmethod
+  def of(cls, whole: _Grads, micro: Iterator[_Grads], normalize: str, k: int) -> _Stats:
+    sizes = [2 * math.prod(shape) if jnp.iscomplexobj(g) else math.prod(shape)
+             for g, (_, shape) in zip(whole.leaves, whole.paths, strict=True)]
+    stats = cls([np.zeros(n) for n in sizes],
+                *([np.zeros(n, np.float32) for n in sizes] for _ in range(3)),
+                np.zeros(k), 1.0, np.zeros((k, _SKETCH_ROWS)))
+    for j, g in enumerate(micro):
+      a = g.den if normalize == "weighted" else (1.0 / k if normalize == "mean" else 1.0)
+      stats.raw[j] = a
+      for n, size in enumerate(sizes):
+        x = g.host(n)
+        _sketch_leaf(n, x, stats.sketches[j])
+        x *= a
+        stats.combined[n] += x
+        scratch = np.abs(x, out=np.empty(size, np.float32), casting="same_kind")
+        stats.abs_sum[n] += scratch
+        stats.sq_sum[n] += np.multiply(x, x, out=scratch, casting="same_kind")
+        stats.sq_lin[n] += np.multiply(x, a, out=scratch, casting="same_kind")
+    if normalize == "weighted":
+      stats.norm = float(stats.raw.sum()) or 1.0  # no weight at all: C is 0
+    return stats
+
+  @property
+  def weights(self) -> np.ndarray:
+    """``c_i``: how ``microbatched`` combines the micro-batch gradients."""
+    return self.raw / self.norm
+
+  def combination(self, n: int) -> np.ndarray:
+    """Leaf ``n`` of ``C = sum c_i g_i`` (a view for the mean and the sum)."""
+    return self.combined[n] / self.norm if self.norm != 1.0 else self.combined[n]
+
+  def tolerance(self, whole: _Grads, rounding: _Rounding, rows: int) -> np.ndarray:
+    """Each leaf's rounding bound (absolute: a norm over its entries).
+
+    Per entry: each result rounded once, the whole batch's and every micro-batch's
+    (``u_r (|G| + S)``, with ``S = sum |c_i g_i|``); the sums over the rows, whose error
+    grows with the square root of their length for the share the rows have in common
+    and stays about one row's spread for the rest (``u_s (sqrt(B) S + spread)``). The
+    spread of one row's contribution is the micro-batch gradients' spread, scaled up
+    from ``B / k`` rows to one. The float32 statistics are freed: nothing else reads them.
+    """
+    k, c = len(self.raw), self.weights
+    out = []
+    for n in range(len(whole.leaves)):
+      g, combination, squares = whole.host(n), self.combination(n), 0.0
+      for at in (slice(i, i + _CHUNK) for i in range(0, g.size, _CHUNK)):
+        mean = combination[at] / c.sum() if c.sum() else 0.0
+        variance = ((self.sq_sum[n][at] - 2 * mean * self.sq_lin[n][at]) / self.norm**2
+                    + mean**2 * (c @ c))
+        spread = (np.sqrt((rows // k) * k * k / (k - 1) * np.maximum(variance, 0.0))
+                  if k > 1 else 0.0)
+        mags = self.abs_sum[n][at] / self.norm
+        bound = (rounding.result * (np.abs(g[at]) + mags)
+                 + rounding.sums * (np.sqrt(rows) * mags + spread))
+        squares += float(bound @ bound)
+      out.append(_SAFETY * np.sqrt(squares))
+    self.abs_sum = self.sq_sum = self.sq_lin = []
+    return np.array(out)
+
+
+# --------------------------------------------------------------- rounding and keys
+_SAFETY = 4.0
+_NUDGES = 2  # calls on nudged inputs: how much rounding the gradient's conditioning amplifies
+
+
+def _nudge(tree: Any, unit: float, seed: int) -> Any:
+  """Each float leaf times ``1 + unit * e``, ``e`` uniform in [-1, 1] per element.
+
+  The whole batch's gradient at such inputs differs from its own by what rounding at
+  ``unit`` can do to this computation: cancellation (a residual near zero, a gradient
+  whose rows cancel) amplifies it, and neither a coupling nor the row order can cause it.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+
+  def one(x: Any, key: jax.Array) -> Any:
+    if not (isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)):
+      return x
+    noise = jax.random.uniform(key, jnp.shape(x), jnp.float32, -1.0, 1.0)
+    return (x * (1 + unit * noise)).astype(x.dtype)
+
+  return jax.tree.unflatten(treedef, [one(x, key) for x, key in zip(leaves, keys, strict=True)])
+
+
+_RANDOM = ("random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform")
+_REDUCTIONS = ("dot_general", "reduce_sum", "conv_general_dilated", "cumsum", "psum")
+_BATCH, _CAPTURED = "a batch argument", "captured"
+
+
+class _Rounding(NamedTuple):
+  """The unit roundoffs the tolerance assumes: of each result, and of the sums over rows."""
+
+  result: float
+  sums: float
+  text: str
+
+
+def _rounding(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+              b_nums: list[int], rows: int) -> _Rounding:
+  """What ``fn``'s batch-dependent reductions round to, from its jaxpr; raises on hidden keys.
+
+  Each variable of the jaxpr carries the inputs it comes from (a batch argument, another
+  argument, a captured constant; none for a constant made inside), so the check knows
+  which reductions sum over data and which keys random numbers are drawn from.
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+  arrays = [n for n, (_, x) in enumerate(flat) if isinstance(x, (jax.Array, np.ndarray))]
+
+  def traced(*values: Any) -> Any:
+    leaves = [x for _, x in flat]
+    for n, v in zip(arrays, values, strict=True):
+      leaves[n] = v
+    a, kw = jax.tree.unflatten(treedef, leaves)
+    return fn(*a, **kw)
+
+  labels = [frozenset({_source(flat[n][0], b_nums)}) for n in arrays]
+  closed = jax.make_jaxpr(traced)(*[flat[n][1] for n in arrays])
+  dtypes: set[Any] = set()
+  _walk(closed.jaxpr, labels, dtypes)
+  dtypes |= {np.dtype(v.aval.dtype) for v in closed.jaxpr.outvars}  # the gradients' own
+  floats = [d for d in dtypes if jnp.issubdtype(d, jnp.inexact)] or [np.dtype(np.float32)]
+  coarse = max(floats, key=lambda d: float(jnp.finfo(d).eps))
+  sums = min(float(jnp.finfo(coarse).eps), float(jnp.finfo(np.float32).eps))
+  text = (f"{coarse.name} sums over {rows} rows" if sums == jnp.finfo(coarse).eps else
+          f"{coarse.name} results, float32 sums over {rows} rows")
+  return _Rounding(float(jnp.finfo(coarse).eps) / 2, sums / 2, text)
+
+
+def _source(path: Any, b_nums: list[int]) -> str:
+  """The label of an input leaf: a batch argument, or where a user finds it."""
+  where, *rest = path
+  at = jax.tree_util.keystr(tuple(rest[1:]))
+  if where.idx == 0:  # positional
+    i = rest[0].idx
+    return _BATCH if i in b_nums else f"argument {i}{at}"
+  return f"keyword `{rest[0].key}`{at}"
+
+
+def _walk(jaxpr: jax_core.Jaxpr, labels: list[frozenset], dtypes: set[Any]) -> list[frozenset]:
+  """Propagates the input labels through ``jaxpr``; returns its outputs' labels.
+
+  Adds to ``dtypes`` the dtypes of reductions over data a batch argument feeds, and
+  raises where random bits are drawn from a key no batch argument feeds.
+  """
+  env = dict(zip(jaxpr.invars, labels, strict=True))
+  env.update((v, frozenset({_CAPTURED})) for v in jaxpr.constvars)
+
+  def read(v: Any) -> frozenset:
+    return frozenset() if isinstance(v, jax_core.Literal) else env.get(v, frozenset())
+
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    every = frozenset().union(*ins)
+    name = eqn.primitive.name
+    if name in _RANDOM:
+      _check_key(ins[0] if ins and name != "rng_uniform" else frozenset())
+    if name in _REDUCTIONS and _BATCH in every:
+      dtypes.update(np.dtype(v.aval.dtype) for v in eqn.outvars)
+    outs = _walk_inner(eqn, ins, dtypes)
+    env.update(zip(eqn.outvars, outs or [every] * len(eqn.outvars), strict=True))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _walk_inner(eqn: Any, ins: list[frozenset], dtypes: set[Any]) -> list[frozenset] | None:
+  """The labels of an equation's outputs, from its inner jaxprs (None: it has none).
+
+  A call (jit, checkpoint, custom rules, shard_map, a scan's body) maps its operands one
+  to one; a ``cond`` its operands after the branch index; a ``while`` its constants and
+  carry. A loop's body is walked once, with the carry's labels on entry: a label that
+  reaches a key only through the carry is missed, which refuses a loss rather than
+  passing one. Anything else gets every operand's labels.
+  """
+  subs = [p.jaxpr if isinstance(p, jax_core.ClosedJaxpr) else p
+          for v in eqn.params.values() for p in (v if isinstance(v, (tuple, list)) else (v,))
+          if isinstance(p, (jax_core.ClosedJaxpr, jax_core.Jaxpr))]
+  if not subs:
+    return None
+  name, n_out = eqn.primitive.name, len(eqn.outvars)
+  if name == "cond":
+    outs = [_walk(s, ins[1:], dtypes) for s in subs]
+    return [frozenset().union(ins[0], *o) for o in zip(*outs, strict=True)]
+  if name == "while":
+    c, b = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    carry = ins[c + b:]
+    _walk(eqn.params["cond_jaxpr"].jaxpr, ins[:c] + carry, dtypes)
+    outs = _walk(eqn.params["body_jaxpr"].jaxpr, ins[c:c + b] + carry, dtypes)
+    return [a | b for a, b in zip(outs, carry, strict=True)]
+  if len(subs) == 1 and len(subs[0].invars) == len(ins):
+    outs = _walk(subs[0], ins, dtypes)
+    if len(outs) == n_out:
+      return outs
+  every = frozenset().union(*ins)
+  for s in subs:
+    _walk(s, [every] * len(s.invars), dtypes)
+  return [every] * n_out
+
+
+def _check_key(labels: frozenset) -> None:
+  """Raises unless the key random bits are drawn from comes from a batch argument."""
+  if _BATCH in labels:
+    return  # per-example keys, split with the batch: the same draws for each example
+  named = sorted(x for x in labels if x != _CAPTURED)
+  if named:
+    where = f"{named[0]} is a PRNG key `fn` draws random numbers from"
+  elif labels:
+    where = ("`fn` draws random numbers from a key it captured (a closure, a global, a"
+             " module's Rngs)")
+  else:
+    where = "`fn` draws random numbers from a key it makes itself (jax.random.key(seed) inside)"
+  raise ValueError(
+      f"{where}: the whole batch and every micro-batch then draw from the same key, other"
+      " random numbers for the same examples (dropout masks), which no accumulation can"
+      " match, and the check would blame the loss. Check a deterministic call (dropout off,"
+      " e.g. `deterministic=True`); to train, pass the key as an argument and name it in"
+      " `microbatched(..., rng_argnums=...)`, which folds it per micro-batch, or put"
+      " per-example keys in a batch argument.")
+
+
+# ---------------------------------------------------------------------- the verdict
+def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: _Grads,
+              stats: _Stats, tol: np.ndarray, rounding: _Rounding,
+              micro_batches: Callable[[], Iterator[_Grads]]) -> LargeBatchReport:
+  """The cause: equal, accumulation, order, scale, weights or coupling, in that order.
+
+  ``permuted``: each leaf's distance of the permuted batch's gradient from the whole's.
+  """
+  leaves = range(len(whole.leaves))
+  combined = [stats.combination(n) for n in leaves]
+  scale = np.array([np.linalg.norm(whole.host(n)) for n in leaves])
+  scale = np.where(scale > 0, scale, tol / _SAFETY + (tol == 0))  # a zero leaf: its rounding
+  errors = acc.distance(whole)
+  ratio = np.divide(errors, tol, out=np.where(errors > 0, np.inf, 0.0), where=tol > 0)
+  worst = int(np.argmax(ratio))
+  table = tuple(LeafError(path, shape, float(e / s), float(t / s))
+                for (path, shape), e, t, s in zip(whole.paths, errors, tol, scale, strict=True))
 
   def report(cause: str, weights: np.ndarray | None, fix: str) -> LargeBatchReport:
     w = None if weights is None else tuple(float(x) for x in weights)
-    return LargeBatchReport(cause == "equal", cause, max_error, tolerance, w, fix, table, k)
+    return LargeBatchReport(cause == "equal", cause, table[worst].relative_error,
+                            table[worst].tolerance, w, fix, table, k, rounding.text)
 
-  if max_error <= tolerance:
+  def off(grads: _Grads, factor: float = 1.0) -> np.ndarray:
+    """Each leaf's distance of ``factor`` times the combination from ``grads``."""
+    return np.array([np.linalg.norm(factor * combined[n] - grads.host(n)) for n in leaves])
+
+  if np.all(errors <= tol):
     return report("equal", None, "Nothing to fix: accumulating these micro-batches gives the"
                   " whole batch's gradient, up to rounding.")
-  combined = gs @ c
-  scale = float(combined @ big_g / (combined @ combined)) if combined @ combined else 0.0
-  if rel(scale * combined - big_g) <= tolerance and c.sum():
-    return report("scale", c / c.sum(), _scale_fix(k, normalize, scale))
-  if gs.shape[0] <= k:  # k vectors of that few entries combine into any gradient
+  if np.all(off(whole) <= tol):
+    return report("accumulation", None, _ACCUMULATION_FIX)
+  if np.any(permuted > tol):
+    return report("order", None, _ORDER_FIX)
+  c = stats.weights
+  dot = sum(float(x @ x) for x in combined)
+  s = sum(float(combined[n] @ whole.host(n)) for n in leaves) / dot if dot else 0.0
+  if s > 0 and np.all(off(whole, s) <= max(1.0, s) * tol):
+    return report("scale", c / c.sum(), _scale_fix(k, normalize, s))
+  entries = sum(x.size for x in combined)
+  if entries <= k:  # k vectors of that few entries combine into any gradient
     raise ValueError(
-        f"check_large_batch: the accumulated gradient is not the whole batch's (max relative"
-        f" error {max_error:.3g} > tolerance {tolerance:.3g}), but with {gs.shape[0]} gradient"
-        f" entries for num_microbatches={k} unequal weights cannot be told from coupling."
-        f" Check with num_microbatches < {gs.shape[0]}, or on a model with more parameters.")
-  w = np.linalg.lstsq(gs, big_g, rcond=None)[0]
-  if rel(gs @ w - big_g) <= tolerance and w.sum():
-    fix = _WEIGHTED_FIX if normalize == "weighted" else _WEIGHTS_FIX
-    return report("weights", w / w.sum(), fix)
+        f"check_large_batch: the accumulated gradient is not the whole batch's (relative"
+        f" error {table[worst].relative_error:.3g} > tolerance {table[worst].tolerance:.3g}),"
+        f" but with {entries} gradient entries for num_microbatches={k} unequal weights"
+        f" cannot be told from coupling. Check with num_microbatches < {entries}, or on a"
+        " model with more parameters.")
+  w = np.linalg.lstsq(stats.sketches.T, _sketch(whole), rcond=None)[0]
+  if np.all(w >= -1e-6 * np.abs(w).max(initial=0.0)) and w.sum() > 0:
+    w = np.maximum(w, 0.0)
+    fitted = [np.zeros_like(x) for x in combined]
+    for wj, g in zip(w, micro_batches(), strict=True):  # the second pass: exact
+      for n in leaves:
+        fitted[n] += wj * g.host(n)
+    growth = max(1.0, float(w.sum() / c.sum())) if c.sum() else 1.0
+    misfit = np.array([np.linalg.norm(fitted[n] - whole.host(n)) for n in leaves])
+    if np.all(misfit <= growth * tol):
+      return report("weights", w / w.sum(),
+                    _WEIGHTED_FIX if normalize == "weighted" else _WEIGHTS_FIX)
   return report("coupling", None, _COUPLING_FIX)
 
 
@@ -338,6 +648,20 @@ def _scale_fix(k: int, normalize: str, scale: float) -> str:
           " the number of rows it sees?): divide by the whole batch's size, or scale the loss.")
 
 
+_ACCUMULATION_FIX = (
+    "The micro-batch gradients, combined in float64 as `microbatched` combines them, are the"
+    " whole batch's, but `microbatched` returned another gradient: a bug in optax_accum."
+    " Please report it with this table, the versions of jax and optax_accum, and the loss."
+    " (With the batch sharded under plain jit, `microbatched` runs `fn` on each device's"
+    " rows: a loss normalised over the rows it sees is normalised per device too; return"
+    " (sum, count) and use normalize='weighted'.)")
+_ORDER_FIX = (
+    "`fn` gives another gradient on the same rows in another order: the loss reads the batch"
+    " axis as more than a set of examples (two views of one example at rows 2i and 2i + 1,"
+    " time-major [T, B] data, sequences packed across rows), and the strided micro-batches"
+    " (rows i, i + k, ...) cut through it. Make axis 0 the examples: stack views as"
+    " [B, 2, ...] rather than [2B, ...], put time after the batch ([B, T, ...]); then each"
+    " micro-batch holds whole examples.")
 _WEIGHTED_FIX = (
     "The whole batch weighs the micro-batches unequally, and not by the denominators"
     " `fn` returns: return (sum of the per-example losses, the count they are divided"

@@ -26,6 +26,7 @@ import optax
 import pytest
 
 import optax_accum as oa
+from optax_accum import microbatching
 
 Mutant = Callable[[pytest.MonkeyPatch], None]
 MUTANTS: dict[str, Mutant] = {}
@@ -86,6 +87,7 @@ def _patch_microbatched(patch: pytest.MonkeyPatch, change: Callable) -> None:
     return lambda *args, **kwargs: change(real(*args, **kwargs), fn, k, options, args, kwargs)
 
   patch.setattr(oa, "microbatched", microbatched)
+  patch.setattr(microbatching, "microbatched", microbatched)  # what check_large_batch calls
 
 
 def _mean_of(options: dict[str, Any], k: Any) -> bool:
