@@ -72,7 +72,12 @@ def round_stochastic(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
     raised = lax.bitcast_convert_type(x, jnp.uint32) + (bits >> 16)
     rounded = lax.bitcast_convert_type(raised & jnp.uint32(0xFFFF0000), jnp.float32)
     return jnp.where(jnp.isnan(x), x, rounded).astype(dtype)
-  nearest = x.astype(dtype)
+  # The barrier keeps the round trip: XLA's GPU compiler removes a float32 -> float16 ->
+  # float32 chain (SimplifyFPConversions, excess precision allowed), so near32 became x and
+  # nothing rounded stochastically. Shown by tests/test_narrow_buffer.py's float16 cases on
+  # a GPU (benchmarks/results/gpu.md) and by the H200 compiler's program
+  # (docs/development/compiler_evidence.md, "float16 stochastic rounding").
+  nearest = lax.optimization_barrier(x.astype(dtype))
   near32 = nearest.astype(jnp.float32)
   other = jnp.nextafter(nearest, jnp.where(near32 > x, -jnp.inf, jnp.inf).astype(dtype))
   gap = jnp.abs(other.astype(jnp.float32) - near32)
