@@ -142,18 +142,17 @@ def check_large_batch(
 
   **The tolerance is what rounding can explain, never a difference between
   the two sides.** Per gradient entry it is 4 times (a safety factor)
-  :math:`u_r (|G| + S) + u_s (\sqrt{B}\, S + \sigma)` with
-  :math:`S = \sum_i |c_i g_i|`: :math:`u_r` the unit roundoff of the
-  coarsest dtype that ``fn``'s reductions over the rows (matmuls, sums) or
-  its gradients come out in, read from ``fn``'s jaxpr (the inputs' dtypes,
-  elementwise casts and reductions over the params alone do not count),
-  each result rounded once; :math:`u_s` that of the sums over the :math:`B`
-  rows (float32 for 16-bit results: XLA and ``jnp.sum`` accumulate them in
-  float32); :math:`\sigma` the spread of one row's contribution, from the
-  micro-batch gradients' spread. Added to it, leaf by leaf, 4 times how far
-  ``fn``'s whole-batch gradient moves when every input is nudged by one unit
-  roundoff (two calls): what the gradient's conditioning (a residual near
-  zero, rows that cancel) does to rounding. Neither a coupling nor the row
+  :math:`u_r (|G| + S) + u_s \sqrt{B}\, S` with :math:`S = \sum_i |c_i g_i|`:
+  :math:`u_r` the unit roundoff of the coarsest dtype that ``fn``'s
+  reductions over the rows (matmuls, sums) or its gradients come out in,
+  read from ``fn``'s jaxpr (the inputs' dtypes, elementwise casts and
+  reductions over the params alone do not count), each result rounded once;
+  :math:`u_s` that of the sums over the :math:`B` rows (float32 for 16-bit
+  results: XLA and ``jnp.sum`` accumulate them in float32), whose error grows
+  with the square root of their length. Added to it, leaf by leaf, 4 times
+  how far ``fn``'s whole-batch gradient moves when every input is nudged by
+  one unit roundoff (two calls): what the gradient's conditioning (a
+  residual near zero, rows that cancel) does to rounding. Neither a coupling nor the row
   order can produce any of it. Each leaf is held to its own tolerance, so a
   small leaf that is wholly wrong is found whatever its share of the whole.
   A float32 loss finds a defect of 0.01%, a bfloat16 one of a few percent.
@@ -174,8 +173,8 @@ def check_large_batch(
   permuted, each micro-batch, streamed) and one of ``microbatched(fn, k)``;
   ``k`` more for a ``"weights"`` or ``"coupling"`` verdict; one trace of
   ``fn``. Pass ``fn`` jitted to compile it once per shape. The host holds
-  about 20 bytes per parameter whatever ``k`` (float64 :math:`C`, three
-  float32 statistics; 22 measured at 1e7 parameters,
+  about 12 bytes per parameter whatever ``k`` (float64 :math:`C` and one
+  float32 statistic; 22 measured at 1e7 parameters,
   ``benchmarks/bench_large_batch.py``): 2 GB at 1e8 parameters. Parameters
   and batches may be sharded over the devices of one process.
 
@@ -337,19 +336,16 @@ def _sketch_leaf(n: int, x: np.ndarray, out: np.ndarray) -> None:
 
 @dataclasses.dataclass
 class _Stats:
-  """What the check keeps of the micro-batch gradients: their combination and its magnitudes.
+  """What the check keeps of the micro-batch gradients: their combination and its magnitude.
 
   With ``a_i`` each micro-batch's raw weight (``1/k``, 1, or its denominator) and
   ``norm`` what divides them into ``c_i`` (1, or the sum of the denominators):
-  ``combined`` is ``sum a_i g_i`` (float64), ``abs_sum`` ``sum |a_i g_i|``,
-  ``sq_sum`` ``sum a_i^2 g_i^2`` and ``sq_lin`` ``sum a_i^2 g_i`` (float32: they set
-  the tolerance), and one sketch per micro-batch.
+  ``combined`` is ``sum a_i g_i`` (float64), ``abs_sum`` ``sum |a_i g_i|`` (float32: it
+  sets the tolerance), and one sketch per micro-batch.
   """
 
   combined: list[np.ndarray]
   abs_sum: list[np.ndarray]
-  sq_sum: list[np.ndarray]
-  sq_lin: list[np.ndarray]
   raw: np.ndarray  # a_i
   norm: float
   sketches: np.ndarray  # [k, _SKETCH_ROWS]
@@ -358,21 +354,17 @@ class _Stats:
   def of(cls, whole: _Grads, micro: Iterator[_Grads], normalize: str, k: int) -> _Stats:
     sizes = [2 * math.prod(shape) if jnp.iscomplexobj(g) else math.prod(shape)
              for g, (_, shape) in zip(whole.leaves, whole.paths, strict=True)]
-    stats = cls([np.zeros(n) for n in sizes],
-                *([np.zeros(n, np.float32) for n in sizes] for _ in range(3)),
+    stats = cls([np.zeros(n) for n in sizes], [np.zeros(n, np.float32) for n in sizes],
                 np.zeros(k), 1.0, np.zeros((k, _SKETCH_ROWS)))
     for j, g in enumerate(micro):
       a = g.den if normalize == "weighted" else (1.0 / k if normalize == "mean" else 1.0)
       stats.raw[j] = a
-      for n, size in enumerate(sizes):
+      for n in range(len(sizes)):
         x = g.host(n)
         _sketch_leaf(n, x, stats.sketches[j])
         x *= a
         stats.combined[n] += x
-        scratch = np.abs(x, out=np.empty(size, np.float32), casting="same_kind")
-        stats.abs_sum[n] += scratch
-        stats.sq_sum[n] += np.multiply(x, x, out=scratch, casting="same_kind")
-        stats.sq_lin[n] += np.multiply(x, a, out=scratch, casting="same_kind")
+        stats.abs_sum[n] += np.abs(x, out=x)
     if normalize == "weighted":
       stats.norm = float(stats.raw.sum()) or 1.0  # no weight at all: C is 0
     return stats
@@ -389,29 +381,20 @@ class _Stats:
   def tolerance(self, whole: _Grads, rounding: _Rounding, rows: int) -> np.ndarray:
     """Each leaf's rounding bound (absolute: a norm over its entries).
 
-    Per entry: each result rounded once, the whole batch's and every micro-batch's
-    (``u_r (|G| + S)``, with ``S = sum |c_i g_i|``); the sums over the rows, whose error
-    grows with the square root of their length for the share the rows have in common
-    and stays about one row's spread for the rest (``u_s (sqrt(B) S + spread)``). The
-    spread of one row's contribution is the micro-batch gradients' spread, scaled up
-    from ``B / k`` rows to one. The float32 statistics are freed: nothing else reads them.
+    Per entry, with ``S = sum |c_i g_i|``: each result rounded once, the whole batch's
+    and every micro-batch's (``u_r (|G| + S)``), and the sums over the ``B`` rows
+    (``u_s sqrt(B) S``). Where the rows cancel, one row's contribution is ``sqrt(B / k)``
+    times a micro-batch's, so ``sqrt(B) S`` covers the sums' error there too.
     """
-    k, c = len(self.raw), self.weights
     out = []
     for n in range(len(whole.leaves)):
-      g, combination, squares = whole.host(n), self.combination(n), 0.0
+      g, mags, squares = whole.host(n), self.abs_sum[n], 0.0
       for at in (slice(i, i + _CHUNK) for i in range(0, g.size, _CHUNK)):
-        mean = combination[at] / c.sum() if c.sum() else 0.0
-        variance = ((self.sq_sum[n][at] - 2 * mean * self.sq_lin[n][at]) / self.norm**2
-                    + mean**2 * (c @ c))
-        spread = (np.sqrt((rows // k) * k * k / (k - 1) * np.maximum(variance, 0.0))
-                  if k > 1 else 0.0)
-        mags = self.abs_sum[n][at] / self.norm
-        bound = (rounding.result * (np.abs(g[at]) + mags)
-                 + rounding.sums * (np.sqrt(rows) * mags + spread))
+        s = mags[at] / self.norm
+        bound = rounding.result * (np.abs(g[at]) + s) + rounding.sums * np.sqrt(rows) * s
         squares += float(bound @ bound)
       out.append(_SAFETY * np.sqrt(squares))
-    self.abs_sum = self.sq_sum = self.sq_lin = []
+    self.abs_sum = []  # nothing else reads it
     return np.array(out)
 
 
