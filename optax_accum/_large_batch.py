@@ -174,8 +174,8 @@ def check_large_batch(
   ``k`` more for a ``"weights"`` or ``"coupling"`` verdict; one trace of
   ``fn``. Pass ``fn`` jitted to compile it once per shape. The host holds
   about 12 bytes per parameter whatever ``k`` (float64 :math:`C` and one
-  float32 statistic; 22 measured at 1e7 parameters,
-  ``benchmarks/bench_large_batch.py``): 2 GB at 1e8 parameters. Parameters
+  float32 statistic; 14 measured at 1e7 parameters,
+  ``benchmarks/bench_large_batch.py``): 1.3 GiB at 1e8 parameters. Parameters
   and batches may be sharded over the devices of one process.
 
   Args:

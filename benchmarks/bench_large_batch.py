@@ -1,0 +1,183 @@
+"""check_large_batch's host memory and time on a large MLP: a few gradient copies at any k.
+
+An MLP of ``--params`` parameters (float32, tanh layers of one width), a batch of 64
+rows, ``debug.check_large_batch`` at k = 2 and 8, each in a fresh process that first
+takes one gradient. Host memory: the peak of numpy's allocations during the check
+(what it keeps on the host; ``tracemalloc``), the peak resident set above its level
+before the check (sampled every 5 ms; on the CPU backend the device arrays are host
+memory too) and the process's peak, per parameter. Time: the check against one call
+of the jitted value-and-grad on the whole batch, in the same process.
+
+  python benchmarks/bench_large_batch.py                 # 1e7 params: results/large_batch.*
+  python benchmarks/bench_large_batch.py --params 1e8    # about 10 minutes on 2 cores
+  python benchmarks/bench_large_batch.py --quick --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_accum.debug import check_large_batch
+
+ROWS, D_IN = 64, 256
+KS = (2, 8)
+
+
+def rss() -> int:
+  """The process's resident set, bytes (Linux)."""
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * 4096
+
+
+def peak_rss_during(run: Callable[[], Any]) -> tuple[Any, int]:
+  """``run()``'s result and the peak resident set above the level before it."""
+  start, peak, done = rss(), [0], threading.Event()
+
+  def sample() -> None:
+    while not done.is_set():
+      peak[0] = max(peak[0], rss())
+      time.sleep(0.005)
+
+  thread = threading.Thread(target=sample, daemon=True)
+  thread.start()
+  try:
+    out = run()
+  finally:
+    done.set()
+    thread.join()
+  return out, max(peak[0], rss()) - start
+
+
+def mlp(params_target: float) -> tuple[dict[str, jax.Array], int]:
+  """Square tanh layers of one width, about ``params_target`` parameters."""
+  width = 256
+  while (width * 2) ** 2 * 8 <= params_target:
+    width *= 2
+  layers = max(1, round(params_target / width**2))
+  rng = np.random.default_rng(0)
+  params = {"in": jnp.asarray(rng.normal(size=(D_IN, width)) / np.sqrt(D_IN), jnp.float32)}
+  for i in range(layers):
+    params[f"h{i}"] = jnp.asarray(rng.normal(size=(width, width)) / np.sqrt(width), jnp.float32)
+  return params, sum(int(p.size) for p in params.values())
+
+
+def loss(params: dict[str, jax.Array], x: jax.Array, y: jax.Array) -> jax.Array:
+  h = jnp.tanh(x @ params["in"])
+  for i in range(len(params) - 1):
+    h = jnp.tanh(h @ params[f"h{i}"])
+  return jnp.mean((h[:, :1] - y) ** 2)
+
+
+def measure_one(params_target: float, k: int) -> dict[str, Any]:
+  """One check at ``k`` in this process, right after one gradient of the whole batch."""
+  params, n_params = mlp(params_target)
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(ROWS, D_IN)), jnp.float32)
+  y = jnp.asarray(rng.normal(size=(ROWS, 1)), jnp.float32)
+  fn = jax.jit(jax.value_and_grad(loss))
+  calls = []
+  for _ in range(4):  # the first compiles
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(params, x, y))
+    calls.append(time.perf_counter() - t0)
+  one_call = harness.median(calls[1:])
+  check = check_large_batch(fn, k, batch_argnums=(1, 2))
+  tracemalloc.start()
+  t0 = time.perf_counter()
+  report, above = peak_rss_during(lambda: check(params, x, y))
+  seconds = time.perf_counter() - t0
+  numpy_peak = tracemalloc.get_traced_memory()[1]
+  tracemalloc.stop()
+  return {"k": k, "params": n_params, "layers": len(params), "cause": report.cause,
+          "seconds": seconds, "one_call_s": one_call, "vs_one_call": seconds / one_call,
+          "numpy_peak_bytes": numpy_peak, "numpy_bytes_per_param": numpy_peak / n_params,
+          "rss_above_bytes": above, "rss_bytes_per_param": above / n_params,
+          "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+          "max_relative_error": report.max_relative_error, "tolerance": report.tolerance}
+
+
+def measure(params_target: float) -> dict[str, Any]:
+  """Each k in a fresh process: no allocation of one run is reused by the next."""
+  records = []
+  for k in KS:
+    proc = subprocess.run([sys.executable, __file__, "--one", str(k), "--params",
+                           str(params_target)], capture_output=True, text=True, check=False)
+    if proc.returncode:
+      raise SystemExit(proc.stderr[-3000:])
+    records.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    r = records[-1]
+    print(f"k={k}: {r['cause']}, {r['seconds']:.1f} s, numpy {r['numpy_bytes_per_param']:.1f}"
+          f" B/param, resident set +{r['rss_bytes_per_param']:.1f} B/param", flush=True)
+  return {"params": records[0]["params"], "layers": records[0]["layers"], "rows": ROWS,
+          "records": records, "meta": harness.machine()}
+
+
+def markdown(result: dict[str, Any], argv: str) -> str:
+  p = result["params"]
+  lines = [
+      "# check_large_batch: host memory and time", "",
+      f"`python benchmarks/bench_large_batch.py {argv}` on {result['meta']['device']}"
+      f" ({result['meta']['backend']}, jax {result['meta']['jax']}, load"
+      f" {result['meta']['loadavg']}, {result['meta']['date']}): an MLP of {p:,} float32"
+      f" params ({result['layers']} matrices), {result['rows']} rows. One call of the jitted"
+      f" value-and-grad on the whole batch: {result['records'][0]['one_call_s']:.3f} s. Each k"
+      " runs in a fresh process that takes that gradient, then runs the check once (its"
+      " compilations included). Bytes per parameter: numpy's peak during the check (what it"
+      " keeps on the host), the resident set's peak above its level before the check, and"
+      " the process's peak resident set (the model, its gradients and the check).", "",
+      *harness.table(
+          "k | verdict | numpy peak (B/param) | resident set + (B/param) | process peak"
+          " (MiB) | time (s) | time / one call", "rlrrrrr",
+          [(r["k"], r["cause"], f"{r['numpy_bytes_per_param']:.1f}",
+            f"{r['rss_bytes_per_param']:.1f}", harness.mib(r["process_peak_rss_bytes"]),
+            f"{r['seconds']:.1f}", f"{r['vs_one_call']:.1f}x") for r in result["records"]]),
+      "",
+      f"At 1e8 parameters the numpy peak of k = {result['records'][-1]['k']} is"
+      f" {result['records'][-1]['numpy_bytes_per_param'] * 1e8 / 2**30:.1f} GiB."]
+  return "\n".join(lines)
+
+
+def plot(result: dict[str, Any]) -> Any:
+  plt = harness.pyplot()
+  fig, ax = plt.subplots(figsize=(5, 3), dpi=120)
+  ks = [str(r["k"]) for r in result["records"]]
+  ax.bar([i - 0.2 for i in range(len(ks))],
+         [r["numpy_bytes_per_param"] for r in result["records"]], 0.4, label="numpy peak")
+  ax.bar([i + 0.2 for i in range(len(ks))],
+         [r["rss_bytes_per_param"] for r in result["records"]], 0.4, label="resident set +")
+  ax.set_xticks(range(len(ks)), [f"k = {k}" for k in ks])
+  ax.set_ylabel("host bytes per parameter")
+  ax.set_title(f"check_large_batch, {result['params']:,} params")
+  ax.legend()
+  return fig
+
+
+def main() -> None:
+  ap = harness.parser(__doc__, quick="1e5 params (checks the script)")
+  ap.add_argument("--params", type=float, default=1e7, help="parameters (default 1e7)")
+  ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one k
+  args = ap.parse_args()
+  if args.one:
+    print(json.dumps(measure_one(args.params, args.one)))
+    return
+  result = measure(1e5 if args.quick else args.params)
+  argv = "--quick" if args.quick else f"--params {args.params:g}"
+  harness.write(args.out, "large_batch", result, markdown(result, argv), plot)
+
+
+if __name__ == "__main__":
+  main()
