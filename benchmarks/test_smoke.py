@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import bench_accumulate as bench
+import bench_large_batch
 
 
 def test_bench_accumulate_quick(tmp_path: Path) -> None:
@@ -19,3 +20,14 @@ def test_bench_accumulate_quick(tmp_path: Path) -> None:
   assert result["bandwidth"]["copy_GBps"] > 0
   assert (tmp_path / "accumulate.md").read_text().count("| oa.accumulate mid |") == 2
   assert (tmp_path / "accumulate.png").stat().st_size > 0
+
+
+def test_bench_large_batch_quick(tmp_path: Path) -> None:
+  proc = subprocess.run(
+      [sys.executable, bench_large_batch.__file__, "--quick", "--out", str(tmp_path)],
+      capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((tmp_path / "large_batch.json").read_text())
+  assert [r["k"] for r in result["records"]] == [2, 8]
+  assert all(r["cause"] == "equal" and r["numpy_peak_bytes"] > 0 for r in result["records"])
+  assert (tmp_path / "large_batch.png").stat().st_size > 0
