@@ -141,21 +141,22 @@ def check_large_batch(
     raises ``ValueError``.
 
   **The tolerance is what rounding can explain, never a difference between
-  the two sides.** Per gradient entry it is 4 times (a safety factor)
-  :math:`u_r (|G| + S) + u_s \sqrt{B}\, S` with :math:`S = \sum_i |c_i g_i|`:
-  :math:`u_r` the unit roundoff of the coarsest dtype that ``fn``'s
-  reductions over the rows (matmuls, sums) or its gradients come out in,
-  read from ``fn``'s jaxpr (the inputs' dtypes, elementwise casts and
-  reductions over the params alone do not count), each result rounded once;
-  :math:`u_s` that of the sums over the :math:`B` rows (float32 for 16-bit
-  results: XLA and ``jnp.sum`` accumulate them in float32), whose error grows
-  with the square root of their length. Added to it, leaf by leaf, 4 times
-  how far ``fn``'s whole-batch gradient moves when every input is nudged by
-  one unit roundoff (two calls): what the gradient's conditioning (a
-  residual near zero, rows that cancel) does to rounding. Neither a coupling nor the row
-  order can produce any of it. Each leaf is held to its own tolerance, so a
-  small leaf that is wholly wrong is found whatever its share of the whole.
-  A float32 loss finds a defect of 0.01%, a bfloat16 one of a few percent.
+  the two sides.** Per leaf it is 4 times (a safety factor) the sum of two
+  terms. The sums over the :math:`B` rows: :math:`u_s \sqrt{B}\, |G|`, their
+  error growing with the square root of their length, :math:`u_s` the unit
+  roundoff they accumulate in (float32 for 16-bit results: XLA and
+  ``jnp.sum`` accumulate those in float32). And one rounding of every input,
+  through the gradient's conditioning: how far ``fn``'s whole-batch gradient
+  moves when every input is nudged by one unit roundoff :math:`u_r` of the
+  coarsest dtype that ``fn``'s reductions over the rows (matmuls, sums) or
+  its gradients come out in (the root mean square of two such calls). A
+  residual near zero or rows that cancel amplify it as they amplify the
+  computation's own roundings. :math:`u_r` is read from ``fn``'s jaxpr: the
+  inputs' dtypes, elementwise casts and reductions over the params alone do
+  not count. Neither a coupling nor the row order can produce any of it.
+  Each leaf is held to its own tolerance, so a small leaf that is wholly
+  wrong is found whatever its share of the whole. A float32 loss finds a
+  defect of 0.01%, a bfloat16 one of a few percent.
 
   **What "equal" proves**: on these arguments, accumulating the ``k``
   micro-batches gives the large batch's gradient up to rounding. Not that it
@@ -173,10 +174,10 @@ def check_large_batch(
   permuted, each micro-batch, streamed) and one of ``microbatched(fn, k)``;
   ``k`` more for a ``"weights"`` or ``"coupling"`` verdict; one trace of
   ``fn``. Pass ``fn`` jitted to compile it once per shape. The host holds
-  about 12 bytes per parameter whatever ``k`` (float64 :math:`C` and one
-  float32 statistic; 14 measured at 1e7 parameters,
-  ``benchmarks/bench_large_batch.py``): 1.3 GiB at 1e8 parameters. Parameters
-  and batches may be sharded over the devices of one process.
+  about 8 bytes per parameter whatever ``k``, the float64 :math:`C`, and one
+  leaf at a time (``benchmarks/bench_large_batch.py`` measures it): under 1 GiB
+  at 1e8 parameters. Parameters and batches may be sharded over the devices
+  of one process.
 
   Args:
     fn: ``(*args) -> (value, grads)`` like ``jax.value_and_grad(loss_fn)``
@@ -255,8 +256,11 @@ def check_large_batch(
         i: jax.tree.map(lambda x: _rows(x, order), args[i]) for i in b_nums}))
     stats = _Stats.of(whole, micro_batches(), normalize, k)
     acc = _Grads.of(accumulated(*args, **kwargs)[1], "microbatched")
-    tol = stats.tolerance(whole, rounding, rows) + _SAFETY * np.sqrt(np.mean(
-        np.square(nudged), axis=0))
+    # The tolerance: the sums over the rows, whose error grows with the square root of
+    # their length, and what the gradient's conditioning does to one rounding of every input.
+    sums = rounding.sums * np.sqrt(rows) * np.array([np.linalg.norm(whole.host(n))
+                                                     for n in range(len(whole.leaves))])
+    tol = _SAFETY * (sums + np.sqrt(np.mean(np.square(nudged), axis=0)))
     return _classify(k, normalize, whole, permuted, acc, stats, tol, rounding, micro_batches)
 
   return check
@@ -304,8 +308,12 @@ class _Grads(NamedTuple):
 
   def distance(self, other: _Grads) -> np.ndarray:
     """Each leaf's norm of ``self - other``."""
-    return np.array([np.linalg.norm(self.host(n) - other.host(n))
-                     for n in range(len(self.leaves))])
+    out = []
+    for n in range(len(self.leaves)):
+      x = self.host(n)
+      x -= other.host(n)
+      out.append(np.linalg.norm(x))
+    return np.array(out)
 
 
 # ------------------------------------------------------------ streaming statistics
@@ -336,35 +344,32 @@ def _sketch_leaf(n: int, x: np.ndarray, out: np.ndarray) -> None:
 
 @dataclasses.dataclass
 class _Stats:
-  """What the check keeps of the micro-batch gradients: their combination and its magnitude.
+  """What the check keeps of the micro-batch gradients: their float64 combination, sketched.
 
   With ``a_i`` each micro-batch's raw weight (``1/k``, 1, or its denominator) and
-  ``norm`` what divides them into ``c_i`` (1, or the sum of the denominators):
-  ``combined`` is ``sum a_i g_i`` (float64), ``abs_sum`` ``sum |a_i g_i|`` (float32: it
-  sets the tolerance), and one sketch per micro-batch.
+  ``norm`` what divides them into ``c_i`` (1, or the sum of the denominators),
+  ``combined`` is ``sum a_i g_i``; one sketch per micro-batch.
   """
 
   combined: list[np.ndarray]
-  abs_sum: list[np.ndarray]
   raw: np.ndarray  # a_i
   norm: float
   sketches: np.ndarray  # [k, _SKETCH_ROWS]
 
   @classmethod
   def of(cls, whole: _Grads, micro: Iterator[_Grads], normalize: str, k: int) -> _Stats:
-    sizes = [2 * math.prod(shape) if jnp.iscomplexobj(g) else math.prod(shape)
+    sizes = [math.prod(shape) * (2 if jnp.iscomplexobj(g) else 1)
              for g, (_, shape) in zip(whole.leaves, whole.paths, strict=True)]
-    stats = cls([np.zeros(n) for n in sizes], [np.zeros(n, np.float32) for n in sizes],
-                np.zeros(k), 1.0, np.zeros((k, _SKETCH_ROWS)))
+    stats = cls([np.zeros(size) for size in sizes], np.zeros(k), 1.0,
+                np.zeros((k, _SKETCH_ROWS)))
     for j, g in enumerate(micro):
       a = g.den if normalize == "weighted" else (1.0 / k if normalize == "mean" else 1.0)
       stats.raw[j] = a
-      for n in range(len(sizes)):
+      for n, combined in enumerate(stats.combined):
         x = g.host(n)
         _sketch_leaf(n, x, stats.sketches[j])
         x *= a
-        stats.combined[n] += x
-        stats.abs_sum[n] += np.abs(x, out=x)
+        combined += x
     if normalize == "weighted":
       stats.norm = float(stats.raw.sum()) or 1.0  # no weight at all: C is 0
     return stats
@@ -377,25 +382,6 @@ class _Stats:
   def combination(self, n: int) -> np.ndarray:
     """Leaf ``n`` of ``C = sum c_i g_i`` (a view for the mean and the sum)."""
     return self.combined[n] / self.norm if self.norm != 1.0 else self.combined[n]
-
-  def tolerance(self, whole: _Grads, rounding: _Rounding, rows: int) -> np.ndarray:
-    """Each leaf's rounding bound (absolute: a norm over its entries).
-
-    Per entry, with ``S = sum |c_i g_i|``: each result rounded once, the whole batch's
-    and every micro-batch's (``u_r (|G| + S)``), and the sums over the ``B`` rows
-    (``u_s sqrt(B) S``). Where the rows cancel, one row's contribution is ``sqrt(B / k)``
-    times a micro-batch's, so ``sqrt(B) S`` covers the sums' error there too.
-    """
-    out = []
-    for n in range(len(whole.leaves)):
-      g, mags, squares = whole.host(n), self.abs_sum[n], 0.0
-      for at in (slice(i, i + _CHUNK) for i in range(0, g.size, _CHUNK)):
-        s = mags[at] / self.norm
-        bound = rounding.result * (np.abs(g[at]) + s) + rounding.sums * np.sqrt(rows) * s
-        squares += float(bound @ bound)
-      out.append(_SAFETY * np.sqrt(squares))
-    self.abs_sum = []  # nothing else reads it
-    return np.array(out)
 
 
 # --------------------------------------------------------------- rounding and keys
