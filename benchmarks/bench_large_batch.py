@@ -9,7 +9,7 @@ memory too) and the process's peak, per parameter. Time: the check against one c
 of the jitted value-and-grad on the whole batch, in the same process.
 
   python benchmarks/bench_large_batch.py                 # 1e7 params: results/large_batch.*
-  python benchmarks/bench_large_batch.py --params 1e8    # about 10 minutes on 2 cores
+  python benchmarks/bench_large_batch.py --params 1e8    # results/large_batch_1e08.*
   python benchmarks/bench_large_batch.py --quick --out /tmp/x
 """
 
@@ -176,7 +176,8 @@ def main() -> None:
     return
   result = measure(1e5 if args.quick else args.params)
   argv = "--quick" if args.quick else f"--params {args.params:g}"
-  harness.write(args.out, "large_batch", result, markdown(result, argv), plot)
+  stem = "large_batch" if args.quick or args.params == 1e7 else f"large_batch_{args.params:.0e}"
+  harness.write(args.out, stem.replace("+", ""), result, markdown(result, argv), plot)
 
 
 if __name__ == "__main__":
