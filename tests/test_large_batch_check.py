@@ -224,6 +224,21 @@ def test_the_same_loss_token_weighted_is_equal():
   assert report.tolerance >= 2 * float(jnp.finfo(jnp.float32).eps)
 
 
+def test_a_token_weighted_loss_off_on_the_whole_batch_is_a_scale_of_its_own_size():
+  """normalize='weighted': the combination is over the total denominator, so the scale the
+  report gives is the defect's, 1.05, whatever the count of real rows."""
+  def off(p, x, y, m):
+    num, den = masked_terms(p, x, y, m)
+    return (1.05 if x.shape[0] == B else 1.0) * num, den
+
+  check = check_large_batch(value_and_grad(off, has_aux=True), K, batch_argnums=(1, 2, 3),
+                            normalize="weighted")
+  report = check(PARAMS, X, Y, MASK)
+  assert report.cause == "scale" and "1.05 times" in report.fix, str(report)
+  counts = np.asarray(MASK).reshape(B // K, K).sum(axis=0)
+  np.testing.assert_allclose(report.weights, counts / counts.sum(), atol=1e-6)
+
+
 def test_negative_weights_are_not_a_weights_cause():
   """A denominator that is negative in one micro-batch fits only with a negative weight."""
   signs = np.where(np.arange(B) % K == 3, -0.5, 1.0) * _rng.uniform(0.5, 1.5, B)
