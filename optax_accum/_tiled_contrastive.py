@@ -24,7 +24,6 @@ one block in flight: ``O(B / n * D)``, whatever ``n``.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -250,6 +249,13 @@ def _masked(valid: jax.Array | None, v: jax.Array, fill: Any = 0) -> jax.Array:
   return v if valid is None else jnp.where(valid, v, fill)
 
 
+def _diagonal(ring: _Ring, shape: tuple[int, int], owner: Any, i: jax.Array) -> jax.Array:
+  """The positive pairs in tile ``i`` of ``owner``'s block: the diagonal of the own block."""
+  rows = lax.broadcasted_iota(jnp.int32, shape, 0)
+  cols = i * ring.block + lax.broadcasted_iota(jnp.int32, shape, 1)
+  return (rows == cols) & (owner == ring.index())
+
+
 def _logits(x: jax.Array, y_tile: jax.Array, inv_t: jax.Array) -> jax.Array:
   """``x @ y_tile.T / temperature``, accumulated in ``inv_t``'s dtype."""
   return jnp.matmul(x, y_tile.T, preferred_element_type=inv_t.dtype) * inv_t
@@ -287,50 +293,68 @@ def _clip_fwd(ring: _Ring, x: jax.Array, y: jax.Array, t: jax.Array) -> tuple[ja
   x, y, t = _vary(ring, x, y, t)
   inv_t = 1 / t
 
-  def tile(r: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-    y_tile, c_tile, i = xs
+  def tile(rows: Any, xs: tuple[Any, ...]) -> tuple[Any, Any]:
+    y_tile, cols, i = xs
     s = _logits(x, y_tile, inv_t)
-    r = jnp.logaddexp(r, jax.nn.logsumexp(_masked(_valid(ring, i), s, -jnp.inf), axis=1))
-    return r, jnp.logaddexp(c_tile, jax.nn.logsumexp(s, axis=0))
+    return _online(rows, _masked(_valid(ring, i), s, -jnp.inf), 1), _online(cols, s, 0)
 
-  def visit(r: jax.Array, block: tuple[jax.Array, jax.Array], owner: Any) -> Any:
-    y_tiles, c = block
-    r, c = lax.scan(tile, r, (y_tiles, c, jnp.arange(ring.tiles)))
-    return r, (y_tiles, c)
+  def visit(rows: Any, block: tuple[jax.Array, Any], owner: Any) -> Any:
+    y_tiles, cols = block
+    rows, cols = lax.scan(tile, rows, (y_tiles, cols, jnp.arange(ring.tiles)))
+    return rows, (y_tiles, cols)
 
-  r0 = _arrays.match_varying(jnp.full((ring.rows,), -jnp.inf, t.dtype), x)
-  c0 = _arrays.match_varying(jnp.full((ring.tiles, ring.block), -jnp.inf, t.dtype), x)
-  r, (y_held, c_held) = _walk(ring, visit, r0, (_tiled(ring, y), c0), 1)
+  def empty(*shape: int) -> tuple[jax.Array, jax.Array]:  # no term yet: max -inf, sum 0
+    return tuple(_arrays.match_varying(jnp.full(shape, v, t.dtype), x) for v in (-jnp.inf, 0))
+
+  rows, (y_held, cols) = _walk(ring, visit, empty(ring.rows), (_tiled(ring, y),
+                                                               empty(ring.tiles, ring.block)), 1)
+  r, c = _lse(rows), _lse(cols)  # each row's and each held column's log-sum-exp
   diag = jnp.sum(x.astype(t.dtype) * y.astype(t.dtype)) * inv_t
-  loss = ring.total(jnp.sum(r) + jnp.sum(_untiled(ring, c_held)) - 2 * diag)
-  return loss / (2 * ring.rows * ring.devices), (primals, r, y_held, c_held)
+  loss = ring.total(jnp.sum(r) + jnp.sum(_untiled(ring, c)) - 2 * diag)
+  return loss / (2 * ring.rows * ring.devices), (primals, r, y_held, c)
+
+
+def _online(stats: tuple[jax.Array, jax.Array], s: jax.Array, axis: int
+            ) -> tuple[jax.Array, jax.Array]:
+  """A log-sum-exp along ``axis`` as ``(max, sum of exp(s - max))``, with ``s``'s terms added.
+
+  The sum's error stays relative to the sum, whatever the size of the max.
+  """
+  m, total = stats
+  new = jnp.maximum(m, jnp.max(s, axis=axis))
+  return new, total * jnp.exp(m - new) + jnp.sum(jnp.exp(s - jnp.expand_dims(new, axis)), axis)
+
+
+def _lse(stats: tuple[jax.Array, jax.Array]) -> jax.Array:
+  return stats[0] + jnp.log(stats[1])
 
 
 def _clip_bwd(ring: _Ring, res: Any, g: jax.Array) -> tuple[jax.Array, ...]:
   primals, r, y_held, c_held = res
   x, y, t, r, y_held, c_held, g = _vary(ring, *primals, r, y_held, c_held, g)
-  inv_t, n = 1 / t, ring.rows * ring.devices
-  scale = g / (2 * n)
+  inv_t, scale = 1 / t, g / (2 * ring.rows * ring.devices)
 
-  def tile(dx: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-    y_tile, c_tile, dy_tile, i = xs
-    s = _logits(x, y_tile, inv_t)
-    grad = _masked(_valid(ring, i), scale * (jnp.exp(s - r[:, None]) + jnp.exp(s - c_tile)))
-    return dx + _product(grad, y_tile), dy_tile + _product(grad.T, x)
-
-  def visit(dx: jax.Array, block: tuple[jax.Array, ...], owner: Any) -> Any:
+  def visit(carry: tuple[jax.Array, jax.Array], block: tuple[jax.Array, ...], owner: Any
+            ) -> Any:
+    def tile(carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, ...]) -> Any:
+      (dx, ds), (y_tile, c_tile, dy_tile, i) = carry, xs
+      s = _logits(x, y_tile, inv_t)
+      grad = jnp.exp(s - r[:, None]) + jnp.exp(s - c_tile) - 2 * _diagonal(ring, s.shape, owner, i)
+      grad = _masked(_valid(ring, i), scale * grad)
+      # ds: each row's sum of grad * s, for the temperature's gradient.
+      return (dx + _product(grad, y_tile), ds + jnp.sum(grad * s, axis=1)), dy_tile + _product(
+          grad.T, x)
     y_tiles, c, dy = block
-    dx, dy = lax.scan(tile, dx, (y_tiles, c, dy, jnp.arange(ring.tiles)))
-    return dx, (y_tiles, c, dy)
+    carry, dy = lax.scan(tile, carry, (y_tiles, c, dy, jnp.arange(ring.tiles)))
+    return carry, (y_tiles, c, dy)
 
   dx0 = _arrays.match_varying(jnp.zeros(x.shape, t.dtype), x)
+  ds0 = _arrays.match_varying(jnp.zeros((ring.rows,), t.dtype), x)
   dy0 = _arrays.match_varying(jnp.zeros((ring.tiles, ring.block, y.shape[1]), t.dtype), x)
-  dx, (_, _, dy) = _walk(ring, visit, dx0, (y_held, c_held, dy0), -1)
-  # The diagonal's -1/B per row, and 1/temperature, once.
-  dx = (dx - 2 * scale * y.astype(t.dtype)) * inv_t
-  dy = (_untiled(ring, dy) - 2 * scale * x.astype(t.dtype)) * inv_t
-  dt = -jnp.sum(x.astype(t.dtype) * dx) * inv_t  # sum_ij G_ij s_ij / t = x . dx
-  return tuple(_like(ct, p) for ct, p in zip((dx, dy, dt), primals, strict=True))
+  (dx, ds), (_, _, dy) = _walk(ring, visit, (dx0, ds0), (y_held, c_held, dy0), -1)
+  dt = -jnp.sum(ds) * inv_t  # sum_ij G_ij s_ij, with ds/dt = -s/t
+  cts = (dx * inv_t, _untiled(ring, dy) * inv_t, dt)
+  return tuple(_like(ct, p) for ct, p in zip(cts, primals, strict=True))
 
 
 _clip.defvjp(_clip_fwd, _clip_bwd)
@@ -338,10 +362,8 @@ _clip.defvjp(_clip_fwd, _clip_bwd)
 
 # -------------------------------------------------------------------------- SigLIP
 def _signed(ring: _Ring, s: jax.Array, owner: Any, i: jax.Array) -> jax.Array:
-  """``-s`` on the positive pairs (the diagonal of the owner's own block), ``s`` elsewhere."""
-  rows = lax.broadcasted_iota(jnp.int32, s.shape, 0)
-  cols = i * ring.block + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-  return jnp.where((rows == cols) & (owner == ring.index()), -s, s)
+  """``-s`` on the positive pairs, ``s`` elsewhere."""
+  return jnp.where(_diagonal(ring, s.shape, owner, i), -s, s)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
