@@ -19,3 +19,17 @@ def test_bench_accumulate_quick(tmp_path: Path) -> None:
   assert result["bandwidth"]["copy_GBps"] > 0
   assert (tmp_path / "accumulate.md").read_text().count("| oa.accumulate mid |") == 2
   assert (tmp_path / "accumulate.png").stat().st_size > 0
+
+
+def test_bench_contrastive_tiled_quick(tmp_path: Path) -> None:
+  script = Path(bench.__file__).with_name("bench_contrastive.py")
+  proc = subprocess.run([sys.executable, str(script), "--tiled", "--quick", "--out", str(tmp_path)],
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = json.loads((tmp_path / "contrastive_tiled.json").read_text())["rows"]
+  assert {(r["loss"], r["batch"]) for r in rows} == {
+      (loss, b) for loss in ("CLIP", "SigLIP") for b in (256, 1024, 2048)}
+  for r in rows:  # the tiled loss is the dense one, in less memory from B = 1,024
+    assert r["grad_rel_diff"] < 1e-4 and r["loss_rel_diff"] < 1e-5
+    assert r["batch"] < 1024 or r["tiled_temp_bytes"] < r["dense_temp_bytes"] / 4
+  assert (tmp_path / "contrastive_tiled.png").stat().st_size > 0

@@ -115,8 +115,8 @@ def clip_loss(x: jax.Array, y: jax.Array, temperature: Any, *, block_size: int |
 
     On 8 devices, each with 32 rows, the same loss:
 
-    >>> from jax.sharding import PartitionSpec as P
-    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     >>> ring = jax.shard_map(lambda x, y: clip_loss(x, y, 0.1, axis_name="data"), mesh=mesh,
     ...                      in_specs=P("data"), out_specs=P())
     >>> bool(jnp.allclose(jax.jit(ring)(x, y), ref))

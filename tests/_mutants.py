@@ -32,7 +32,8 @@ from optax_accum import contrastive
 Mutant = Callable[[pytest.MonkeyPatch], None]
 MUTANTS: dict[str, Mutant] = {}
 _accumulate, _microbatched = oa.accumulate, oa.microbatched  # the real ones
-_clip_loss, _siglip_loss, _ppermute = contrastive.clip_loss, contrastive.siglip_loss, jax.lax.ppermute
+_clip_loss, _siglip_loss = contrastive.clip_loss, contrastive.siglip_loss
+_ppermute = jax.lax.ppermute
 _MISSING = object()
 
 

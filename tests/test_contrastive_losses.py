@@ -105,12 +105,12 @@ def test_equals_the_dense_formula(name, block_size):
 @pytest.mark.parametrize("name", NAMES)
 def test_the_temperature_divides_and_gets_its_gradient(name):
   x, y = pairs(40, 8, seed=3)
-  scalars = (0.05,) + SCALARS[name][1:]
+  scalars = (0.05, *SCALARS[name][1:])
   loss, grads = value_and_grads(name, x, y, scalars, block_size=16)
   # `temperature` divides: half of it is the loss at twice the logits.
-  doubled, _ = value_and_grads(name, 2 * x, y, (0.1,) + scalars[1:], block_size=16)
+  doubled, _ = value_and_grads(name, 2 * x, y, (0.1, *scalars[1:]), block_size=16)
   assert rel_err(loss, doubled) < 1e-6
-  ref_loss, ref_grads = reference(name, x, y, *scalars)
+  _, ref_grads = reference(name, x, y, *scalars)
   assert abs(ref_grads[2]) > 1e-2  # a gradient that matters
   assert rel_err(grads[2], ref_grads[2]) < 1e-5
   if name == "siglip":
