@@ -394,24 +394,26 @@ def _siglip_bwd(ring: _Ring, res: Any, g: jax.Array) -> tuple[jax.Array, ...]:
   x, y, t, b, y_held, g = _vary(ring, *primals, y_held, g)
   inv_t, scale = 1 / t, g / (ring.rows * ring.devices)
 
-  def visit(carry: tuple[jax.Array, jax.Array], block: tuple[jax.Array, jax.Array],
-            owner: Any) -> Any:
-    def tile(carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, ...]) -> Any:
-      (dx, db), (y_tile, dy_tile, i) = carry, xs
-      z = _signed(ring, _logits(x, y_tile, inv_t) + b, owner, i)
+  def visit(carry: tuple[jax.Array, ...], block: tuple[jax.Array, jax.Array], owner: Any
+            ) -> Any:
+    def tile(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, ...]) -> Any:
+      (dx, db, ds), (y_tile, dy_tile, i) = carry, xs
+      u = _logits(x, y_tile, inv_t)
+      z = _signed(ring, u + b, owner, i)
       grad = _masked(_valid(ring, i), scale * _signed(ring, jax.nn.sigmoid(z), owner, i))
-      return (dx + _product(grad, y_tile), db + jnp.sum(grad)), dy_tile + _product(grad.T, x)
+      # Per row: the bias's gradient, and grad * u for the temperature's.
+      carry = dx + _product(grad, y_tile), db + jnp.sum(grad, 1), ds + jnp.sum(grad * u, 1)
+      return carry, dy_tile + _product(grad.T, x)
     y_tiles, dy = block
     carry, dy = lax.scan(tile, carry, (y_tiles, dy, jnp.arange(ring.tiles)))
     return carry, (y_tiles, dy)
 
   dx0 = _arrays.match_varying(jnp.zeros(x.shape, t.dtype), x)
   dy0 = _arrays.match_varying(jnp.zeros((ring.tiles, ring.block, y.shape[1]), t.dtype), x)
-  db0 = _arrays.match_varying(jnp.zeros((), t.dtype), x)
-  (dx, db), (_, dy) = _walk(ring, visit, (dx0, db0), (y_held, dy0), -1)
-  dx, dy = dx * inv_t, _untiled(ring, dy) * inv_t
-  dt = -jnp.sum(x.astype(t.dtype) * dx) * inv_t
-  return tuple(_like(ct, p) for ct, p in zip((dx, dy, dt, db), primals, strict=True))
+  rows0 = _arrays.match_varying(jnp.zeros((ring.rows,), t.dtype), x)
+  (dx, db, ds), (_, dy) = _walk(ring, visit, (dx0, rows0, rows0), (y_held, dy0), -1)
+  cts = (dx * inv_t, _untiled(ring, dy) * inv_t, -jnp.sum(ds) * inv_t, jnp.sum(db))
+  return tuple(_like(ct, p) for ct, p in zip(cts, primals, strict=True))
 
 
 _siglip.defvjp(_siglip_fwd, _siglip_bwd)

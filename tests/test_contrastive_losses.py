@@ -247,13 +247,16 @@ def test_the_ring_has_devices_minus_one_steps_and_no_all_gather(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_plain_jit_on_a_mesh_runs_the_ring(name):
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
+def test_plain_jit_on_a_mesh_runs_the_ring(name, kind):
+  """Rows sharded over Explicit axes (their type names them), or Auto axes named."""
   x, y = pairs(DEVICES * 10, 8, seed=7)
-  mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
+  mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(kind,))
+  kw = {"block_size": 4} if kind == AxisType.Explicit else {"block_size": 4, "axis_name": "data"}
   with jax.set_mesh(mesh):
     xs, ys = jax.device_put((x, y), P("data"))
-    got = value_and_grads(name, xs, ys, SCALARS[name], block_size=4)
-    hlo = jax.jit(jax.grad(lambda x, y: loss_fn(name)(x, y, *SCALARS[name], block_size=4))
+    got = value_and_grads(name, xs, ys, SCALARS[name], **kw)
+    hlo = jax.jit(jax.grad(lambda x, y: loss_fn(name)(x, y, *SCALARS[name], **kw))
                   ).lower(xs, ys).compile().as_text()
   assert got[1][0].sharding.spec[0] == "data"  # x's gradient stays on its rows' devices
   assert_exact(name, got, x, y, SCALARS[name])
