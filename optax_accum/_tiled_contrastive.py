@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -90,11 +91,12 @@ def clip_loss(x: jax.Array, y: jax.Array, temperature: Any, *, block_size: int |
     The loss, a scalar.
 
   Raises:
+    TypeError: for a ``block_size`` that is not an int (a float, a bool).
     ValueError: for ``x`` and ``y`` that are not ``[B, D]`` floating arrays
       of one shape, a ``temperature`` that is not a real scalar, a
-      ``block_size`` that is not a positive int, an ``axis_name`` that no
-      ``shard_map``/``pmap`` binds and no mesh holds, or rows of ``x`` and
-      ``y`` sharded differently.
+      ``block_size`` below 1, an ``axis_name`` that no ``shard_map``/``pmap``
+      binds and no mesh holds, or rows of ``x`` and ``y`` sharded
+      differently.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -158,6 +160,7 @@ def siglip_loss(x: jax.Array, y: jax.Array, temperature: Any, bias: Any, *,
     The loss, a scalar.
 
   Raises:
+    TypeError: as :func:`clip_loss`.
     ValueError: as :func:`clip_loss`, and for a ``bias`` that is not a real
       scalar.
 
@@ -509,11 +512,15 @@ def _check_scalar(value: Any, name: str, dtype: Any) -> jax.Array:
 def _check_block_size(block_size: Any) -> int | None:
   if block_size is None:
     return None
-  if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+  if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool):
+    raise TypeError(
+        f"`block_size` must be a positive int (the columns of one tile) or None for the"
+        f" default; got {block_size!r}. Pass e.g. `block_size=512`.")
+  if block_size < 1:
     raise ValueError(
         f"`block_size` must be a positive int (the columns of one tile) or None for the"
-        f" default; got {block_size!r}.")
-  return block_size
+        f" default; got {block_size!r}. Pass e.g. `block_size=512`.")
+  return int(block_size)
 
 
 def _prepare(x: Any, y: Any, scalars: dict[str, Any]) -> tuple[Any, ...]:
