@@ -29,7 +29,10 @@ def test_bench_contrastive_tiled_quick(tmp_path: Path) -> None:
   rows = json.loads((tmp_path / "contrastive_tiled.json").read_text())["rows"]
   assert {(r["loss"], r["batch"]) for r in rows} == {
       (loss, b) for loss in ("CLIP", "SigLIP") for b in (256, 1024, 2048)}
-  for r in rows:  # the tiled loss is the dense one, in less memory from B = 1,024
+  temps = {(r["loss"], r["batch"]): r["tiled_temp_bytes"] for r in rows}
+  for r in rows:  # the tiled loss is the dense one; its memory doubles with the batch
     assert r["grad_rel_diff"] < 1e-4 and r["loss_rel_diff"] < 1e-5
-    assert r["batch"] < 1024 or r["tiled_temp_bytes"] < r["dense_temp_bytes"] / 4
+    if r["batch"] == 2048:
+      assert r["tiled_temp_bytes"] < r["dense_temp_bytes"] / 4
+      assert r["tiled_temp_bytes"] <= 2.2 * temps[r["loss"], 1024]
   assert (tmp_path / "contrastive_tiled.png").stat().st_size > 0
