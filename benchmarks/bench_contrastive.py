@@ -1,16 +1,33 @@
-"""Benchmark: ``cached_microbatched`` against the whole batch and plain ``microbatched``.
+"""Benchmark: ``cached_microbatched`` against the whole batch and plain ``microbatched``;
+the tiled losses (``contrastive.clip_loss``, ``siglip_loss``) against the dense ones.
 
 Two towers (an MLP over a sequence of tokens, mean-pooled, normalised), CLIP's and SigLIP's
 losses: per k, ``harness.compare`` against the whole batch's ``value_and_grad``. Then, at a
-fixed micro-batch, by batch: what of them is whole-batch (cached's over plain's)::
+fixed micro-batch, by batch: what of them is whole-batch (cached's over plain's).
 
-  python benchmarks/bench_contrastive.py                   # ~5 minutes on 2 CPU cores
+The tiled losses (``--tiled``, or after the above): ``value_and_grad`` of the loss alone on
+``[B, 256]`` float32 embeddings, B = 4,096, 16,384, 32,768: the compiled temporaries
+(``memory_analysis().temp_size_in_bytes``) of the dense formula and of the tiled loss (default
+tiles), and the step time of each, the tiled as a same-round ratio to the dense where the
+dense runs (its temporaries at most ``--max-dense-gib``; above, it is compiled only). With
+``--h200`` (the venv of ``gpu_hlo.py --setup``) the same temporaries from XLA's H200
+compiler, deviceless, nothing run::
+
+  python benchmarks/bench_contrastive.py                   # ~15 minutes on 2 CPU cores
   python benchmarks/bench_contrastive.py --quick --out /tmp/contrastive   # smoke
+  python benchmarks/bench_contrastive.py --tiled           # results/contrastive_tiled.*
+  /tmp/gpuvenv/bin/python benchmarks/bench_contrastive.py --tiled --h200   # ..._tiled_h200.*
 """
 
 from __future__ import annotations
 
+import os
 import sys
+
+if "--h200" in sys.argv:  # before jax is imported: no GPU runtime, no check for a CUDA install
+  os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
+  os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+
 from typing import Any
 
 import harness
@@ -18,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 import optax_accum as oa
+from optax_accum import contrastive
 
 
 def init(a: Any) -> dict[str, Any]:
@@ -79,15 +97,152 @@ def markdown(r: dict[str, Any]) -> str:
                                for x in r["whole_batch"]])])
 
 
+# ---------------------------------------------------------------- the tiled losses
+def dense_clip(x: jax.Array, y: jax.Array, t: jax.Array) -> jax.Array:
+  s = x @ y.T / t
+  return -(jnp.trace(jax.nn.log_softmax(s, axis=1)) + jnp.trace(jax.nn.log_softmax(s, axis=0))
+           ) / (2 * len(s))
+
+
+def dense_siglip(x: jax.Array, y: jax.Array, t: jax.Array, b: jax.Array) -> jax.Array:
+  s = x @ y.T / t + b
+  return -jnp.sum(jax.nn.log_sigmoid((2 * jnp.eye(len(s)) - 1) * s)) / len(s)
+
+
+TILED = {"CLIP": (dense_clip, contrastive.clip_loss, (0.07,)),
+         "SigLIP": (dense_siglip, contrastive.siglip_loss, (0.1, -10.0))}
+
+
+def tiled_inputs(rows: int, dim: int, scalars: tuple[float, ...]) -> tuple[jax.Array, ...]:
+  kx, ky = jax.random.split(jax.random.key(2))
+  x = jax.random.normal(kx, (rows, dim))
+  y = x + jax.random.normal(ky, (rows, dim))
+  unit = lambda v: v / jnp.linalg.norm(v, axis=1, keepdims=True)
+  return unit(x), unit(y), *(jnp.float32(v) for v in scalars)
+
+
+def tiled_losses(a: Any, sharding: Any = None) -> list[dict[str, Any]]:
+  """Per loss and batch: compiled temporaries, dense and tiled; unless ``sharding`` (a
+  deviceless target), their step times and the tiled's difference from the dense."""
+  rows = []
+  for name, (dense, tiled, scalars) in TILED.items():
+    argnums = tuple(range(2 + len(scalars)))
+    fns = {"dense": dense, "tiled": tiled}
+    for batch in a.sizes:
+      shapes = [jax.ShapeDtypeStruct((batch, a.dim), jnp.float32, sharding=sharding)] * 2 + [
+          jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding)] * len(scalars)
+      compiled = {k: jax.jit(jax.value_and_grad(f, argnums=argnums)).lower(*shapes).compile()
+                  for k, f in fns.items()}
+      row = {"loss": name, "batch": batch, **{f"{k}_temp_bytes": int(
+          c.memory_analysis().temp_size_in_bytes) for k, c in compiled.items()}}
+      rows.append(row)
+      if sharding is not None:
+        continue
+      args = tiled_inputs(batch, a.dim, scalars)
+      runs = {k: (lambda c=c, args=args: jax.block_until_ready(c(*args)))
+              for k, c in compiled.items()
+              if k == "tiled" or row["dense_temp_bytes"] <= a.max_dense_gib * 2**30}
+      secs = harness.interleaved(runs, a.rounds)
+      row["tiled_s"] = harness.median(secs["tiled"])
+      if "dense" in runs:
+        (value, grads), (ref, ref_grads) = (compiled[k](*args) for k in ("tiled", "dense"))
+        row.update(dense_s=harness.median(secs["dense"]),
+                   time_ratio=harness.paired_ratio(secs["tiled"], secs["dense"]),
+                   loss_rel_diff=abs(float(value) - float(ref)) / abs(float(ref)),
+                   grad_rel_diff=harness.rel_diff(grads, ref_grads))
+      print(row, flush=True)
+  return rows
+
+
+def tiled_checks(rows: list[dict[str, Any]]) -> list[str]:
+  """The targets: linear growth, 0.1x the dense at 16,384 (or the middle size), 1.5x time."""
+  lines = []
+  for name in TILED:
+    mine = [r for r in rows if r["loss"] == name]
+    growth = mine[-1]["tiled_temp_bytes"] / mine[-2]["tiled_temp_bytes"]
+    share = mine[1]["tiled_temp_bytes"] / mine[1]["dense_temp_bytes"]
+    timed = [r["time_ratio"] for r in mine if "time_ratio" in r]
+    lines.append(
+        f"- {name}: temporaries x{growth:.2f} from B = {mine[-2]['batch']:,} to"
+        f" {mine[-1]['batch']:,} (target <= 2.2: {'met' if growth <= 2.2 else 'MISSED'});"
+        f" {share:.4f}x the dense at {mine[1]['batch']:,} (target <= 0.1:"
+        f" {'met' if share <= 0.1 else 'MISSED'})" + (
+            f"; time at most {max(timed):.2f}x the dense where it runs (target <= 1.5:"
+            f" {'met' if max(timed) <= 1.5 else 'MISSED'})" if timed else "") + ".")
+  return lines
+
+
+def tiled_markdown(r: dict[str, Any]) -> str:
+  s, rows = r["setup"], r["rows"]
+  timed = "tiled_s" in rows[0]
+  def cells(x: dict[str, Any]) -> list[Any]:
+    out = [x["loss"], f"{x['batch']:,}", harness.mib(x["dense_temp_bytes"]),
+           harness.mib(x["tiled_temp_bytes"]),
+           f"{x['tiled_temp_bytes'] / x['dense_temp_bytes']:.4f}x"]
+    if timed:
+      out += [f"{x['dense_s']:.2f}" if "dense_s" in x else "not run (compiled only)",
+              f"{x['tiled_s']:.2f}", f"{x['time_ratio']:.2f}x" if "time_ratio" in x else "-",
+              f"{x['grad_rel_diff']:.1e}" if "grad_rel_diff" in x else "-"]
+    return out
+  head = "loss | B | dense temporaries (MiB) | tiled (MiB) | tiled / dense"
+  if timed:
+    head += " | dense step (s) | tiled step (s) | tiled / dense time | max rel. grad diff"
+  return "\n".join([
+      f"`python benchmarks/bench_contrastive.py {' '.join(s['argv'])}`: `value_and_grad` of the"
+      f" loss alone, [B, {s['dim']}] float32 embeddings, default tiles; {s['where']}, jax"
+      f" {s['jax']}, {s['date']}" + (f"; step: the median of {s['rounds']} rounds, the ratio"
+                                     " the median of same-round ratios" if timed else "") + ".",
+      "", *harness.table(head, "lrrrr" + "rrrr" * timed, [cells(x) for x in rows]), "",
+      *tiled_checks(rows)])
+
+
+def tiled_plot(r: dict[str, Any]) -> Any:
+  fig, axes = harness.pyplot().subplots(1, len(TILED), figsize=(11, 4), dpi=110)
+  for ax, name in zip(axes, TILED, strict=True):
+    mine = [x for x in r["rows"] if x["loss"] == name]
+    for kind, color in (("dense", "tab:red"), ("tiled", "tab:blue")):
+      ax.loglog([x["batch"] for x in mine], [x[f"{kind}_temp_bytes"] / 2**20 for x in mine],
+                "o-", color=color, label=kind)
+    ax.set_title(f"{name}: value_and_grad temporaries")
+    ax.set_xlabel("batch B")
+    ax.set_ylabel("MiB")
+    ax.legend()
+  return fig
+
+
+def main_tiled(a: Any, argv: list[str] | None) -> dict[str, Any]:
+  sharding, where = None, f"XLA:CPU ({os.cpu_count()} cores)"
+  if a.h200:
+    import gpu_hlo
+    sharding, info = gpu_hlo.target(None)
+    where = info["title"]
+  result = {"setup": {**vars(a), "argv": list(argv or []), "out": None, **harness.machine(),
+                      "where": where}, "rows": tiled_losses(a, sharding)}
+  stem = "contrastive_tiled" + "_h200" * a.h200
+  harness.write(a.out, stem, result, tiled_markdown(result), None if a.h200 else tiled_plot)
+  return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   ap = harness.parser(__doc__, quick="tiny towers, batch 32, k 1 2 4, 2 rounds: a smoke run")
   for flag, default in (("width", 128), ("layers", 4), ("seq", 16), ("d-in", 32), ("emb", 64),
                         ("batch", 256), ("micro", 32), ("rounds", 5), ("iters", 2)):
     ap.add_argument(f"--{flag}", type=int, default=default)
   ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+  ap.add_argument("--tiled", action="store_true", help="the tiled losses only")
+  ap.add_argument("--h200", action="store_true",
+                  help="with --tiled: temporaries from the H200 compiler, deviceless")
+  ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 32768],
+                  help="the tiled losses' batch sizes")
+  ap.add_argument("--dim", type=int, default=256, help="the tiled losses' embedding dim")
+  ap.add_argument("--max-dense-gib", type=float, default=8.0,
+                  help="run the dense loss where its temporaries are at most this")
   a = ap.parse_args(argv)
   if a.quick:
     a.width, a.layers, a.seq, a.batch, a.ks, a.rounds = 16, 1, 4, 32, [1, 2, 4], 2
+    a.sizes, a.dim = [256, 1024, 2048], 32
+  if a.tiled or a.h200:
+    return main_tiled(a, argv)
   params, losses = init(a), {}
   batch = jax.random.normal(jax.random.key(1), (a.batch, 2, a.seq, a.d_in))
   for name, loss in (("CLIP", clip), ("SigLIP", siglip)):
@@ -101,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                               for i in range(3, 5 if a.quick else 9)]}
   harness.write(a.out, "contrastive", result, markdown(result), lambda r: harness.bars(
       [dict(x, config=f"{n}: {x['config']}") for n, rows in r["losses"].items() for x in rows]))
-  return result
+  return {**result, "tiled": main_tiled(a, argv)}
 
 
 if __name__ == "__main__":

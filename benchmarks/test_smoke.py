@@ -31,3 +31,20 @@ def test_bench_large_batch_quick(tmp_path: Path) -> None:
   assert [r["k"] for r in result["records"]] == [2, 8]
   assert all(r["cause"] == "equal" and r["numpy_peak_bytes"] > 0 for r in result["records"])
   assert (tmp_path / "large_batch.png").stat().st_size > 0
+
+
+def test_bench_contrastive_tiled_quick(tmp_path: Path) -> None:
+  script = Path(bench.__file__).with_name("bench_contrastive.py")
+  proc = subprocess.run([sys.executable, str(script), "--tiled", "--quick", "--out", str(tmp_path)],
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = json.loads((tmp_path / "contrastive_tiled.json").read_text())["rows"]
+  assert {(r["loss"], r["batch"]) for r in rows} == {
+      (loss, b) for loss in ("CLIP", "SigLIP") for b in (256, 1024, 2048)}
+  temps = {(r["loss"], r["batch"]): r["tiled_temp_bytes"] for r in rows}
+  for r in rows:  # the tiled loss is the dense one; its memory doubles with the batch
+    assert r["grad_rel_diff"] < 1e-4 and r["loss_rel_diff"] < 1e-5
+    if r["batch"] == 2048:
+      assert r["tiled_temp_bytes"] < r["dense_temp_bytes"] / 4
+      assert r["tiled_temp_bytes"] <= 2.2 * temps[r["loss"], 1024]
+  assert (tmp_path / "contrastive_tiled.png").stat().st_size > 0

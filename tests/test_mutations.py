@@ -16,6 +16,7 @@ import jax
 import pytest
 
 import optax_accum as oa
+from optax_accum import contrastive
 from tests import _mutants
 
 HERE = Path(__file__).resolve().parent
@@ -47,9 +48,12 @@ def test_every_mutant_is_claimed_by_a_test() -> None:
 def test_a_mutant_is_undone_after_its_test() -> None:
   """Each mutant replaces a public function, and the real one is back once its
   monkeypatch is undone."""
-  real = (oa.accumulate, oa.microbatched, jax.lax.cond)
+  def patched() -> tuple:
+    return (oa.accumulate, oa.microbatched, jax.lax.cond, jax.lax.ppermute,
+            contrastive.clip_loss, contrastive.siglip_loss)
+  real = patched()
   for apply in _mutants.MUTANTS.values():
     with pytest.MonkeyPatch.context() as patch:
       apply(patch)
-      assert (oa.accumulate, oa.microbatched, jax.lax.cond) != real
-    assert (oa.accumulate, oa.microbatched, jax.lax.cond) == real
+      assert patched() != real
+    assert patched() == real
