@@ -75,7 +75,6 @@ def array_type(x: Any) -> ArrayType:
                    getattr(sharding, "mesh", None))
 
 
-
 def laid_out_like(x: jax.Array, like: Any) -> jax.Array:
   """``x`` resharded to ``like``'s layout where their types say different ones (explicit axes)."""
   want = array_type(like).explicit_spec
