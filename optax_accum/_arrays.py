@@ -10,6 +10,7 @@ facts from here.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -51,6 +52,7 @@ class ArrayType(NamedTuple):
   explicit_spec: Any  # the out_sharding a new array needs to have this type, or None
   varying: frozenset[Any]  # the manual mesh axes it varies over inside shard_map
   unreduced: frozenset[Any]  # the mesh axes over which it is an unreduced partial sum
+  mesh: Any  # the mesh of its sharding (a Mesh or an AbstractMesh), or None
 
 
 def array_type(x: Any) -> ArrayType:
@@ -69,9 +71,8 @@ def array_type(x: Any) -> ArrayType:
   explicit = spec if has_explicit_axes(getattr(sharding, "mesh", None)) else None
   varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
   return ArrayType(spec, explicit, frozenset(varying or ()),
-                   frozenset(getattr(spec, "unreduced", None) or ()))
-
-
+                   frozenset(getattr(spec, "unreduced", None) or ()),
+                   getattr(sharding, "mesh", None))
 
 
 def laid_out_like(x: jax.Array, like: Any) -> jax.Array:
@@ -88,13 +89,9 @@ def strip_axes(partitions: tuple[Any, ...], axes: tuple[Any, ...]) -> tuple[Any,
   return tuple(one(e) for e in partitions)
 
 
-
-
 def has_explicit_axes(mesh: Any) -> bool:
   """Whether ``mesh`` (a Mesh, an AbstractMesh or None) has an Explicit axis."""
   return jax.sharding.AxisType.Explicit in (getattr(mesh, "axis_types", ()) or ())
-
-
 
 
 def match_varying(x: jax.Array, target: Any) -> jax.Array:
@@ -117,15 +114,41 @@ def axis_names(axis_name: Any) -> tuple[Any, ...]:
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def axis_kinds(mesh: Any, axes: tuple[Any, ...]) -> set[str] | None:
-  """The kinds (``"Explicit"``, ``"Auto"``, ``"Manual"``) of ``axes`` in ``mesh``.
+def spec_entry(axes: tuple[Any, ...]) -> Any:
+  """Mesh axes as one entry of a ``PartitionSpec``: a name, or a tuple of names."""
+  return axes[0] if len(axes) == 1 else axes
 
-  None if the mesh does not list every one of them (pmap, no mesh set).
+
+def device_count(axes: tuple[Any, ...], mesh: Any = None) -> int:
+  """The number of devices along ``axes`` of ``mesh`` (default: the current mesh)."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def axis_kind(axis_name: Any, *, check: bool = True) -> str | None:
+  """The kind of the mesh axes ``axis_name`` names: ``"Explicit"``, ``"Auto"``, or None.
+
+  None for manual axes: those of ``shard_map`` (Manual on the current mesh)
+  or ``pmap`` (not on it). Raises for a mix of kinds, and (with ``check``) for
+  axes neither on the current mesh nor bound: ``init``, which ``jax.pmap``
+  maps without naming the axis, passes ``check=False``.
   """
-  names = tuple(getattr(mesh, "axis_names", ()) or ())
-  if not axes or not all(a in names for a in axes):
+  axes = axis_names(axis_name)
+  mesh = jax.sharding.get_abstract_mesh()
+  names = tuple(mesh.axis_names or ())
+  if not all(a in names for a in axes):
+    if check and names and axis_indices(axes) is None:
+      raise ValueError(
+          f"`axis_name={axis_name!r}` is not an axis of the current mesh (its axes are"
+          f" {names}) nor a bound pmap/shard_map axis. Pass one of the mesh's axes.")
     return None
-  return {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
+  kinds = {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
+  if len(kinds) > 1:
+    raise ValueError(
+        f"`axis_name={axis_name!r}` names mesh axes of kinds {sorted(kinds)}: name axes of"
+        " one kind, not a mix (Explicit ones for plain jit, Manual ones inside shard_map).")
+  kind = kinds.pop()
+  return None if kind == "Manual" else kind
 
 
 def axis_indices(axes: Sequence[Any]) -> list[jax.Array] | None:
@@ -143,30 +166,17 @@ def explicit_axes(axis_name: Any, *, check: bool = True) -> tuple[Any, ...] | No
   cross-device reduction is a ``psum``. Under ``jax.jit`` in explicit-sharding
   mode the gradients arrive *unreduced* over these axes and the reduction is a
   ``jax.reshard``. Auto axes carry no such types: that is an error, as is a
-  mix of kinds. With ``check=False`` (``init``, which ``jax.pmap`` maps
-  without naming the axis) an axis that is neither on the mesh nor bound is
-  not an error: it is checked where it is used.
+  mix of kinds (:func:`axis_kind`, which ``check`` goes to).
   """
   if axis_name is None:
     return None
-  axes = axis_names(axis_name)
-  mesh = jax.sharding.get_abstract_mesh()
-  kinds = axis_kinds(mesh, axes)
-  if kinds is None and check and mesh.axis_names and axis_indices(axes) is None:
+  kind = axis_kind(axis_name, check=check)
+  if kind == "Auto":
     raise ValueError(
-        f"`axis_name={axis_name!r}` is not an axis of the current mesh (its axes are"
-        f" {mesh.axis_names}) nor a bound pmap/shard_map axis. Pass one of the mesh's axes."
-    )
-  if kinds is None or kinds == {"Manual"}:
-    return None  # shard_map, or pmap (or a shard_map axis the abstract mesh does not list)
-  if kinds == {"Explicit"}:
-    return axes
-  raise ValueError(
-      f"`axis_name={axis_name!r}` names mesh axes of kinds {sorted(kinds)}. Use"
-      " Explicit axes (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))"
-      " and jax.set_mesh) for jit with unreduced gradients, or Manual ones"
-      " (inside shard_map) for psum: not Auto axes, and not a mix."
-  )
+        f"`axis_name={axis_name!r}` names mesh axes of kinds ['Auto']. Use Explicit axes"
+        " (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...)) and jax.set_mesh) for jit"
+        " with unreduced gradients, or Manual ones (inside shard_map) for psum.")
+  return axis_names(axis_name) if kind == "Explicit" else None
 
 
 class Layout(NamedTuple):

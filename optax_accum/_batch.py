@@ -1,17 +1,23 @@
-"""The batch rules of the two in-step wrappers, ``microbatched`` and ``cached_microbatched``.
+"""The batch rules, written once: every entry point that takes a batch reads one :class:`Batch`.
 
-What both do to the arguments of the function they wrap, written once: the
-params are argument 0; ``num_microbatches`` is a positive int; which
-positions are the batch and which the keys; a batch that ``k`` micro-batches
-per device must divide; the strided split (micro-batch ``i`` holds rows
-``i, i + k, ...``: a reshape, so a batch sharded along its leading dim stays
-on its devices) and its inverse; the key of each device and micro-batch; the
-wrapped ``fn``'s output unpacked (:func:`unpack`, which ``check_large_batch``
-reads too); and each gradient given back in its param's layout.
+``microbatched``, ``cached_microbatched``, ``local_value_and_grad``,
+``plan_k`` and ``check_large_batch`` each build one :class:`Batch` per call
+(:func:`of`, the counterpart of ``_arrays.Layout``): the params are argument 0
+and never the batch; each position is named once and within the call; every
+batch leaf has a leading dim, the same number of rows and the same split over
+the mesh; the devices divide the rows; ``k`` divides each device's rows
+(:meth:`Batch.check_divides`). The same bad input gets the same error from
+each. Here too, what the two in-step wrappers do with the batch:
+``num_microbatches``, the strided split (micro-batch ``i`` holds rows ``i, i +
+k, ...``: a reshape, so a batch sharded along its leading dim stays on its
+devices) and its inverse, the key of each device and micro-batch, the wrapped
+``fn``'s output unpacked (:func:`unpack`, which ``check_large_batch`` reads
+too), and each gradient given back in its param's layout.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -26,6 +32,185 @@ PARAMS = 0  # the position of the params, the differentiated argument, in every 
 SPLITS = ("strided", "contiguous")  # "contiguous": microbatched's deprecated option
 
 
+class Batch(NamedTuple):
+  """The batch arguments of one call, checked (:func:`of`).
+
+  Attributes:
+    positions: the positions of the batch arguments, in order (never ``PARAMS``).
+    keys: the positions of the PRNG keys (``rng_argnums``), in order.
+    rows: the batch size, the leading dim every batch leaf shares.
+    per_device_rows: the rows each device holds (``rows`` on one device).
+    axes: the mesh axes the rows are split over, ``()`` for none: those the
+      leaves' types show, or those ``axis_name`` names.
+  """
+
+  positions: tuple[int, ...]
+  keys: tuple[int, ...]
+  rows: int
+  per_device_rows: int
+  axes: tuple[Any, ...]
+
+  @property
+  def devices(self) -> int:
+    """The number of devices the rows are split over."""
+    return self.rows // self.per_device_rows
+
+  def check_divides(self, k: int, given: str | None = None) -> None:
+    """Raises unless the rows split into ``k`` equal micro-batches on each device.
+
+    ``given``: where ``k`` comes from, for the message (``num_microbatches=k``).
+    """
+    for per, devices in ((self.rows, 1), (self.per_device_rows, self.devices)):
+      if per % k:
+        where = f" on each of {devices} devices (mesh axes {self.axes})" if devices > 1 else ""
+        raise ValueError(
+            f"A batch of {self.rows} examples cannot be split into {k} equal"
+            f" micro-batches{where} ({given or f'num_microbatches={k}'}). Use a k that divides"
+            f" {per} (one of {divisors(per)[:12]}), or pad the batch to a multiple of"
+            f" {k * devices} and mask the padded rows out of the loss.")
+
+
+def of(args: Sequence[Any], batch_argnums: tuple[int, ...], rng_argnums: tuple[int, ...] = (),
+       *, axis_name: Any = None, in_step: bool = False) -> Batch:
+  """The :class:`Batch` of a call with positional ``args``, else raises.
+
+  ``batch_argnums`` and ``rng_argnums`` come from ``_validation.check_argnums``.
+  The axes are those the batch leaves' types show, or those ``axis_name``
+  names (see :func:`_data_axes`; ``in_step``: the two in-step wrappers, which
+  refuse a split they cannot see). Call it inside the inputs' mesh
+  (``_arrays.mesh_context``) when ``axis_name`` is given.
+  """
+  positions = _positions(batch_argnums, len(args), "batch_argnums")
+  keys = _positions(rng_argnums, len(args), "rng_argnums")
+  if set(positions) & set(keys):
+    raise ValueError(
+        f"`batch_argnums` {positions} and `rng_argnums` {keys} must not overlap: an argument"
+        " is either split, the batch, or folded per micro-batch, a key.")
+  rows, split, mesh = leading_rows({f"argument {i}": args[i] for i in positions})
+  axes = _data_axes(axis_name, split, args, positions, in_step)
+  devices = _arrays.device_count(axes, mesh if split else None)
+  if rows % devices:
+    raise ValueError(
+        f"A batch of {rows} examples cannot be split evenly over the {devices} devices of"
+        f" mesh axes {axes}. Pad the batch to a multiple of {devices} and mask the padded"
+        " rows out of the loss.")
+  return Batch(positions, keys, rows, rows // devices, axes)
+
+
+def _positions(argnums: tuple[int, ...], nargs: int, name: str) -> tuple[int, ...]:
+  """``argnums`` within a call of ``nargs`` arguments, each once and never the params."""
+  nums = _validation.resolve_argnums(argnums, nargs, name)
+  twice = sorted({a for a in nums if nums.count(a) > 1})
+  if twice:
+    raise ValueError(
+        f"`{name}={argnums!r}` names argument {twice[0]} twice. Name each argument once.")
+  if PARAMS in nums:
+    raise ValueError(
+        f"`{name}={argnums!r}` names position {PARAMS}, the params (the differentiated"
+        " argument, given whole to every micro-batch and device). Count positions from the"
+        f" params at {PARAMS}: name 1 or later.")
+  return tuple(sorted(nums))
+
+
+def leading_rows(batches: dict[str, Any]) -> tuple[int, tuple[Any, ...], Any]:
+  """The rows of ``batches`` (name -> pytree), the mesh axes their types split them over, the mesh.
+
+  The rows and the axes must be the same for every leaf; ``()`` when the
+  types show no split.
+  """
+  first = None
+  for name, tree in batches.items():
+    found = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if not found:
+      raise ValueError(
+          f"The batch {name} has no array leaves, so it cannot be split. Pass a pytree of"
+          " arrays with a leading batch dimension, or fix `batch_argnums`.")
+    for path, leaf in found:
+      where = f"{name}{jax.tree_util.keystr(path)}"
+      if jnp.ndim(leaf) == 0:
+        raise ValueError(
+            f"The batch leaf at {where} is a scalar; every batch leaf needs a leading batch"
+            " dimension. Add one, or pass this value outside the batch (it is then given"
+            " to every micro-batch unchanged).")
+      array_type = _arrays.array_type(leaf)
+      lead = (*array_type.spec, None)[0]  # the leading dim's entry, if any
+      s, a = int(jnp.shape(leaf)[0]), _arrays.axis_names(lead) if lead else ()
+      if first is None:
+        first, size, axes, mesh = where, s, a, array_type.mesh
+      if s != size:
+        raise ValueError(
+            f"The batch leaves disagree on the batch size: {first} has {size} rows but"
+            f" {where} has {s}. Every batch leaf must share its leading dimension.")
+      if a != axes:
+        raise ValueError(
+            f"The batch leaves are split differently over the mesh: {first} has its leading"
+            f" dim sharded over {axes or 'no axis'} but {where} over {a or 'no axis'}. Place"
+            " every batch leaf the same way, e.g. jax.device_put(batch,"
+            f" P({_arrays.spec_entry(axes or a)!r})).")
+  if size == 0:
+    raise ValueError(f"The batch is empty ({first} has 0 rows); pass at least one row.")
+  return size, axes, mesh
+
+
+def _data_axes(axis_name: Any, split: tuple[Any, ...], args: Sequence[Any],
+              positions: tuple[int, ...], in_step: bool = False) -> tuple[Any, ...]:
+  """The mesh axes to run per device over, given ``split``, those the batch's type shows.
+
+  Explicit axes are read from the batch's type; Auto ones must be named by
+  ``axis_name``. ``()`` to run as written: on one device, or inside
+  ``shard_map``/``pmap`` (``axis_name`` naming their axes).
+  """
+  if axis_name is None:
+    if in_step and not split:
+      _check_no_hidden_split(args, positions)
+    return split
+  named = _arrays.axis_names(axis_name)
+  if _arrays.axis_kind(axis_name) is None:  # inside shard_map, or pmap
+    if split:
+      raise ValueError(
+          f"The batch is sharded over the Explicit mesh axes {split} while"
+          f" `axis_name={axis_name!r}` names shard_map/pmap axes: both would split it. Drop"
+          " `axis_name` (the split is read from the batch's type), or replicate the batch"
+          " over the Explicit axes.")
+    return ()
+  if split and set(split) != set(named):
+    raise ValueError(
+        f"`axis_name={axis_name!r}` names mesh axes the batch is not split over: its type"
+        f" shows it sharded over {split}. Name the axes the batch is split over (Explicit"
+        " ones may be dropped: they are read from the batch's type).")
+  return named
+
+
+def _check_no_hidden_split(args: Sequence[Any], positions: tuple[int, ...]) -> None:
+  """Raises on a mesh that mixes Auto and Explicit axes with params in explicit types.
+
+  An Auto axis does not appear in the batch's type: a batch split over it
+  would go undetected, and the partitioner would reduce the gradients on
+  every micro-batch.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  auto = tuple(n for n in mesh.axis_names if _arrays.axis_kind(n) == "Auto")
+  if not auto or not _arrays.has_explicit_axes(mesh):
+    return
+  for i, arg in enumerate(args):
+    if i not in positions and any(
+        isinstance(x, (jax.Array, np.ndarray)) and any(_arrays.array_type(x).spec)
+        for x in jax.tree.leaves(arg)):
+      raise ValueError(
+          f"The mesh mixes Auto axes {auto} with Explicit ones, argument {i} of"
+          " `fn` is sharded in its type, and the batch's type shows no split of"
+          " its leading dim: a split over an Auto axis cannot be seen, and the"
+          " gradients would be reduced on every micro-batch. Make the data axes"
+          " Explicit and shard the batch over them, or name them:"
+          f" `microbatched(..., axis_name={_arrays.spec_entry(auto)!r})`.")
+
+
+def divisors(n: int) -> list[int]:
+  """The divisors of ``n``, in increasing order."""
+  small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+  return sorted(set(small + [n // d for d in small]))
+
+
 def check_num_microbatches(num_microbatches: Any) -> int:
   """``num_microbatches`` if it is a positive int, else raises: it fixes the shapes."""
   if isinstance(num_microbatches, (float, np.floating)) or callable(num_microbatches):
@@ -37,31 +222,10 @@ def check_num_microbatches(num_microbatches: Any) -> int:
   return _validation.check_k(num_microbatches, "num_microbatches")
 
 
-def positions(batch_argnums: tuple[int, ...], rng_argnums: tuple[int, ...], nargs: int,
-              ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """The batch and key positions for a call with ``nargs`` positional arguments, else raises."""
-  b_nums = _validation.resolve_argnums(batch_argnums, nargs, "batch_argnums")
-  r_nums = _validation.resolve_argnums(rng_argnums, nargs, "rng_argnums")
-  if PARAMS in (*b_nums, *r_nums) or set(b_nums) & set(r_nums):
-    raise ValueError(
-        f"`batch_argnums` {b_nums} and `rng_argnums` {r_nums} must not overlap (an argument"
-        " is either split, the batch, or folded per micro-batch, a key) nor name position"
-        f" {PARAMS}, the params (the differentiated argument, given whole to every"
-        " micro-batch). Count positions in `fn(params, *args)`.")
-  return b_nums, r_nums
-
-
-def check_divides(size: int, k: int, devices: int = 1, axes: tuple[Any, ...] = ()) -> None:
-  """Raises unless a batch of ``size`` rows splits into ``k`` micro-batches on each device."""
-  if size % (k * devices) == 0:
-    return
-  where = f" on each of {devices} devices (mesh axes {axes})" if devices > 1 else ""
-  per = size // devices
-  raise ValueError(
-      f"A batch of {size} examples cannot be split into num_microbatches={k} equal"
-      f" micro-batches{where}. Use a num_microbatches that divides {per} (one of"
-      f" {[d for d in range(1, per + 1) if per % d == 0]}), or pad the batch to a multiple"
-      f" of {k * devices} and mask the padded rows out of the loss.")
+def check_split(split: Any) -> str:
+  """``split`` if it is one of :data:`SPLITS`, else raises."""
+  return _validation.check_choice(split, "split", SPLITS,
+                                  "Use 'strided' (default) or 'contiguous'.")
 
 
 def reshape(x: Any, k: int, split: str = "strided") -> jax.Array:

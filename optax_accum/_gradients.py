@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from optax_accum import _arrays, _per_device, _validation
-from optax_accum._arrays import strip_axes
+from optax_accum import _arrays, _batch, _per_device, _validation
 
 
 def local_value_and_grad(
@@ -99,34 +98,19 @@ def local_value_and_grad(
   """
   if not callable(fn):
     raise TypeError(f"`fn` must be callable (the loss of the model); got {fn!r}.")
-  axes = _arrays.axis_names(axis_name)
   b_nums = _validation.check_argnums(batch_argnums, "batch_argnums")
   has_aux = _validation.check_flag(has_aux, "has_aux")
   allow_int = _validation.check_flag(allow_int, "allow_int")
-  if combine not in ("mean", "sum"):
-    raise ValueError(
-        f"`combine` must be 'mean' (fn returns the mean over its rows) or 'sum' (fn returns"
-        f" its share of the global loss); got {combine!r}.")
+  _validation.check_choice(combine, "combine", ("mean", "sum"), "Use 'mean' (fn returns the mean"
+                           " over its rows) or 'sum' (fn returns its share of the global loss).")
 
   def value_and_grad(params: Any, *args: Any) -> Any:
     with _arrays.mesh_context((params, args)):
-      mesh = jax.sharding.get_abstract_mesh()
-      if _arrays.axis_kinds(mesh, axes) != {"Explicit"}:
-        raise ValueError(
-            f"`local_value_and_grad` needs `axis_name={axis_name!r}` to name Explicit axes"
-            " of the mesh the params and batch are placed on (jax.make_mesh gives"
-            f" Explicit axes by default); the mesh here has axes {mesh.axis_names or '()'}"
-            f" of kinds {[str(t).rsplit('.', 1)[-1] for t in mesh.axis_types]}. Inside"
-            " shard_map or pmap use jax.value_and_grad on"
-            " `jax.lax.pcast(params, axis_name, to='varying')` instead."
-        )
-      nums = _validation.resolve_argnums(b_nums, 1 + len(args), "batch_argnums")
-      if 0 in nums:
-        raise ValueError(
-            f"`batch_argnums={batch_argnums!r}` names argument 0 of `fn`, the params being"
-            " differentiated; name the batch arguments (1 or more).")
+      axes = _explicit_axes(axis_name, "local_value_and_grad")
+      batch = _batch.of((params, *args), b_nums, axis_name=axis_name)
+      nums = batch.positions
       _check_data_axes_only(axes, nums, (params, *args))
-      share = 1 / _per_device.device_count(axes) if combine == "mean" else 1
+      share = 1 / batch.devices if combine == "mean" else 1
 
       def per_device(params: Any, *args: Any) -> Any:
         def scaled(p: Any) -> tuple[jax.Array, Any]:
@@ -140,13 +124,25 @@ def local_value_and_grad(
         return (jax.lax.psum(loss, axes), aux), jax.tree.map(lambda g: g[None], grads)
 
       # Manual over every mesh axis: the model runs on whole params, as written.
-      out_specs = ((PartitionSpec(), PartitionSpec()),
-                   PartitionSpec(_per_device.spec_entry(axes)))
+      out_specs = ((PartitionSpec(), PartitionSpec()), PartitionSpec(_arrays.spec_entry(axes)))
       (loss, aux), grads = _per_device.run(per_device, (params, *args), nums, axes, out_specs,
-                                           manual=mesh.axis_names)
+                                           manual=jax.sharding.get_abstract_mesh().axis_names)
       return ((loss, aux), grads) if has_aux else (loss, grads)
 
   return value_and_grad
+
+
+def _explicit_axes(axis_name: Any, who: str) -> tuple[Any, ...]:
+  """``axis_name``'s axes, if they are Explicit axes of the current mesh, else raises."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if _arrays.axis_kind(axis_name, check=False) != "Explicit":
+    raise ValueError(
+        f"`{who}` needs `axis_name={axis_name!r}` to name Explicit axes of the mesh the"
+        " params and batch are placed on (jax.make_mesh gives Explicit axes by default; or"
+        f" enter one with jax.set_mesh); the mesh here has axes {mesh.axis_names or '()'} of"
+        f" kinds {[str(t).rsplit('.', 1)[-1] for t in mesh.axis_types]}. Inside shard_map or"
+        " pmap use jax.value_and_grad on `jax.lax.pcast(params, axis_name, to='varying')`.")
+  return _arrays.axis_names(axis_name)
 
 
 def _check_data_axes_only(axes: tuple[Any, ...], b_nums: tuple[int, ...],
@@ -162,7 +158,7 @@ def _check_data_axes_only(axes: tuple[Any, ...], b_nums: tuple[int, ...],
           f"`local_value_and_grad`: argument {path[0].idx}{jax.tree_util.keystr(path[1:])} of"
           " `fn` is sharded over"
           f" the mesh axes {sorted(other)}, which are not"
-          f" `axis_name={_per_device.spec_entry(axes)!r}`."
+          f" `axis_name={_arrays.spec_entry(axes)!r}`."
           " It runs `fn` on whole params per device (a shard_map manual over every"
           " mesh axis), so it cannot keep a tensor-parallel layout. For such a model"
           " written for explicit sharding use `defer_reduction`; or shard only over the"
@@ -216,18 +212,12 @@ def defer_reduction(params: optax.Params, axis_name: Any) -> optax.Params:
     >>> params["w"]  # one SGD step on the mean gradient (1, 1, 1)
     Array([0.9, 0.9, 0.9], dtype=float32)
   """
-  axes = _arrays.explicit_axes(axis_name)
-  if axes is None:
-    raise ValueError(
-        f"`defer_reduction` needs `axis_name={axis_name!r}` to name Explicit axes of"
-        " the current mesh: build it with jax.make_mesh(..., axis_types="
-        "(AxisType.Explicit, ...)) and enter it with jax.set_mesh(mesh). Inside"
-        " shard_map use `jax.lax.pcast(params, axis_name, to='varying')` instead."
-    )
+  axes = _explicit_axes(axis_name, "defer_reduction")
 
   def one(p: jax.Array) -> jax.Array:
     spec = jax.typeof(p).sharding.spec
-    return jax.reshard(p, PartitionSpec(*strip_axes(spec.partitions, axes), reduced=set(axes)))
+    return jax.reshard(p, PartitionSpec(*_arrays.strip_axes(spec.partitions, axes),
+                                        reduced=set(axes)))
 
   return jax.tree.map(one, params)
 

@@ -228,9 +228,10 @@ def check_large_batch(
   nums = _validation.check_argnums(batch_argnums, "batch_argnums")
 
   def check(*args: Any, **kwargs: Any) -> LargeBatchReport:
-    b_nums = sorted(set(_batch.positions(nums, (), len(args))[0]))
-    splits = {i: microbatching.split_microbatches(args[i], k) for i in b_nums}  # checks k
-    rows = jax.tree.leaves(args[b_nums[0]])[0].shape[0]
+    batch = _batch.of(args, nums)  # the rules every entry point shares
+    batch.check_divides(k)
+    b_nums, rows = batch.positions, batch.rows
+    splits = {i: _batch.split(args[i], k) for i in b_nums}
     rounding = _rounding(fn, args, kwargs, b_nums, rows)  # refuses hidden randomness
 
     def grads(what: str, rows_at: dict[int, Any]) -> _Grads:
@@ -422,7 +423,7 @@ class _Rounding(NamedTuple):
 
 
 def _rounding(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-              b_nums: list[int], rows: int) -> _Rounding:
+              b_nums: tuple[int, ...], rows: int) -> _Rounding:
   """What ``fn``'s batch-dependent reductions round to, from its jaxpr; raises on hidden keys.
 
   Each variable of the jaxpr carries the inputs it comes from (a batch argument, another
@@ -452,7 +453,7 @@ def _rounding(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
   return _Rounding(float(jnp.finfo(coarse).eps) / 2, sums / 2, text)
 
 
-def _source(path: Any, b_nums: list[int]) -> str:
+def _source(path: Any, b_nums: tuple[int, ...]) -> str:
   """The label of an input leaf: a batch argument, or where a user finds it."""
   where, *rest = path
   at = jax.tree_util.keystr(tuple(rest[1:]))

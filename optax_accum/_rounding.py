@@ -22,12 +22,6 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def is_narrow(dtype: Any) -> bool:
-  """Whether a buffer of ``dtype`` rounds stochastically: a float under 32 bits."""
-  dtype = jnp.dtype(dtype)
-  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
-
-
 def _mix(x: jax.Array) -> jax.Array:
   """A 32-bit integer hash with full avalanche (Wellons' lowbias32)."""
   x = x ^ (x >> 16)

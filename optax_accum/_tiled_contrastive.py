@@ -449,7 +449,7 @@ def _devices(axis_name: Any, x: Any, y: Any) -> tuple[tuple[Any, ...] | None, An
     raise ValueError(
         f"`x` has its rows sharded over {split[0] or 'no mesh axis'} but `y` over"
         f" {split[1] or 'no mesh axis'}: row i of each is one pair. Place both alike, e.g."
-        f" jax.device_put((x, y), P({_per_device.spec_entry(split[0] or split[1])!r})).")
+        f" jax.device_put((x, y), P({_arrays.spec_entry(split[0] or split[1])!r})).")
   if axis_name is None:
     return None, split[0] or None
   axes = _arrays.axis_names(axis_name)

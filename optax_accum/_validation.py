@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _arrays, _per_device
+from optax_accum import _arrays, _copies, _state
 
 REDUCTIONS = ("mean", "sum", "weighted")
 
@@ -61,7 +61,7 @@ def check_update(
           " like the params given to `init`." + (
               " (Or are these one copy per device, from"
               " `optax_accum.sharding.local_value_and_grad`? Then build the transform"
-              f" with `accumulate(..., axis_name={_per_device.spec_entry(tuple(lead))!r})`.)"
+              f" with `accumulate(..., axis_name={_arrays.spec_entry(tuple(lead))!r})`.)"
               if lead else ""))
     _check_dtype(config, _path_str(path), jnp.result_type(g), jnp.result_type(b))
   check_weight(weight, config.reduction)
@@ -81,8 +81,9 @@ def update_values(config: Any, grads: Any, window: Any, weight: Any, emit_now: A
   An integer param's gradient (``float0``) counts as zero, and so does a flush's (it
   carries no micro-batch): zeros like the buffer (one copy per device under plain jit).
   Under plain jit with ``axis_name`` a partial sum typed unreduced comes back as its
-  per-device copies (``_per_device.stack``). The weight as float32 (a traced negative one
-  as NaN, see :func:`check_weight`), ``emit_now`` as a bool.
+  per-device copies (``_copies.stack``). The weight as float32 (a traced negative one
+  as NaN: it cannot be checked, and acts like a non-finite gradient, skipped with
+  ``skip_nonfinite=True``, else NaN in the update), ``emit_now`` as a bool.
   """
   zeros = lambda b, dtype=None: _arrays.match_varying(jnp.zeros_like(b, dtype), b)
   if flushing:
@@ -90,10 +91,13 @@ def update_values(config: Any, grads: Any, window: Any, weight: Any, emit_now: A
                         grads, window.acc_grads), None, True
   grads = jax.tree.map(lambda g, b: zeros(b) if _is_float0(g) else g, grads, window.acc_grads)
   if config.layout.stacked is not None:
-    grads = jax.tree.map(lambda g: _per_device.stack(g, config.layout.stacked), grads)
+    grads = jax.tree.map(lambda g: _copies.stack(g, config.layout.stacked), grads)
   emit_now = bool(emit_now) if isinstance(emit_now, (bool, np.bool_)) else jnp.asarray(
       emit_now).astype(jnp.bool_)
-  return grads, check_weight(weight, config.reduction), emit_now
+  if weight is not None:
+    weight = jnp.asarray(weight, jnp.float32)
+    weight = jnp.where(weight < 0, jnp.nan, weight)
+  return grads, weight, emit_now
 
 
 def _is_float0(x: Any) -> bool:
@@ -124,9 +128,9 @@ def _check_copies(window: Any, axes: tuple[Any, ...]) -> None:
 
   Under plain jit the weight total is a global scalar (the weight is given whole).
   """
-  n = _per_device.device_count(axes)
-  where = f"`axis_name={_per_device.spec_entry(axes)!r}`"
-  for path, b in _per_device.state_leaves(window, skip=("acc_weight",)):
+  n = _arrays.device_count(axes)
+  where = f"`axis_name={_arrays.spec_entry(axes)!r}`"
+  for path, b in _state.leaves(window, skip=("acc_weight",)):
     if jnp.ndim(b) == 0 or jnp.shape(b)[0] != n:
       raise ValueError(
           f"The accumulator at {_path_str(path)} has shape {jnp.shape(b)}: it is not one copy"
@@ -150,7 +154,7 @@ def _check_stacked(path: str, g: Any, b: Any, axes: tuple[Any, ...]) -> None:
   (``local_value_and_grad``) or a partial sum typed unreduced over ``axes``
   (``defer_reduction``).
   """
-  where = f"`axis_name={_per_device.spec_entry(axes)!r}`"
+  where = f"`axis_name={_arrays.spec_entry(axes)!r}`"
   unreduced = _arrays.array_type(g).unreduced
   if unreduced and unreduced != set(axes):
     raise ValueError(
@@ -167,7 +171,7 @@ def _check_stacked(path: str, g: Any, b: Any, axes: tuple[Any, ...]) -> None:
         f" {jax.typeof(g)} is the whole gradient): jax.grad with respect to replicated"
         " params reduces it on every micro-step, which is what `accumulate(...,"
         " axis_name=...)` under jit avoids. Take the gradients with"
-        f" `optax_accum.sharding.local_value_and_grad(loss, {_per_device.spec_entry(axes)!r})`.")
+        f" `optax_accum.sharding.local_value_and_grad(loss, {_arrays.spec_entry(axes)!r})`.")
   raise ValueError(
       f"The gradients leaf at {path} has shape {jnp.shape(g)} ({jax.typeof(g)}) but the"
       f" accumulator holds one copy per device, {jnp.shape(b)}. Pass the gradients of"
@@ -279,12 +283,10 @@ def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
   )
 
 
-def check_weight(weight: Any, reduction: str) -> jax.Array | None:
-  """The micro-batch weight as a float32 scalar (None without weights), else raises.
+def check_weight(weight: Any, reduction: str) -> None:
+  """Raises unless ``weight`` suits ``reduction``: for "weighted" a scalar, not negative.
 
-  A negative weight is an error when it is concrete; a traced one cannot be
-  checked and is turned into NaN, so that it behaves like a non-finite
-  gradient (skipped with ``skip_nonfinite=True``, else NaN in the update).
+  A traced negative weight cannot be checked (:func:`update_values` makes it NaN).
   """
   if reduction != "weighted":
     if weight is not None:
@@ -292,7 +294,7 @@ def check_weight(weight: Any, reduction: str) -> jax.Array | None:
           f"`weight` was given but reduction={reduction!r} ignores it. Build"
           " the transform with `accumulate(k, ..., reduction='weighted')`."
       )
-    return None
+    return
   if weight is None:
     raise ValueError(
         "reduction='weighted' needs a per-micro-batch weight: call"
@@ -304,15 +306,11 @@ def check_weight(weight: Any, reduction: str) -> jax.Array | None:
         "`weight` must be a scalar (one weight per micro-batch); got shape"
         f" {jnp.shape(weight)}. Pass e.g. the micro-batch's token count."
     )
-  if not isinstance(weight, jax.core.Tracer):
-    concrete = float(np.asarray(weight))
-    if concrete < 0:
-      raise ValueError(
-          f"`weight` must be >= 0 (e.g. a count of real tokens); got {concrete}."
-          " A negative weight has no meaning in a weighted mean."
-      )
-  w = jnp.asarray(weight, jnp.float32)
-  return jnp.where(w < 0, jnp.nan, w)
+  if not isinstance(weight, jax.core.Tracer) and float(np.asarray(weight)) < 0:
+    raise ValueError(
+        f"`weight` must be >= 0 (e.g. a count of real tokens); got {float(np.asarray(weight))}."
+        " A negative weight has no meaning in a weighted mean."
+    )
 
 
 def check_no_float0(grads: Any, where: str = "gradient") -> None:
@@ -332,14 +330,11 @@ def check_no_float0(grads: Any, where: str = "gradient") -> None:
       )
 
 
-def check_reduction(reduction: Any) -> str:
-  if reduction not in REDUCTIONS:
-    raise ValueError(
-        f"`reduction` must be one of {REDUCTIONS}; got {reduction!r}. Use"
-        " 'mean' for sum/k, 'sum' for the plain sum, or 'weighted' with"
-        " `update(..., weight=w)` for sum(w_i g_i) / sum(w_i)."
-    )
-  return reduction
+def check_choice(value: Any, name: str, choices: tuple[str, ...], hint: str) -> str:
+  """``value`` if it is one of ``choices``, else raises naming ``name`` and ``hint``."""
+  if value not in choices:
+    raise ValueError(f"`{name}` must be one of {choices}; got {value!r}. {hint}")
+  return value
 
 
 def check_accumulator_dtype(dtype: Any) -> jnp.dtype | None:

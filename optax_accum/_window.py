@@ -16,6 +16,9 @@
    :func:`park`, :func:`unpark`: a tree of flags and tree-to-tree functions);
 4. **advance** the counters.
 
+Around it, the apply protocol both transforms share (:class:`Applied`,
+:func:`stepped`).
+
 Each compiler-facing choice names, at its line, the section of
 ``docs/development/compiler_evidence.md`` that holds its evidence.
 """
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _arrays, _per_device, _rounding, _validation
+from optax_accum import _arrays, _copies, _rounding, _state, _validation
 from optax_accum import gradient_noise as noise_lib
 
 KSchedule = Callable[[jax.Array], Any]
@@ -56,7 +59,8 @@ class Config:
     running_mean: the buffer holds the running mean of the window (what
       ``optax.MultiSteps`` keeps in ``acc_grads``) instead of its sum.
     acc_dtype: the requested buffer dtype, or None for the default rule.
-    axis_name: a ``pmap``/``shard_map`` axis (or tuple) to reduce over at emit.
+    axis_name: the data axis (or tuple) to reduce over at emit: of ``pmap``/``shard_map``,
+      or Explicit mesh axes under plain jit (``layout`` says which).
     noise_decay: the decay of the noise-scale averages, or None (not tracked).
     layout: where this call's per-device values live for ``axis_name`` on its mesh (one
       device, manual axes, per-device copies): the transform sets it once per call.
@@ -124,9 +128,9 @@ def init_window(config: Config, params: optax.Params) -> Window:
   """An empty window: a zero buffer shaped (and sharded) like ``params``.
 
   Under plain jit with ``axis_name`` naming Explicit axes each device keeps its
-  own partial sums: every per-device leaf (``_per_device.STATE``; the weight
+  own partial sums: every per-device leaf (``_state.STATE``; the weight
   total aside, a global scalar there) holds one copy per device, stacked along
-  a leading axis sharded over them (``_per_device.zeros``).
+  a leading axis sharded over them (``_copies.zeros``).
   """
   def empty(params: optax.Params) -> Window:
     return Window(
@@ -141,11 +145,38 @@ def init_window(config: Config, params: optax.Params) -> Window:
   layout = config.layout
   if layout.stacked is None:
     return empty(params)
-  copies = _per_device.map_state(lambda s: _per_device.zeros(
+  copies = _state.map_state(lambda s: _copies.zeros(
       s.shape, s.dtype, _arrays.array_type(s).spec, layout.stacked), jax.eval_shape(
           empty, params), skip=("acc_weight",))
   return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(
       x, jax.ShapeDtypeStruct) else x, copies)
+
+
+class Applied:
+  """The new params, in place of updates: what ``update(..., apply=True)`` returns.
+
+  :func:`~optax_accum.update_and_apply` unwraps it (``.params``). Deliberately not a
+  pytree: a transform placed after the accumulation in a chain would otherwise
+  treat params as updates; it fails loudly instead.
+  """
+
+  __slots__ = ("params",)
+
+  def __init__(self, params: optax.Params):
+    self.params = params
+
+  def __jax_array__(self) -> None:
+    raise TypeError(
+        "`update_and_apply`: a transform after `accumulate(k, optimizer)` in a"
+        " chain tried to use its output. Put such transforms inside:"
+        " `accumulate(k, optax.chain(...))`, or use `tx.update` +"
+        " `optax.apply_updates`."
+    )
+
+
+def stepped(state: Any) -> jax.Array:
+  """Whether the last update took an optimizer step, as optax defines it (``MultiStepsState``)."""
+  return jnp.logical_and(jnp.asarray(state.mini_step) == 0, jnp.asarray(state.gradient_step) > 0)
 
 
 # ---------------------------------------------------------------- the algorithm
@@ -187,7 +218,7 @@ def micro_step(
   noise = window.noise_stats
   if config.noise_decay is not None:
     sq_norm, device_weight = (noise_lib.sq_norm(grads), weight) if layout.stacked is None else (
-        _per_device.micro_batch_sq_norms(grads, weight))
+        noise_lib.per_device_micro_batch(grads, weight))
     noise = noise_lib.add_micro_batch(noise, sq_norm, accept, device_weight)
   ops = Operands(decision.count, decision.window_weight, noise, inner_state, params, grads)
 
@@ -303,7 +334,7 @@ def buffer_after(config: Config, acc: optax.Updates, grads: optax.Updates, *,
 
   # lax, not jnp: this runs on every leaf of every traced step.
   def add(acc: jax.Array, g: jax.Array, leaf: int) -> jax.Array:
-    wide = jnp.float32 if _rounding.is_narrow(acc.dtype) else acc.dtype
+    wide = _arrays.accumulator_dtype(acc.dtype)  # a 16-bit buffer adds in float32
     g = lax.convert_element_type(g, wide)
     zero = lax.full_like(acc, 0, wide)
     old = lax.select(stale, zero, lax.convert_element_type(acc, wide))
@@ -334,7 +365,7 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
   window_k = ops.noise.window_count if tracking else ops.count
   window_sq = ops.noise.window_sq_norms if tracking else jnp.zeros([], jnp.float32)
   if config.layout.stacked is not None:  # plain jit: the copies summed, laid out like the params
-    window_sum = jax.tree.map(_per_device.total, window_sum, _per_device.param_layout(
+    window_sum = jax.tree.map(_copies.total, window_sum, _copies.param_layout(
         window_sum, ops.params))
     window_k, window_sq = jnp.sum(window_k), jnp.sum(window_sq)
   # Per device under shard_map / pmap (the total weight is global already).

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _arrays, _per_device, _validation, _window
+from optax_accum import _arrays, _copies, _validation, _window
 from optax_accum import gradient_noise as noise_lib
-from optax_accum._window import KSchedule
+from optax_accum._window import Applied, KSchedule
 from optax_accum.precision import all_finite
 
 __all__ = ["AccumulateState", "Applied", "accumulate", "flush", "has_updated", "update_and_apply"]
@@ -125,9 +125,11 @@ def accumulate(
       is dropped: it does not count toward ``k``, changes no buffer and
       increments ``state.num_skipped``. If False, it reaches that window's
       update (as in large-batch training), and the next window starts clean.
-    axis_name: a ``pmap``/``shard_map`` axis name (or tuple). Each device
-      accumulates its local gradients; the cross-device reduction runs once
-      per window, inside the emitting branch. With ``skip_nonfinite`` the
+    axis_name: the data axis name (or tuple): of ``pmap``/``shard_map``, or
+      Explicit mesh axes under plain ``jit`` (the gradients one copy per
+      device, from :func:`~optax_accum.sharding.local_value_and_grad`). Each
+      device accumulates its local gradients; the cross-device reduction runs
+      once per window, inside the emitting branch. With ``skip_nonfinite`` the
       devices agree on a skip with one scalar reduction per micro-step.
     track_noise_scale: estimate the gradient noise scale from every window
       (read it with :func:`~optax_accum.gradient_noise.noise_scale`); a float in
@@ -187,7 +189,9 @@ def accumulate(
   config = _window.Config(
       k=k,
       inner=None if optimizer is None else optax.with_extra_args_support(optimizer),
-      reduction=_validation.check_reduction(reduction),
+      reduction=_validation.check_choice(
+          reduction, "reduction", _validation.REDUCTIONS, "Use 'mean' for sum/k, 'sum' for the"
+          " plain sum, or 'weighted' with `update(..., weight=w)` for sum(w_i g_i) / sum(w_i)."),
       acc_dtype=_validation.check_accumulator_dtype(accumulator_dtype),
       axis_name=axis_name,
       noise_decay=noise_lib.check_decay(track_noise_scale, k),
@@ -271,34 +275,13 @@ def _accept(grads: Any, weight: jax.Array | None, layout: _arrays.Layout) -> jax
   Every device must agree, or the windows drift apart: one scalar reduction
   (over the per-device copies under plain jit, a ``pmin`` under shard_map).
   """
-  accept = all_finite(grads) if layout.stacked is None else _per_device.all_finite(grads)
+  accept = all_finite(grads) if layout.stacked is None else jnp.all(
+      _copies.each_device(all_finite, grads, jnp.asarray(True)))  # each device tests its own
   if weight is not None:
     accept = jnp.logical_and(accept, jnp.isfinite(weight))
   if layout.manual:
     accept = lax.pmin(accept.astype(jnp.int32), layout.axis_name).astype(jnp.bool_)
   return accept
-
-
-class Applied:
-  """The new params, in place of updates: what ``update(..., apply=True)`` returns.
-
-  :func:`update_and_apply` unwraps it (``.params``). Deliberately not a
-  pytree: a transform placed after the accumulation in a chain would otherwise
-  treat params as updates; it fails loudly instead.
-  """
-
-  __slots__ = ("params",)
-
-  def __init__(self, params: optax.Params):
-    self.params = params
-
-  def __jax_array__(self) -> None:
-    raise TypeError(
-        "`update_and_apply`: a transform after `accumulate(k, optimizer)` in a"
-        " chain tried to use its output. Put such transforms inside:"
-        " `accumulate(k, optax.chain(...))`, or use `tx.update` +"
-        " `optax.apply_updates`."
-    )
 
 
 def has_updated(state: Any) -> jax.Array:
@@ -329,9 +312,8 @@ def has_updated(state: Any) -> jax.Array:
         f" tuple holding one); got {type(state).__name__}."
     )
   # jnp.asarray unwraps containers such as Flax NNX's optimizer variables.
-  if isinstance(found, AccumulateState):
-    return jnp.asarray(found.emitted)
-  return jnp.logical_and(jnp.asarray(found.mini_step) == 0, jnp.asarray(found.gradient_step) > 0)
+  return jnp.asarray(found.emitted) if isinstance(found, AccumulateState) else _window.stepped(
+      found)
 
 
 def flush(

@@ -165,31 +165,28 @@ def cached_microbatched(
 
   def grad_fn(params: Any, *args: Any) -> Any:
     args = (params, *args)
-    nums = _batch.positions(config.batch_argnums, config.rng_argnums, len(args))
-    size, split = _per_device.batch_rows({i: args[i] for i in nums[0]})
-    _batch.check_divides(size, config.k)
     with _arrays.mesh_context(args):
-      axes = _per_device.data_axes(config.axis_name, split, args, nums[0])
-      if axes is None:  # one device, or inside shard_map/pmap
+      batch = _batch.of(args, config.batch_argnums, config.rng_argnums,
+                        axis_name=config.axis_name, in_step=True)
+      batch.check_divides(config.k)
+      if not batch.axes:  # one device, or inside shard_map/pmap
         bound = None if config.axis_name is None else _arrays.axis_names(config.axis_name)
-        return _cached(config, args, nums, bound)
-      _batch.check_divides(size, config.k, _per_device.device_count(axes), axes)
-      value, grads = _per_device.run(lambda *a: _cached(config, a, nums, axes), args, nums[0],
-                                     axes, P())
+        return _cached(config, args, batch, bound)
+      value, grads = _per_device.run(lambda *a: _cached(config, a, batch, batch.axes), args,
+                                     batch.positions, batch.axes, P())
       # Params sharded over the data axes (FSDP) get their gradients back in their sharding.
       return value, _batch.to_params(grads, params)
 
   return grad_fn
 
 
-def _cached(config: _Config, args: tuple[Any, ...],
-            nums: tuple[tuple[int, ...], tuple[int, ...]], axes: tuple[Any, ...] | None) -> Any:
+def _cached(config: _Config, args: tuple[Any, ...], batch: _batch.Batch,
+            axes: tuple[Any, ...] | None) -> Any:
   """The three stages on this device's rows; ``axes``: the devices to gather and reduce over."""
-  b_nums, r_nums = nums
   params = args[0] if axes is None else _per_device.make_varying(args[0], axes)
-  keys = {i: _batch.device_key(args[i], axes) for i in r_nums}
-  steps = (jnp.arange(config.k), {i: _batch.split(args[i], config.k) for i in b_nums})
-  rows = jnp.shape(jax.tree.leaves(args[b_nums[0]])[0])[0] // config.k
+  keys = {i: _batch.device_key(args[i], axes) for i in batch.keys}
+  steps = (jnp.arange(config.k), {i: _batch.split(args[i], config.k) for i in batch.positions})
+  rows = batch.per_device_rows // config.k
 
   def embed(p: Any, i: jax.Array, micro: dict[int, Any]) -> Any:
     """``embed_fn`` on micro-batch ``i`` (its rows ``micro``, its keys)."""
@@ -209,8 +206,8 @@ def _cached(config: _Config, args: tuple[Any, ...],
   if axes is not None:  # the global batch: every device's rows, in order
     gather = lambda tree: jax.tree.map(lambda x: lax.all_gather(x, axes, tiled=True), tree)
     emb, devices = gather(local), lax.axis_size(axes)
-    for i in b_nums:  # XLA removes the gathers of those loss_fn does not read
-      whole[i - 1] = gather(args[i])
+    for i in batch.positions:  # XLA removes the gathers of those loss_fn does not read
+      whole[i - 1] = gather(args[i])  # (`whole` holds args[1:])
   value, (g_params, g_emb) = jax.value_and_grad(
       lambda p, e: config.loss_fn(p, e, *whole), argnums=(0, 1), has_aux=config.has_aux,
   )(params, emb)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _arrays
+from optax_accum import _arrays, _copies
 
 __all__ = [
     "MIN_WINDOWS",
@@ -144,6 +144,18 @@ def add_micro_batch(state: NoiseScaleState, sq_norm: jax.Array, accept: Any,
       window_sq_norms=state.window_sq_norms + jnp.where(counted, sq_norm, 0.0),
       window_count=state.window_count + jnp.asarray(counted, jnp.int32),
   )
+
+
+def per_device_micro_batch(grads: Any, weight: jax.Array | None) -> tuple[jax.Array, Any]:
+  """Each device's micro-batch, from one copy per device of its gradient: ``|g|^2`` and weight.
+
+  A device's copy in ``grads`` is its share of the mean over every device's
+  rows, ``1 / n`` of its own micro-batch's mean (``n`` devices), and it
+  holds ``1 / n`` of the weight, as when the devices' micro-batches are alike.
+  """
+  n = jax.tree.leaves(grads)[0].shape[0]
+  sq = _copies.each_device(sq_norm, grads, jnp.zeros([], jnp.float32))
+  return sq * n**2, None if weight is None else weight / n
 
 
 def fold_window(state: NoiseScaleState, stats: WindowStats, decay: float) -> NoiseScaleState:

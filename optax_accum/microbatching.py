@@ -91,12 +91,6 @@ def _is_rule(x: Any) -> bool:
   return isinstance(x, (str, AuxRule))
 
 
-def _check_choice(value: Any, name: str, choices: tuple[str, ...], hint: str) -> str:
-  if value not in choices:
-    raise ValueError(f"`{name}` must be one of {choices}; got {value!r}. {hint}")
-  return value
-
-
 def split_microbatches(tree: Any, num_microbatches: int, split: str = "strided") -> Any:
   """Splits a batch pytree into a stacked ``[k, batch // k, ...]`` pytree.
 
@@ -114,9 +108,9 @@ def split_microbatches(tree: Any, num_microbatches: int, split: str = "strided")
     >>> split_microbatches(jnp.arange(6), 2).tolist()
     [[0, 2, 4], [1, 3, 5]]
   """
-  k = _batch.check_num_microbatches(num_microbatches)
-  _check_choice(split, "split", _batch.SPLITS, "Use 'strided' (default) or 'contiguous'.")
-  _batch.check_divides(_per_device.batch_rows({0: tree})[0], k)
+  k, split = _batch.check_num_microbatches(num_microbatches), _batch.check_split(split)
+  rows = _batch.leading_rows({"`tree`": tree})[0]
+  _batch.Batch((), (), rows, rows, ()).check_divides(k)  # (the whole batch: one device's rule)
   return _batch.split(tree, k, split)
 
 
@@ -131,14 +125,15 @@ def _unstack_concat(stacked: jax.Array, split: str, what: str) -> jax.Array:
   return _batch.unsplit(stacked, split)
 
 
-def _acc_dtype(dtype: Any, requested: jnp.dtype | None) -> Any:
+def _acc_dtype(dtype: Any, requested: jnp.dtype | None, mean: bool = False) -> Any:
   """The dtype that sums values of ``dtype``: ``accumulate``'s rule for floats and complex.
 
-  ``requested=None`` never narrows (bf16/f16 -> f32, f64 -> f64, complex stays
-  complex); an explicit dtype is used as given. Other dtypes (integer aux
-  sums) keep their own, which is exact.
+  Integers (aux outputs, token counts) keep their own dtype in a sum, which is
+  exact, and become float32 in a mean (or as a denominator).
   """
-  return _arrays.accumulator_dtype(dtype, requested if _inexact(dtype) else None)
+  if not _inexact(dtype):
+    return jnp.dtype(jnp.float32) if mean else jnp.dtype(dtype)
+  return _arrays.accumulator_dtype(dtype, requested)
 
 
 def _inexact(dtype: Any) -> bool:
@@ -412,15 +407,14 @@ def microbatched(
       batch_argnums=_validation.check_argnums(batch_argnums, "batch_argnums"),
       rng_argnums=_validation.check_argnums(rng_argnums, "rng_argnums", empty_ok=True),
       has_aux=_validation.check_flag(has_aux, "has_aux"),
-      normalize=_check_choice(
+      normalize=_validation.check_choice(
           normalize, "normalize", _validation.REDUCTIONS,
           "Use 'mean' for a mean loss, 'sum' for a summed loss, or 'weighted' when"
           " `fn`'s value is (numerator, denominator)."),
       aux_rules=_check_aux_rules(aux_rules),
-      split=_check_choice(old["split"], "split", _batch.SPLITS,
-                          "Use 'strided' (default) or 'contiguous'."),
-      rng_mode=_check_choice(old["rng_mode"], "rng_mode", RNG_MODES,
-                             "Use 'fold_in' (default) or 'split'."),
+      split=_batch.check_split(old["split"]),
+      rng_mode=_validation.check_choice(old["rng_mode"], "rng_mode", RNG_MODES,
+                                        "Use 'fold_in' (default) or 'split'."),
       acc_dtype=_validation.check_accumulator_dtype(old["accumulator_dtype"]),
       axis_name=axis_name,
       unroll=old["unroll"],
@@ -430,14 +424,13 @@ def microbatched(
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
     call = functools.partial(fn, **kwargs)
-    nums = _batch.positions(config.batch_argnums, config.rng_argnums, len(args))
-    size, split = _per_device.batch_rows({i: args[i] for i in nums[0]})
-    _batch.check_divides(size, config.k)
     with _arrays.mesh_context(args):
-      axes = _per_device.data_axes(config.axis_name, split, args, nums[0])
-      if axes is None:
-        return _run(call, config, _split_inputs(config, args, nums))
-      return _run_on_mesh(call, config, args, nums, axes, size)
+      batch = _batch.of(args, config.batch_argnums, config.rng_argnums,
+                        axis_name=config.axis_name, in_step=True)
+      batch.check_divides(config.k)
+      if not batch.axes:  # one device, or inside shard_map/pmap
+        return _run(call, config, _split_inputs(config, args, batch))
+      return _run_on_mesh(call, config, args, batch)
 
   # Equinox warns of a "JAX-transformed callable" when a function's
   # `__wrapped__` chain reaches a module with array-like fields (its
@@ -447,15 +440,14 @@ def microbatched(
 
 
 # ------------------------------------------------- stage 1: split the batch
-def _split_inputs(config: _Config, args: tuple[Any, ...],
-                  nums: tuple[tuple[int, ...], tuple[int, ...]]) -> _Inputs:
+def _split_inputs(config: _Config, args: tuple[Any, ...], batch: _batch.Batch) -> _Inputs:
   """The batch arguments reshaped for ``_batch.index``, the keys prepared, the rest device-varying.
 
   Inside ``shard_map``/``pmap`` the other arguments are cast to device-varying:
   else the transpose of a replicated input would all-reduce its gradient on
   every micro-batch.
   """
-  b_nums, r_nums = nums
+  b_nums, r_nums = batch.positions, batch.keys
   rest = list(args)
   if config.axis_name is not None:
     axes = _arrays.axis_names(config.axis_name)
@@ -533,8 +525,7 @@ def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _batch.Out) -> _
   den = None
   if shapes.den is not None:
     # An integer token count is summed as a float, like the value it divides.
-    den = zeros(jax.ShapeDtypeStruct((), shapes.den.dtype if _inexact(shapes.den.dtype)
-                                     else jnp.float32))
+    den = jnp.zeros([], _acc_dtype(shapes.den.dtype, config.acc_dtype, mean=True))
   aux = [] if plan is None else [
       rule.init(s) for rule, s in zip(plan.programs, plan.shapes, strict=True)]
   noise = gradient_noise.init() if config.return_noise_stats else ()
@@ -700,8 +691,7 @@ def _leaf_init(config: _Config, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array
     return jnp.zeros((config.k, *s.shape), s.dtype,
                      out_sharding=None if spec is None else P(None, *spec))
   if rule in ("mean", "sum"):
-    dtype = _acc_dtype(s.dtype, config.acc_dtype)
-    return _filled(s, dtype if rule == "sum" or _inexact(dtype) else jnp.float32)  # int mean
+    return _filled(s, _acc_dtype(s.dtype, config.acc_dtype, mean=rule == "mean"))
   if rule == "last":
     return _filled(s, s.dtype)
   if _inexact(s.dtype):
@@ -724,8 +714,7 @@ def _leaf_finalize(config: _Config, rule: str, c: jax.Array, s: jax.ShapeDtypeSt
 
 # ---------------------------------------------- plain jit: the batch on a mesh
 def _run_on_mesh(call: Callable[..., Any], config: _Config, args: tuple[Any, ...],
-                 nums: tuple[tuple[int, ...], tuple[int, ...]], axes: tuple[Any, ...],
-                 size: int) -> Any:
+                 batch: _batch.Batch) -> Any:
   """Plain ``jit``: the loop run per device over the data ``axes``, reduced once after it.
 
   Each device scans over its own rows with ``axis_name`` set to the data axes
@@ -734,21 +723,20 @@ def _run_on_mesh(call: Callable[..., Any], config: _Config, args: tuple[Any, ...
   sharded over the data axes alone. Under Auto axes the types hold no
   shardings: everything is all-reduced, and the partitioner places the result.
   """
-  mesh = jax.sharding.get_abstract_mesh()
-  devices = _per_device.device_count(axes)
-  _batch.check_divides(size, config.k, devices, axes)
-  rows = size // devices // config.k  # per device and micro-batch
-  inner = dataclasses.replace(config, axis_name=_per_device.spec_entry(axes))
-  shapes = _abstract_outputs(call, config, args, nums[0], rows)
+  axes = batch.axes
+  rows = batch.per_device_rows // config.k  # per device and micro-batch
+  inner = dataclasses.replace(config, axis_name=_arrays.spec_entry(axes))
+  shapes = _abstract_outputs(call, config, args, batch.positions, rows)
   targets = scatter = None
-  if _arrays.axis_kinds(mesh, axes) == {"Explicit"}:
+  if _arrays.axis_kind(axes) == "Explicit":
     targets = _batch.param_specs(args[_batch.PARAMS], shapes.grads)
     scatter = targets and [_per_device.scatter_dim(spec, axes) for spec in targets]
 
   def body(*per_device_args: Any) -> Any:
-    return _run(call, inner, _split_inputs(inner, per_device_args, nums), scatter)
+    return _run(call, inner, _split_inputs(inner, per_device_args, batch), scatter)
 
-  out = _per_device.run(body, args, nums[0], axes, _out_specs(inner, axes, shapes, scatter, rows))
+  out = _per_device.run(body, args, batch.positions, axes,
+                        _out_specs(inner, axes, shapes, scatter, rows))
   if targets is None:
     return out
   (value, grads), stats = out if config.return_noise_stats else (out, None)
@@ -773,7 +761,7 @@ def _out_specs(config: _Config, axes: tuple[Any, ...], shapes: _batch.Out,
   rep = P()
   leaves, treedef = jax.tree.flatten(shapes.grads)
   grads = jax.tree.unflatten(treedef, [
-      rep if s is None else P(*[None] * s[0], _per_device.spec_entry(s[1]))
+      rep if s is None else P(*[None] * s[0], _arrays.spec_entry(s[1]))
       for s in scatter or [None] * len(leaves)])
   value = (rep, _aux_specs(config, axes, shapes.aux, rows)) if config.has_aux else rep
   return ((value, grads), rep) if config.return_noise_stats else (value, grads)
@@ -798,5 +786,5 @@ def _aux_specs(config: _Config, axes: tuple[Any, ...], aux: Any, rows: int) -> A
           " micro-batch). Use 'mean', 'sum', 'max' or 'min' there, or call"
           " microbatched(..., axis_name=...) inside your own shard_map and choose"
           " its out_specs.")
-    parts.append(P(*(None,) * (rule == "stack"), _per_device.spec_entry(axes)))
+    parts.append(P(*(None,) * (rule == "stack"), _arrays.spec_entry(axes)))
   return jax.tree.unflatten(plan.treedef, parts)

@@ -36,7 +36,6 @@ from optax.transforms import ShouldSkipUpdateFunction
 
 from optax_accum import _arrays, _validation, _window
 from optax_accum import gradient_noise as noise_lib
-from optax_accum.accumulation import Applied
 
 __all__ = ["MultiSteps"]
 
@@ -157,12 +156,11 @@ class MultiSteps:
           self._config, updates, window, state.inner_opt_state, params, accept=accept,
           emit_now=flush, apply=apply, extra_args=extra_args)
     new_state = self._state(out.window, out.inner_state, skip_state)
-    return (Applied(out.out) if apply else out.out), new_state
+    return (_window.Applied(out.out) if apply else out.out), new_state
 
   def has_updated(self, state: optax.MultiStepsState | Any) -> jax.Array:
     """Whether the last ``update`` took an optimizer step (optax's definition)."""
-    return jnp.logical_and(
-        jnp.asarray(state.mini_step) == 0, jnp.asarray(state.gradient_step) > 0)
+    return _window.stepped(state)
 
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
     """``init`` and ``update`` as an ``optax.GradientTransformationExtraArgs``."""

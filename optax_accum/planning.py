@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from optax_accum import _validation
+from optax_accum import _batch, _validation
 
 __all__ = ["HEADROOM", "Plan", "PlanRow", "compiled_peak_bytes", "plan_k"]
 
@@ -162,7 +162,7 @@ def _peak_of(stats: Any) -> int:
 def plan_k(
     make_step: Callable[[int], Callable[..., Any]],
     *args: Any,
-    batch_argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] = 1,
     memory_limit: int | float | None = None,
     across_steps: bool = False,
     candidates: Sequence[int] | None = None,
@@ -199,7 +199,9 @@ def plan_k(
       ``batch_argnums``: arrays or ``jax.ShapeDtypeStruct`` (with their
       shardings), so nothing needs to be allocated. Each batch argument is a
       pytree of arrays with a common leading (batch) axis.
-    batch_argnums: position(s) in ``args`` of the batch argument(s).
+    batch_argnums: position(s) in ``args`` of the batch argument(s)
+      (default 1): never 0, the params. The batch rules are
+      :func:`~optax_accum.microbatched`'s (the same input, the same error).
     memory_limit: bytes per device. None (default) reads the devices'
       ``memory_stats()["bytes_limit"]`` and keeps :data:`HEADROOM` of it (the
       smallest over the local devices); XLA:CPU reports no limit, so there it
@@ -245,12 +247,9 @@ def plan_k(
   if not callable(make_step):
     raise TypeError(f"`make_step` must be a function k -> step; got {type(make_step).__name__}.")
   across_steps = _validation.check_flag(across_steps, "across_steps")
-  nums = _validation.resolve_argnums(
-      _validation.check_argnums(batch_argnums, "batch_argnums"), len(args), "batch_argnums")
-  if len(set(nums)) != len(nums):
-    raise ValueError(f"`batch_argnums` names an argument twice: {batch_argnums!r}.")
-  rows, per_device = _batch_rows(args, nums)
-  ks = _check_candidates(candidates, rows, per_device)
+  batch = _batch.of(args, _validation.check_argnums(batch_argnums, "batch_argnums"))
+  nums, rows = batch.positions, batch.rows
+  ks = _check_candidates(candidates, batch)
   limit = _resolve_limit(memory_limit)
 
   seen: dict[int, PlanRow] = {}
@@ -281,66 +280,21 @@ def plan_k(
 
 # ----------------------------------------------------------------------------- checks
 
-def _per_device_rows(leaf: Any) -> int:
-  try:
-    return int(leaf.sharding.shard_shape(tuple(leaf.shape))[0])
-  except Exception:  # no sharding, or one that cannot split this shape (the compiler says why)
-    return leaf.shape[0]
-
-
-def _batch_rows(args: tuple[Any, ...], nums: tuple[int, ...]) -> tuple[int, int]:
-  """The global batch size, and the gcd of its rows per device over the leaves."""
-  sizes: dict[str, int] = {}
-  per_device = 0
-  for i in nums:
-    leaves = jax.tree_util.tree_leaves_with_path(args[i])
-    if not leaves:
-      raise ValueError(f"Batch argument {i} (`batch_argnums`) holds no arrays; pass the global"
-                       " batch there.")
-    for path, leaf in leaves:
-      name = f"args[{i}]{jax.tree_util.keystr(path)}"
-      shape = getattr(leaf, "shape", None)
-      if shape is None or len(shape) == 0:
-        raise ValueError(
-            f"Batch argument {name} (`batch_argnums`) has no leading batch axis (shape"
-            f" {shape!r}); every array of a batch argument needs one, or leave the argument"
-            " out of `batch_argnums`.")
-      sizes[name] = int(shape[0])
-      per_device = math.gcd(per_device, _per_device_rows(leaf))
-  if len(set(sizes.values())) > 1:
-    listed = ", ".join(f"{n}: {s}" for n, s in sizes.items())
-    raise ValueError(f"The batch arguments (`batch_argnums`) must share one leading size (the"
-                     f" global batch); got {listed}.")
-  rows = next(iter(sizes.values()))
-  if rows < 1:
-    raise ValueError("The global batch is empty (leading size 0); pass at least one row.")
-  return rows, per_device or rows
-
-
-def _divisors(n: int) -> list[int]:
-  small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-  return sorted(set(small + [n // d for d in small]))
-
-
-def _check_candidates(candidates: Any, rows: int, per_device: int) -> tuple[int, ...]:
-  where = f"the global batch of {rows}" + (
-      f" ({per_device} rows per device)" if per_device != rows else "")
+def _check_candidates(candidates: Any, batch: _batch.Batch) -> tuple[int, ...]:
+  """The candidate ``k``, each a positive int that splits the batch on each device."""
   if candidates is None:
-    return tuple(_divisors(per_device))
+    return tuple(_batch.divisors(batch.per_device_rows))
   try:
     ks = list(candidates)
   except TypeError:
     raise ValueError(f"`candidates` must be a sequence of ints; got {candidates!r}.") from None
   if not ks:
     raise ValueError("`candidates` is empty; pass the k to consider, or None for every k that"
-                     f" divides {where}.")
+                     " divides the batch on each device.")
   for k in ks:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
       raise ValueError(f"`candidates` must be positive ints; got {k!r}.")
-    if per_device % k:
-      raise ValueError(
-          f"`candidates`: k={k} does not divide {where} evenly; use divisors such as"
-          f" {tuple(_divisors(per_device))[:12]}, or leave `candidates` as None.")
+    batch.check_divides(k, "a k in `candidates`")
   return tuple(sorted(set(ks)))
 
 

@@ -216,8 +216,6 @@ def mixed_precision(
   return wrapped
 
 
-
-
 class DynamicLossScale(NamedTuple):
   """State of dynamic loss scaling.
 

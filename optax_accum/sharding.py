@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from optax_accum import _arrays, _per_device
+from optax_accum import _arrays, _state
 from optax_accum._gradients import broadcast_like, defer_reduction, local_value_and_grad
 from optax_accum.accumulation import AccumulateState
 
@@ -230,13 +230,13 @@ def state_shardings(
                               "shardings")[1]
 
 
-def _map_per_device(state: Any, fn: Any) -> Any:
+def _map_per_device(fn: Any, state: Any, **kw: Any) -> Any:
   """Applies ``fn`` to the per-device leaves of each accumulation state in ``state``.
 
-  Those ``_per_device.map_state`` maps: the buffer and the open window's totals
+  Those ``_state.map_state`` maps: the buffer and the open window's totals
   (a noise-scale state's window sums are per device; its averages are not).
   """
-  return jax.tree.map(lambda n: _per_device.map_state(fn, n) if isinstance(
+  return jax.tree.map(lambda n: _state.map_state(fn, n, **kw) if isinstance(
       n, AccumulateState) else n, state, is_leaf=lambda n: isinstance(n, AccumulateState))
 
 
@@ -290,7 +290,7 @@ def reshard_state(restored: Any, like: Any) -> Any:
     ((2, 3), [[8.0, 8.0, 8.0], [0.0, 0.0, 0.0]], 2)
   """
   saved = {_names(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
-  per_device = _per_device_paths(like)
+  per_device = {_names(path) for path, _ in _state.leaves(like, walk=_map_per_device)}
   leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
   out = []
   for path, target in leaves:
@@ -313,18 +313,6 @@ def _names(path: tuple[Any, ...]) -> tuple[Any, ...]:
   """A key path by names and positions alone: a NamedTuple's field and a dict's key alike."""
   return tuple(next(getattr(k, a) for a in ("name", "key", "idx") if hasattr(k, a))
                for k in path)
-
-
-def _per_device_paths(like: Any) -> set[tuple[Any, ...]]:
-  """The leaves of ``like`` that hold per-device partial sums (see :func:`_map_per_device`)."""
-  marked = _map_per_device(like, lambda x: _PerDevice())
-  found = jax.tree_util.tree_flatten_with_path(marked, is_leaf=lambda n: isinstance(
-      n, _PerDevice))[0]
-  return {_names(path) for path, leaf in found if isinstance(leaf, _PerDevice)}
-
-
-class _PerDevice:
-  """A marker leaf: this position holds a per-device partial sum."""
 
 
 def _fit_leaf(saved: np.ndarray, target: Any, per_device: bool, where: str) -> np.ndarray:
@@ -422,15 +410,15 @@ def per_device_state(
   def init_fn(params: optax.Params) -> Any:
     state = inner.init(params)
     _check_has_accumulate_state(state, "per_device_state")
-    return _map_per_device(state, lambda x: x[None])
+    return _map_per_device(lambda x: x[None], state)
 
   def update_fn(
       updates: optax.Updates, state: Any, params: optax.Params | None = None, **kwargs: Any
   ) -> tuple[optax.Updates, Any]:
-    local = _map_per_device(state, lambda x: jnp.squeeze(x, 0))
+    local = _map_per_device(lambda x: jnp.squeeze(x, 0), state)
     # accumulate(..., axis_name=...) itself rejects already-reduced gradients.
     new_updates, new_state = inner.update(updates, local, params, **kwargs)
-    return new_updates, _map_per_device(new_state, lambda x: x[None])
+    return new_updates, _map_per_device(lambda x: x[None], new_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -482,5 +470,5 @@ def shard_map_specs(
   state, specs = _lay_out_like_params(tx, params, param_specs, PartitionSpec(), "param_specs")
   _check_has_accumulate_state(state, "shard_map_specs")
   # The per-device leaves have a leading axis of length 1 (laid out ``None``): ``axis_name``.
-  entry = _per_device.spec_entry(_arrays.axis_names(axis_name))
-  return _map_per_device(specs, lambda spec: PartitionSpec(entry, *spec[1:]))
+  entry = _arrays.spec_entry(_arrays.axis_names(axis_name))
+  return _map_per_device(lambda spec: PartitionSpec(entry, *spec[1:]), specs)

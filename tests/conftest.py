@@ -12,6 +12,7 @@ fail (:func:`pytest_pyfunc_call`).
 """
 
 import atexit
+import importlib
 import os
 import shutil
 import tempfile
@@ -126,6 +127,17 @@ SLOW = (
     "tests/test_contrastive.py::test_example_script_runs",
     "tests/test_distributed.py::test_fsdp_example_trains",
 )
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+  """``-n auto``: one worker per core, at most 8 (each is a JAX process with 8 host devices)."""
+  return min(os.cpu_count() or 1, 8)
+
+
+# CI installs the test extra: a test dependency missing there fails the run (a gap in the
+# extra) instead of skipping its tests.
+if os.environ.get("CI"):
+  pytest.importorskip = lambda modname, *args, **kwargs: importlib.import_module(modname)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,13 +1,18 @@
-"""`microbatched` and `cached_microbatched` follow one set of batch rules.
+"""One set of batch rules: every entry point that takes a batch raises the same error.
 
-Fed the same inputs, the two wrappers give the same answer (a loss that does
-not couple the examples, with dropout) and raise the same error. The
+`microbatched`, `cached_microbatched`, `local_value_and_grad`, `plan_k` and
+`check_large_batch` each read their batch arguments through one
+`_batch.Batch`: fed the same bad input, each raises the same error (a test per
+rule). Fed the same inputs, the two in-step wrappers give the same answer (a
+loss that does not couple the examples, with dropout). The
 reference cuts the micro-batches and folds the keys by hand: micro-batch `i`
 holds rows `i, i + k, ...` of a device's rows, its key is
 `fold_in(fold_in(key, device), i)` (no device fold on one device).
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +22,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
+from optax_accum.debug import check_large_batch
 
 D, H = 8, 4
 
@@ -105,10 +111,6 @@ BAD_CALLS = {
     "k = 0": (0, {}, 16, ValueError, "`num_microbatches` must be >= 1"),
     "k < 0": (-2, {}, 16, ValueError, "`num_microbatches` must be >= 1"),
     "a bool k": (True, {}, 16, TypeError, "`num_microbatches` must be a positive int"),
-    "an indivisible batch": (4, {}, 30, ValueError,
-                             r"30 examples .*num_microbatches=4.*\[1, 2, 3, 5, 6, 10, 15, 30\]"),
-    "the params as the batch": (4, {"batch_argnums": (0, 1)}, 16, ValueError,
-                                "position 0, the params"),
     "a key that is the batch": (4, {"batch_argnums": 1, "rng_argnums": 1}, 16, ValueError,
                                 "must not overlap"),
 }
@@ -131,27 +133,133 @@ def test_same_error(name):
   assert errors["microbatched"] == errors["cached_microbatched"]
 
 
-def test_disagreeing_batch_leaves_and_sizes_per_device_raise_alike():
-  params, key = make_params(), jax.random.key(0)
-  ragged = {"x": make_batch(16)["x"], "y": make_batch(12)["y"]}
-  messages = set()
-  for fn in wrappers(4).values():
-    with pytest.raises(ValueError, match="disagree on the batch size") as info:
-      fn(params, ragged, key)
-    messages.add(str(info.value))
-  assert len(messages) == 1
-  if len(jax.devices()) < 8:
-    return
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
-  messages = set()
-  with jax.set_mesh(mesh):
-    sharded = jax.device_put(make_batch(32), P("data"))
-    for fn in wrappers(8).values():
-      with pytest.raises(ValueError, match=r"32 examples .* on each of 8 devices .*\[1, 2, 4\]"
-                         r".* multiple of 64") as info:
-        jax.jit(fn)(params, sharded, key)
-      messages.add(str(info.value))
-  assert len(messages) == 1
+# ------------------------------------------- one rule, five entry points, one error
+# Every entry point that takes a batch builds one `_batch.Batch` per call. Each rule below
+# feeds the same bad input to all five and expects one message (plan_k's `k` comes from
+# `candidates`, which its message names where the others name `num_microbatches=k`).
+ENTRIES = ("microbatched", "cached_microbatched", "local_value_and_grad", "plan_k",
+           "check_large_batch")
+
+
+def any_loss(p: dict, *args) -> jax.Array:
+  """A mean loss of whatever arrays it is given (rows of the batch arguments, or others)."""
+  h = sum(jnp.mean(x.reshape(x.shape[0], -1)) for x in jax.tree.leaves(args) if jnp.ndim(x))
+  return jnp.mean(p["v"] ** 2) * h + jnp.sum(p["w"] ** 2)
+
+
+def any_embed(p: dict, *args) -> jax.Array:
+  rows = [x.reshape(x.shape[0], -1) for x in jax.tree.leaves(args) if jnp.ndim(x)]
+  return jnp.concatenate(rows, axis=1) @ jnp.ones(sum(r.shape[1] for r in rows)) * p["v"][0]
+
+
+def data_mesh():
+  return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,))
+
+
+def call(entry: str, args: tuple, batch_argnums, k: int = 2, axis_name=None):
+  """``entry`` with ``batch_argnums`` (and ``k`` micro-batches) called on ``args``, on a mesh of
+  every device."""
+  with jax.set_mesh(data_mesh()):
+    return _call(entry, args, batch_argnums, k, {} if axis_name is None else {
+        "axis_name": axis_name})
+
+
+def _call(entry: str, args: tuple, batch_argnums, k: int, named: dict):
+  if entry == "microbatched":
+    return jax.jit(oa.microbatched(jax.value_and_grad(any_loss), k, batch_argnums=batch_argnums,
+                                   **named))(*args)
+  if entry == "cached_microbatched":
+    return jax.jit(oa.cached_microbatched(any_embed, lambda p, e, *a: jnp.mean(e ** 2), k,
+                                          batch_argnums=batch_argnums, **named))(*args)
+  if entry == "local_value_and_grad":
+    return oa.sharding.local_value_and_grad(any_loss, "data", batch_argnums=batch_argnums)(*args)
+  if entry == "plan_k":
+    return oa.plan_k(lambda k: any_loss, *args, batch_argnums=batch_argnums,
+                     memory_limit=2**30, candidates=[k])
+  return check_large_batch(jax.value_and_grad(any_loss), k, batch_argnums=batch_argnums)(*args)
+
+
+def errors_of(entries: tuple, args: tuple, batch_argnums, exc, pattern, **kw) -> set:
+  """Each entry point's error on ``args``, one message once `candidates` reads as the others."""
+  found = set()
+  for entry in entries:
+    with pytest.raises(exc, match=pattern) as info:
+      call(entry, args, batch_argnums, **kw)
+    found.add(re.sub(r"a k in `candidates`", f"num_microbatches={kw.get('k', 2)}",
+                     str(info.value)))
+  return found
+
+
+# rule: (args, batch_argnums, the error, what the message says)
+RULES = {
+    "the params as the batch": (
+        lambda: (make_params(), make_batch(16)), (0, 1), ValueError,
+        r"`batch_argnums=\(0, 1\)` names position 0, the params"),
+    "an argument named twice": (
+        lambda: (make_params(), make_batch(16)), (1, -1), ValueError,
+        r"`batch_argnums=\(1, -1\)` names argument 1 twice"),
+    "a position out of range": (
+        lambda: (make_params(), make_batch(16)), 2, ValueError,
+        r"`batch_argnums` contains 2, but the function was called with 2 positional"),
+    "leaves of different sizes": (
+        lambda: (make_params(), {"x": make_batch(16)["x"], "y": make_batch(12)["y"]}), 1,
+        ValueError, r"disagree on the batch size: argument 1\['x'\] has 16 rows but"
+        r" argument 1\['y'\] has 12"),
+    "arguments of different sizes": (
+        lambda: (make_params(), make_batch(16)["x"], make_batch(12)["y"]), (1, 2), ValueError,
+        r"disagree on the batch size: argument 1 has 16 rows but argument 2 has 12"),
+    "a scalar leaf": (
+        lambda: (make_params(), {"x": make_batch(16)["x"], "y": np.float32(1)}), 1, ValueError,
+        r"The batch leaf at argument 1\['y'\] is a scalar"),
+    "no leaves": (
+        lambda: (make_params(), {}), 1, ValueError, r"The batch argument 1 has no array leaves"),
+}
+
+
+@pytest.mark.parametrize("rule, entry", [(rule, entry) for rule in RULES for entry in ENTRIES])
+def test_each_rule_one_error_from_every_entry_point(rule, entry):
+  make_args, nums, exc, pattern = RULES[rule]
+  found = errors_of((entry, "microbatched"), make_args(), nums, exc, pattern)
+  assert len(found) == 1, found  # the message microbatched gives, word for word
+
+
+K_RULE = r"A batch of 16 examples cannot be split into 3 equal micro-batches \({}\)\."
+
+
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if e != "local_value_and_grad"])
+def test_k_must_divide_the_batch(entry):
+  """No k in local_value_and_grad: each device's rows are one micro-batch there."""
+  args = (make_params(), make_batch(16))
+  name = "a k in `candidates`" if entry == "plan_k" else "num_microbatches=3"
+  with pytest.raises(ValueError, match=K_RULE.format(name) + r" Use a k that divides 16 \(one"
+                     r" of \[1, 2, 4, 8, 16\]\), or pad the batch to a multiple of 3"):
+    call(entry, args, 1, k=3)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (conftest)")
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if e != "local_value_and_grad"])
+def test_k_must_divide_each_devices_rows(entry):
+  """32 rows on 8 devices: 4 each, which k = 8 does not divide (32 does)."""
+  with jax.set_mesh(data_mesh()):
+    args = (jax.device_put(make_params(), P()), jax.device_put(make_batch(32), P("data")))
+    assert len(errors_of((entry, "microbatched"), args, 1, ValueError,
+                         r"32 examples cannot be split into 8 equal micro-batches on each of 8"
+                         r" devices \(mesh axes \('data',\)\).*\[1, 2, 4\].* multiple of 64",
+                         k=8)) == 1
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (conftest)")
+@pytest.mark.parametrize("entry", ["cached_microbatched", "local_value_and_grad"])
+def test_the_devices_must_divide_the_batch(entry):
+  """A batch named split over the data axis (`axis_name`) whose rows the 8 devices do not
+  divide: plan_k and check_large_batch take no `axis_name`, and a batch placed on the mesh
+  has rows the devices divide."""
+  args = (make_params(), make_batch(20))
+  found = errors_of((entry, "microbatched"), args, 1, ValueError,
+                    r"A batch of 20 examples cannot be split evenly over the 8 devices of mesh"
+                    r" axes \('data',\)\. Pad the batch to a multiple of 8", k=1,
+                    axis_name="data")
+  assert len(found) == 1
 
 
 def test_a_pooled_embedding_is_refused_whatever_its_width():

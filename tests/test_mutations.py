@@ -4,12 +4,14 @@ The mutants run where they are claimed: a test marked
 ``@pytest.mark.catches(name, ...)`` is rerun under each named mutant
 (``tests/conftest.py``) and must then fail an assertion. This module checks
 the bookkeeping: no mutant left unclaimed, no claim of a mutant that does not
-exist.
+exist; and every prefix of ``conftest.SLOW`` (the slow tests that
+``-m "not slow"`` leaves out) names a test that exists.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import jax
@@ -18,6 +20,7 @@ import pytest
 import optax_accum as oa
 from optax_accum import contrastive
 from tests import _mutants
+from tests.conftest import SLOW
 
 HERE = Path(__file__).resolve().parent
 
@@ -57,3 +60,16 @@ def test_a_mutant_is_undone_after_its_test() -> None:
       apply(patch)
       assert patched() != real
     assert patched() == real
+
+
+def test_every_slow_prefix_names_a_test() -> None:
+  """A prefix that names nothing (a test renamed or moved) would leave the test it meant
+  in the fast subset, unannounced."""
+  stale = []
+  for prefix in SLOW:
+    path, _, name = prefix.partition("::")
+    file = HERE.parent / path
+    test = name.split("[")[0]
+    if not file.is_file() or (test and not re.search(rf"^def {test}\(", file.read_text(), re.M)):
+      stale.append(prefix)
+  assert not stale, f"conftest.SLOW names no test at {stale}: fix or remove these prefixes"

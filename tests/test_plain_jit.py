@@ -581,7 +581,7 @@ def test_local_grads_name_bad_batch_argnums() -> None:
   with jax.set_mesh(data_mesh()):
     params = place_params(REPLICATED)
     x = jax.device_put(make_data(1)[0][0], P("data"))
-    with pytest.raises(ValueError, match=r"names argument 0 of `fn`, the params"):
+    with pytest.raises(ValueError, match=r"names position 0, the params"):
       local_value_and_grad(loss, "data", batch_argnums=0)(params, x)
     with pytest.raises(ValueError, match=r"`batch_argnums` contains 2, but .* 2 positional"):
       local_value_and_grad(loss, "data", batch_argnums=2)(params, x)

@@ -124,9 +124,9 @@ def test_every_state_layout_takes_the_large_batch_step(path: str, kind: str) -> 
 
 def test_a_field_added_to_the_per_device_list_is_followed_everywhere(
     monkeypatch: pytest.MonkeyPatch) -> None:
-  """``_per_device.STATE`` is the one list: ``init``, ``per_device_state``, ``shard_map_specs``,
+  """``_state.STATE`` is the one list: ``init``, ``per_device_state``, ``shard_map_specs``,
   ``reshard_state`` and ``update``'s checks all lay out (or check) what it names."""
-  from optax_accum import _per_device
+  from optax_accum import _state
   from optax_accum.sharding import per_device_state, reshard_state, shard_map_specs
 
   tx = oa.accumulate(2, optax.sgd(0.1), axis_name="data")
@@ -135,7 +135,7 @@ def test_a_field_added_to_the_per_device_list_is_followed_everywhere(
     return tx.init(jax.device_put({"w": jnp.zeros(3)}, NamedSharding(m, P())))
 
   before = init_on(N_DEV)
-  monkeypatch.setattr(_per_device, "STATE", (*_per_device.STATE, "gradient_step"))
+  monkeypatch.setattr(_state, "STATE", (*_state.STATE, "gradient_step"))
   # init: one copy per device, sharded over the data axis.
   after = init_on(N_DEV)
   assert after.gradient_step.shape == (N_DEV,) and after.gradient_step.sharding.spec == P("data")
