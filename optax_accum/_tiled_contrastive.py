@@ -453,8 +453,7 @@ def _devices(axis_name: Any, x: Any, y: Any) -> tuple[tuple[Any, ...] | None, An
   if axis_name is None:
     return None, split[0] or None
   axes = _arrays.axis_names(axis_name)
-  kinds = _arrays.axis_kinds(jax.sharding.get_abstract_mesh(), axes)
-  if kinds is None or kinds == {"Manual"}:
+  if _arrays.axis_kind(axis_name, check=False) is None:  # manual axes, or none bound
     if _arrays.axis_indices(axes) is None:
       raise ValueError(
           f"`axis_name={axis_name!r}` is not bound: call the loss inside `jax.shard_map` (or"
@@ -462,11 +461,11 @@ def _devices(axis_name: Any, x: Any, y: Any) -> tuple[tuple[Any, ...] | None, An
           " `jit` with the rows sharded over a mesh's axes (their type names them: drop"
           " `axis_name`); or drop `axis_name` on one device.")
     return axes, None
-  if len(kinds) > 1 or (split[0] and set(split[0]) != set(axes)):
+  if split[0] and set(split[0]) != set(axes):
     raise ValueError(
-        f"`axis_name={axis_name!r}` names mesh axes of kinds {sorted(kinds)} and the rows of"
-        f" `x` are sharded over {split[0] or 'no Explicit axis'}. Name the axes the rows are"
-        " split over, all of one kind (Explicit ones may be dropped: the type names them).")
+        f"`axis_name={axis_name!r}` names mesh axes {axes} but the rows of `x` are sharded"
+        f" over {split[0]}. Name the axes the rows are split over (Explicit ones may be"
+        " dropped: the type names them).")
   return None, axes
 
 

@@ -137,7 +137,10 @@ def test_siglip_is_exact_at_large_logits():
        st.integers(0, 2**16))
 def test_random_shapes_and_blocks(name, rows, dim, block_size, seed):
   """Any shape and tile. A loss or gradient that cancels to about 0 (one pair; in one dim,
-  every y_j = +-x_j) is compared on the size of its terms: float32 can do no better."""
+  every y_j = +-x_j; a positive far above the negatives) is compared on the size of its
+  terms: float32 can do no better. The backward recomputes the logits, which may round
+  one ulp apart from the forward's (clip, 2 rows in 2 dims, block 1, seed 1: an error of
+  1.8e-7 of the terms' size in a gradient of 1e-8)."""
   x, y = pairs(rows, dim, seed)
   loss, grads = value_and_grads(name, x, y, SCALARS[name], block_size=block_size)
   ref_loss, ref_grads = reference(name, x, y, *SCALARS[name])
@@ -145,7 +148,7 @@ def test_random_shapes_and_blocks(name, rows, dim, block_size, seed):
   assert abs(float(loss) - ref_loss) <= 1e-5 * max(abs(ref_loss), 0.1 * loss_size)
   for g, r, size in zip(grads, ref_grads, sizes, strict=True):
     assert np.max(np.abs(np.asarray(g, np.float64) - r)) <= 1e-5 * max(
-        np.max(np.abs(r)), 1e-2 * np.max(np.abs(size)))
+        np.max(np.abs(r)), 0.1 * np.max(np.abs(size)))
 
 
 @pytest.mark.parametrize("name", NAMES)
