@@ -132,11 +132,9 @@ def leading_rows(batches: dict[str, Any]) -> tuple[int, tuple[Any, ...], Any]:
             f"The batch leaf at {where} is a scalar; every batch leaf needs a leading batch"
             " dimension. Add one, or pass this value outside the batch (it is then given"
             " to every micro-batch unchanged).")
-      array_type = _arrays.array_type(leaf)
-      lead = (*array_type.spec, None)[0]  # the leading dim's entry, if any
-      s, a = int(jnp.shape(leaf)[0]), _arrays.axis_names(lead) if lead else ()
+      s, a = int(jnp.shape(leaf)[0]), _arrays.leading_axes(leaf)
       if first is None:
-        first, size, axes, mesh = where, s, a, array_type.mesh
+        first, size, axes, mesh = where, s, a, _arrays.array_type(leaf).mesh
       if s != size:
         raise ValueError(
             f"The batch leaves disagree on the batch size: {first} has {size} rows but"

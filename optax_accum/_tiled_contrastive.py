@@ -444,7 +444,7 @@ def _run(loss: Any, x: Any, y: Any, scalars: tuple[Any, ...], block_size: Any,
 def _devices(axis_name: Any, x: Any, y: Any) -> tuple[tuple[Any, ...] | None, Any]:
   """``(manual axes, None)`` inside shard_map/pmap, ``(None, data axes)`` for plain jit on a
   mesh, ``(None, None)`` on one device."""
-  split = [_leading_axes(v) for v in (x, y)]
+  split = [_arrays.leading_axes(v) for v in (x, y)]
   if split[0] != split[1]:
     raise ValueError(
         f"`x` has its rows sharded over {split[0] or 'no mesh axis'} but `y` over"
@@ -453,8 +453,8 @@ def _devices(axis_name: Any, x: Any, y: Any) -> tuple[tuple[Any, ...] | None, An
   if axis_name is None:
     return None, split[0] or None
   axes = _arrays.axis_names(axis_name)
-  kinds = _arrays.axis_kinds(jax.sharding.get_abstract_mesh(), axes)
-  if kinds is None or kinds == {"Manual"}:
+  kind = _arrays.axis_kind(axis_name, check=False)  # (raises for a mix of kinds)
+  if kind is None:  # shard_map / pmap, or no such mesh axis
     if _arrays.axis_indices(axes) is None:
       raise ValueError(
           f"`axis_name={axis_name!r}` is not bound: call the loss inside `jax.shard_map` (or"
@@ -462,18 +462,12 @@ def _devices(axis_name: Any, x: Any, y: Any) -> tuple[tuple[Any, ...] | None, An
           " `jit` with the rows sharded over a mesh's axes (their type names them: drop"
           " `axis_name`); or drop `axis_name` on one device.")
     return axes, None
-  if len(kinds) > 1 or (split[0] and set(split[0]) != set(axes)):
+  if split[0] and set(split[0]) != set(axes):
     raise ValueError(
-        f"`axis_name={axis_name!r}` names mesh axes of kinds {sorted(kinds)} and the rows of"
+        f"`axis_name={axis_name!r}` names mesh axes of kinds {[kind]} and the rows of"
         f" `x` are sharded over {split[0] or 'no Explicit axis'}. Name the axes the rows are"
         " split over, all of one kind (Explicit ones may be dropped: the type names them).")
   return None, axes
-
-
-def _leading_axes(v: Any) -> tuple[Any, ...]:
-  """The mesh axes ``v``'s type splits its rows over."""
-  lead = (*_arrays.array_type(v).spec, None)[0]
-  return _arrays.axis_names(lead) if lead else ()
 
 
 def _check_pair(x: Any, y: Any) -> tuple[jax.Array, jax.Array]:
@@ -512,12 +506,9 @@ def _check_scalar(value: Any, name: str, dtype: Any) -> jax.Array:
 def _check_block_size(block_size: Any) -> int | None:
   if block_size is None:
     return None
-  if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool):
-    raise TypeError(
-        f"`block_size` must be a positive int (the columns of one tile) or None for the"
-        f" default; got {block_size!r}. Pass e.g. `block_size=512`.")
-  if block_size < 1:
-    raise ValueError(
+  not_int = not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool)
+  if not_int or block_size < 1:
+    raise (TypeError if not_int else ValueError)(
         f"`block_size` must be a positive int (the columns of one tile) or None for the"
         f" default; got {block_size!r}. Pass e.g. `block_size=512`.")
   return int(block_size)
