@@ -99,7 +99,13 @@ def of(args: Sequence[Any], batch_argnums: tuple[int, ...], rng_argnums: tuple[i
 
 def _positions(argnums: tuple[int, ...], nargs: int, name: str) -> tuple[int, ...]:
   """``argnums`` within a call of ``nargs`` arguments, each once and never the params."""
-  nums = _validation.resolve_argnums(argnums, nargs, name)
+  for a in argnums:
+    if not -nargs <= a < nargs:
+      raise ValueError(
+          f"`{name}` contains {a}, but the function was called with {nargs} positional"
+          f" argument(s). Pass those arguments positionally, or set `{name}` to their positions."
+      )
+  nums = tuple(a % nargs for a in argnums)
   twice = sorted({a for a in nums if nums.count(a) > 1})
   if twice:
     raise ValueError(
@@ -266,10 +272,7 @@ def microbatch_key(key: jax.Array, i: jax.Array) -> jax.Array:
 
 def micro_args(args: Sequence[Any], micro: dict[int, Any], keys: dict[int, Any]) -> list[Any]:
   """``args`` with one micro-batch's rows (``micro``) and keys (``keys``) at their positions."""
-  out = list(args)
-  for j, value in (*micro.items(), *keys.items()):
-    out[j] = value
-  return out
+  return [micro.get(i, keys.get(i, a)) for i, a in enumerate(args)]
 
 
 class Out(NamedTuple):

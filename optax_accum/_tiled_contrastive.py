@@ -337,27 +337,46 @@ def _clip_bwd(ring: _Ring, res: Any, g: jax.Array) -> tuple[jax.Array, ...]:
   x, y, t, r, y_held, c_held, g = _vary(ring, *primals, r, y_held, c_held, g)
   inv_t, scale = 1 / t, g / (2 * ring.rows * ring.devices)
 
-  def visit(carry: tuple[jax.Array, jax.Array], block: tuple[jax.Array, ...], owner: Any
-            ) -> Any:
-    def tile(carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, ...]) -> Any:
-      (dx, ds), (y_tile, c_tile, dy_tile, i) = carry, xs
-      s = _logits(x, y_tile, inv_t)
-      grad = jnp.exp(s - r[:, None]) + jnp.exp(s - c_tile) - 2 * _diagonal(ring, s.shape, owner, i)
-      grad = _masked(_valid(ring, i), scale * grad)
-      # ds: each row's sum of grad * s, for the temperature's gradient.
-      return (dx + _product(grad, y_tile), ds + jnp.sum(grad * s, axis=1)), dy_tile + _product(
-          grad.T, x)
-    y_tiles, c, dy = block
-    carry, dy = lax.scan(tile, carry, (y_tiles, c, dy, jnp.arange(ring.tiles)))
-    return carry, (y_tiles, c, dy)
+  def tile_grad(s: jax.Array, c_tile: jax.Array, owner: Any, i: jax.Array) -> jax.Array:
+    grad = jnp.exp(s - r[:, None]) + jnp.exp(s - c_tile) - 2 * _diagonal(ring, s.shape, owner, i)
+    return _masked(_valid(ring, i), scale * grad)
 
-  dx0 = _arrays.match_varying(jnp.zeros(x.shape, t.dtype), x)
-  ds0 = _arrays.match_varying(jnp.zeros((ring.rows,), t.dtype), x)
-  dy0 = _arrays.match_varying(jnp.zeros((ring.tiles, ring.block, y.shape[1]), t.dtype), x)
-  (dx, ds), (_, _, dy) = _walk(ring, visit, (dx0, ds0), (y_held, c_held, dy0), -1)
+  # ds: each row's sum of grad * s, for the temperature's gradient.
+  dx, (ds,), dy = _pull_back(ring, x, y, inv_t, (y_held, c_held), tile_grad,
+                             lambda grad, s: (grad * s,), 1)
   dt = -jnp.sum(ds) * inv_t  # sum_ij G_ij s_ij, with ds/dt = -s/t
-  cts = (dx * inv_t, _untiled(ring, dy) * inv_t, dt)
-  return tuple(_like(ct, p) for ct, p in zip(cts, primals, strict=True))
+  return tuple(_like(ct, p) for ct, p in zip((dx, dy, dt), primals, strict=True))
+
+
+def _pull_back(ring: _Ring, x: jax.Array, y: jax.Array, inv_t: jax.Array, held: tuple[Any, Any],
+               tile_grad: Any, row_terms: Any, n_terms: int
+               ) -> tuple[jax.Array, tuple[jax.Array, ...], jax.Array]:
+  """The backward walk both losses share: ``(dx, row sums, dy)``, ``dx`` and ``dy`` over ``t``.
+
+  ``held``: the block of ``y``'s tiles the forward ended with, and its statistics per
+  tile (or None). ``tile_grad(s, stats, owner, i)`` is tile ``i``'s gradient ``G`` with
+  respect to its logits ``s``; each row sums the ``n_terms`` arrays ``row_terms(G, s)``
+  over its tiles.
+  """
+  def zeros(*shape: int) -> jax.Array:
+    return _arrays.match_varying(jnp.zeros(shape, inv_t.dtype), x)
+
+  def visit(carry: tuple[jax.Array, Any], block: tuple[Any, ...], owner: Any) -> Any:
+    def tile(carry: tuple[jax.Array, Any], xs: tuple[Any, ...]) -> Any:
+      (dx, sums), (y_tile, stats, dy_tile, i) = carry, xs
+      s = _logits(x, y_tile, inv_t)
+      grad = tile_grad(s, stats, owner, i)
+      dx = dx + _product(grad, y_tile)
+      sums = tuple(a + jnp.sum(v, 1) for a, v in zip(sums, row_terms(grad, s), strict=True))
+      return (dx, sums), dy_tile + _product(grad.T, x)
+    y_tiles, stats, dy = block
+    carry, dy = lax.scan(tile, carry, (y_tiles, stats, dy, jnp.arange(ring.tiles)))
+    return carry, (y_tiles, stats, dy)
+
+  start = (zeros(*x.shape), (zeros(ring.rows),) * n_terms)
+  (dx, sums), (_, _, dy) = _walk(ring, visit, start,
+                                 (*held, zeros(ring.tiles, ring.block, y.shape[1])), -1)
+  return dx * inv_t, sums, _untiled(ring, dy) * inv_t
 
 
 _clip.defvjp(_clip_fwd, _clip_bwd)
@@ -397,25 +416,14 @@ def _siglip_bwd(ring: _Ring, res: Any, g: jax.Array) -> tuple[jax.Array, ...]:
   x, y, t, b, y_held, g = _vary(ring, *primals, y_held, g)
   inv_t, scale = 1 / t, g / (ring.rows * ring.devices)
 
-  def visit(carry: tuple[jax.Array, ...], block: tuple[jax.Array, jax.Array], owner: Any
-            ) -> Any:
-    def tile(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, ...]) -> Any:
-      (dx, db, ds), (y_tile, dy_tile, i) = carry, xs
-      u = _logits(x, y_tile, inv_t)
-      z = _signed(ring, u + b, owner, i)
-      grad = _masked(_valid(ring, i), scale * _signed(ring, jax.nn.sigmoid(z), owner, i))
-      # Per row: the bias's gradient, and grad * u for the temperature's.
-      carry = dx + _product(grad, y_tile), db + jnp.sum(grad, 1), ds + jnp.sum(grad * u, 1)
-      return carry, dy_tile + _product(grad.T, x)
-    y_tiles, dy = block
-    carry, dy = lax.scan(tile, carry, (y_tiles, dy, jnp.arange(ring.tiles)))
-    return carry, (y_tiles, dy)
+  def tile_grad(u: jax.Array, _: None, owner: Any, i: jax.Array) -> jax.Array:
+    z = _signed(ring, u + b, owner, i)
+    return _masked(_valid(ring, i), scale * _signed(ring, jax.nn.sigmoid(z), owner, i))
 
-  dx0 = _arrays.match_varying(jnp.zeros(x.shape, t.dtype), x)
-  dy0 = _arrays.match_varying(jnp.zeros((ring.tiles, ring.block, y.shape[1]), t.dtype), x)
-  rows0 = _arrays.match_varying(jnp.zeros((ring.rows,), t.dtype), x)
-  (dx, db, ds), (_, dy) = _walk(ring, visit, (dx0, rows0, rows0), (y_held, dy0), -1)
-  cts = (dx * inv_t, _untiled(ring, dy) * inv_t, -jnp.sum(ds) * inv_t, jnp.sum(db))
+  # Per row: the bias's gradient, and grad * u for the temperature's.
+  dx, (db, ds), dy = _pull_back(ring, x, y, inv_t, (y_held, None), tile_grad,
+                                lambda grad, u: (grad, grad * u), 2)
+  cts = (dx, dy, -jnp.sum(ds) * inv_t, jnp.sum(db))
   return tuple(_like(ct, p) for ct, p in zip(cts, primals, strict=True))
 
 

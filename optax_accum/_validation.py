@@ -251,17 +251,6 @@ def check_argnums(argnums: Any, name: str, *, empty_ok: bool = False) -> tuple[i
   return tuple(int(a) for a in nums)
 
 
-def resolve_argnums(nums: tuple[int, ...], nargs: int, name: str) -> tuple[int, ...]:
-  """``nums`` for a call with ``nargs`` positional arguments: each in range, counted from 0."""
-  for a in nums:
-    if not -nargs <= a < nargs:
-      raise ValueError(
-          f"`{name}` contains {a}, but the function was called with {nargs} positional"
-          f" argument(s). Pass those arguments positionally, or set `{name}` to their positions."
-      )
-  return tuple(a % nargs for a in nums)
-
-
 def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
   """Raises unless ``optimizer`` is None or an optax transformation."""
   if optimizer is None or (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
