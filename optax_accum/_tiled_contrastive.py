@@ -196,10 +196,6 @@ class _Ring(NamedTuple):
   def tiles(self) -> int:
     return -(-self.rows // self.block)
 
-  @property
-  def padded(self) -> bool:
-    return self.tiles * self.block != self.rows
-
   def index(self) -> Any:
     """This device's place on the ring (its block of rows)."""
     return 0 if self.axes is None else lax.axis_index(self.axes)
@@ -243,7 +239,7 @@ def _untiled(ring: _Ring, v: jax.Array) -> jax.Array:
 
 def _valid(ring: _Ring, t: jax.Array) -> jax.Array | None:
   """Which columns of tile ``t`` are real (a ``[1, block]`` mask); None without padding."""
-  if not ring.padded:
+  if ring.tiles * ring.block == ring.rows:
     return None
   return (t * ring.block + lax.broadcasted_iota(jnp.int32, (1, ring.block), 1)) < ring.rows
 
