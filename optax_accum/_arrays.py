@@ -75,6 +75,12 @@ def array_type(x: Any) -> ArrayType:
                    getattr(sharding, "mesh", None))
 
 
+def leading_axes(x: Any) -> tuple[Any, ...]:
+  """The mesh axes ``x``'s type splits its leading dim (its rows) over; ``()`` for none."""
+  lead = (*array_type(x).spec, None)[0]
+  return axis_names(lead) if lead else ()
+
+
 def laid_out_like(x: jax.Array, like: Any) -> jax.Array:
   """``x`` resharded to ``like``'s layout where their types say different ones (explicit axes)."""
   want = array_type(like).explicit_spec

@@ -99,7 +99,13 @@ def of(args: Sequence[Any], batch_argnums: tuple[int, ...], rng_argnums: tuple[i
 
 def _positions(argnums: tuple[int, ...], nargs: int, name: str) -> tuple[int, ...]:
   """``argnums`` within a call of ``nargs`` arguments, each once and never the params."""
-  nums = _validation.resolve_argnums(argnums, nargs, name)
+  for a in argnums:
+    if not -nargs <= a < nargs:
+      raise ValueError(
+          f"`{name}` contains {a}, but the function was called with {nargs} positional"
+          f" argument(s). Pass those arguments positionally, or set `{name}` to their positions."
+      )
+  nums = tuple(a % nargs for a in argnums)
   twice = sorted({a for a in nums if nums.count(a) > 1})
   if twice:
     raise ValueError(
@@ -132,11 +138,9 @@ def leading_rows(batches: dict[str, Any]) -> tuple[int, tuple[Any, ...], Any]:
             f"The batch leaf at {where} is a scalar; every batch leaf needs a leading batch"
             " dimension. Add one, or pass this value outside the batch (it is then given"
             " to every micro-batch unchanged).")
-      array_type = _arrays.array_type(leaf)
-      lead = (*array_type.spec, None)[0]  # the leading dim's entry, if any
-      s, a = int(jnp.shape(leaf)[0]), _arrays.axis_names(lead) if lead else ()
+      s, a = int(jnp.shape(leaf)[0]), _arrays.leading_axes(leaf)
       if first is None:
-        first, size, axes, mesh = where, s, a, array_type.mesh
+        first, size, axes, mesh = where, s, a, _arrays.array_type(leaf).mesh
       if s != size:
         raise ValueError(
             f"The batch leaves disagree on the batch size: {first} has {size} rows but"
@@ -268,10 +272,7 @@ def microbatch_key(key: jax.Array, i: jax.Array) -> jax.Array:
 
 def micro_args(args: Sequence[Any], micro: dict[int, Any], keys: dict[int, Any]) -> list[Any]:
   """``args`` with one micro-batch's rows (``micro``) and keys (``keys``) at their positions."""
-  out = list(args)
-  for j, value in (*micro.items(), *keys.items()):
-    out[j] = value
-  return out
+  return [micro.get(i, keys.get(i, a)) for i, a in enumerate(args)]
 
 
 class Out(NamedTuple):

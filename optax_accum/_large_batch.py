@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
-from optax_accum import _batch, _validation, microbatching
+from optax_accum import _arrays, _batch, _validation, microbatching
 
 
 class LeafError(NamedTuple):
@@ -430,18 +430,14 @@ def _rounding(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
   argument, a captured constant; none for a constant made inside), so the check knows
   which reductions sum over data and which keys random numbers are drawn from.
   """
-  flat, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
-  arrays = [n for n, (_, x) in enumerate(flat) if isinstance(x, (jax.Array, np.ndarray))]
+  inputs = _arrays.ArrayLeaves.of((args, kwargs))
 
   def traced(*values: Any) -> Any:
-    leaves = [x for _, x in flat]
-    for n, v in zip(arrays, values, strict=True):
-      leaves[n] = v
-    a, kw = jax.tree.unflatten(treedef, leaves)
+    a, kw = inputs.rebuild(values)
     return fn(*a, **kw)
 
-  labels = [frozenset({_source(flat[n][0], b_nums)}) for n in arrays]
-  closed = jax.make_jaxpr(traced)(*[flat[n][1] for n in arrays])
+  labels = [frozenset({_source(path, b_nums)}) for path in inputs.paths]
+  closed = jax.make_jaxpr(traced)(*inputs.arrays)
   dtypes: set[Any] = set()
   _walk(closed.jaxpr, labels, dtypes)
   dtypes |= {np.dtype(v.aval.dtype) for v in closed.jaxpr.outvars}  # the gradients' own

@@ -196,10 +196,6 @@ class _Ring(NamedTuple):
   def tiles(self) -> int:
     return -(-self.rows // self.block)
 
-  @property
-  def padded(self) -> bool:
-    return self.tiles * self.block != self.rows
-
   def index(self) -> Any:
     """This device's place on the ring (its block of rows)."""
     return 0 if self.axes is None else lax.axis_index(self.axes)
@@ -243,7 +239,7 @@ def _untiled(ring: _Ring, v: jax.Array) -> jax.Array:
 
 def _valid(ring: _Ring, t: jax.Array) -> jax.Array | None:
   """Which columns of tile ``t`` are real (a ``[1, block]`` mask); None without padding."""
-  if not ring.padded:
+  if ring.tiles * ring.block == ring.rows:
     return None
   return (t * ring.block + lax.broadcasted_iota(jnp.int32, (1, ring.block), 1)) < ring.rows
 
@@ -337,27 +333,46 @@ def _clip_bwd(ring: _Ring, res: Any, g: jax.Array) -> tuple[jax.Array, ...]:
   x, y, t, r, y_held, c_held, g = _vary(ring, *primals, r, y_held, c_held, g)
   inv_t, scale = 1 / t, g / (2 * ring.rows * ring.devices)
 
-  def visit(carry: tuple[jax.Array, jax.Array], block: tuple[jax.Array, ...], owner: Any
-            ) -> Any:
-    def tile(carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, ...]) -> Any:
-      (dx, ds), (y_tile, c_tile, dy_tile, i) = carry, xs
-      s = _logits(x, y_tile, inv_t)
-      grad = jnp.exp(s - r[:, None]) + jnp.exp(s - c_tile) - 2 * _diagonal(ring, s.shape, owner, i)
-      grad = _masked(_valid(ring, i), scale * grad)
-      # ds: each row's sum of grad * s, for the temperature's gradient.
-      return (dx + _product(grad, y_tile), ds + jnp.sum(grad * s, axis=1)), dy_tile + _product(
-          grad.T, x)
-    y_tiles, c, dy = block
-    carry, dy = lax.scan(tile, carry, (y_tiles, c, dy, jnp.arange(ring.tiles)))
-    return carry, (y_tiles, c, dy)
+  def tile_grad(s: jax.Array, c_tile: jax.Array, owner: Any, i: jax.Array) -> jax.Array:
+    grad = jnp.exp(s - r[:, None]) + jnp.exp(s - c_tile) - 2 * _diagonal(ring, s.shape, owner, i)
+    return _masked(_valid(ring, i), scale * grad)
 
-  dx0 = _arrays.match_varying(jnp.zeros(x.shape, t.dtype), x)
-  ds0 = _arrays.match_varying(jnp.zeros((ring.rows,), t.dtype), x)
-  dy0 = _arrays.match_varying(jnp.zeros((ring.tiles, ring.block, y.shape[1]), t.dtype), x)
-  (dx, ds), (_, _, dy) = _walk(ring, visit, (dx0, ds0), (y_held, c_held, dy0), -1)
+  # ds: each row's sum of grad * s, for the temperature's gradient.
+  dx, (ds,), dy = _pull_back(ring, x, y, inv_t, (y_held, c_held), tile_grad,
+                             lambda grad, s: (grad * s,), 1)
   dt = -jnp.sum(ds) * inv_t  # sum_ij G_ij s_ij, with ds/dt = -s/t
-  cts = (dx * inv_t, _untiled(ring, dy) * inv_t, dt)
-  return tuple(_like(ct, p) for ct, p in zip(cts, primals, strict=True))
+  return tuple(_like(ct, p) for ct, p in zip((dx, dy, dt), primals, strict=True))
+
+
+def _pull_back(ring: _Ring, x: jax.Array, y: jax.Array, inv_t: jax.Array, held: tuple[Any, Any],
+               tile_grad: Any, row_terms: Any, n_terms: int
+               ) -> tuple[jax.Array, tuple[jax.Array, ...], jax.Array]:
+  """The backward walk both losses share: ``(dx, row sums, dy)``, ``dx`` and ``dy`` over ``t``.
+
+  ``held``: the block of ``y``'s tiles the forward ended with, and its statistics per
+  tile (or None). ``tile_grad(s, stats, owner, i)`` is tile ``i``'s gradient ``G`` with
+  respect to its logits ``s``; each row sums the ``n_terms`` arrays ``row_terms(G, s)``
+  over its tiles.
+  """
+  def zeros(*shape: int) -> jax.Array:
+    return _arrays.match_varying(jnp.zeros(shape, inv_t.dtype), x)
+
+  def visit(carry: tuple[jax.Array, Any], block: tuple[Any, ...], owner: Any) -> Any:
+    def tile(carry: tuple[jax.Array, Any], xs: tuple[Any, ...]) -> Any:
+      (dx, sums), (y_tile, stats, dy_tile, i) = carry, xs
+      s = _logits(x, y_tile, inv_t)
+      grad = tile_grad(s, stats, owner, i)
+      dx = dx + _product(grad, y_tile)
+      sums = tuple(a + jnp.sum(v, 1) for a, v in zip(sums, row_terms(grad, s), strict=True))
+      return (dx, sums), dy_tile + _product(grad.T, x)
+    y_tiles, stats, dy = block
+    carry, dy = lax.scan(tile, carry, (y_tiles, stats, dy, jnp.arange(ring.tiles)))
+    return carry, (y_tiles, stats, dy)
+
+  start = (zeros(*x.shape), (zeros(ring.rows),) * n_terms)
+  (dx, sums), (_, _, dy) = _walk(ring, visit, start,
+                                 (*held, zeros(ring.tiles, ring.block, y.shape[1])), -1)
+  return dx * inv_t, sums, _untiled(ring, dy) * inv_t
 
 
 _clip.defvjp(_clip_fwd, _clip_bwd)
@@ -397,25 +412,14 @@ def _siglip_bwd(ring: _Ring, res: Any, g: jax.Array) -> tuple[jax.Array, ...]:
   x, y, t, b, y_held, g = _vary(ring, *primals, y_held, g)
   inv_t, scale = 1 / t, g / (ring.rows * ring.devices)
 
-  def visit(carry: tuple[jax.Array, ...], block: tuple[jax.Array, jax.Array], owner: Any
-            ) -> Any:
-    def tile(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, ...]) -> Any:
-      (dx, db, ds), (y_tile, dy_tile, i) = carry, xs
-      u = _logits(x, y_tile, inv_t)
-      z = _signed(ring, u + b, owner, i)
-      grad = _masked(_valid(ring, i), scale * _signed(ring, jax.nn.sigmoid(z), owner, i))
-      # Per row: the bias's gradient, and grad * u for the temperature's.
-      carry = dx + _product(grad, y_tile), db + jnp.sum(grad, 1), ds + jnp.sum(grad * u, 1)
-      return carry, dy_tile + _product(grad.T, x)
-    y_tiles, dy = block
-    carry, dy = lax.scan(tile, carry, (y_tiles, dy, jnp.arange(ring.tiles)))
-    return carry, (y_tiles, dy)
+  def tile_grad(u: jax.Array, _: None, owner: Any, i: jax.Array) -> jax.Array:
+    z = _signed(ring, u + b, owner, i)
+    return _masked(_valid(ring, i), scale * _signed(ring, jax.nn.sigmoid(z), owner, i))
 
-  dx0 = _arrays.match_varying(jnp.zeros(x.shape, t.dtype), x)
-  dy0 = _arrays.match_varying(jnp.zeros((ring.tiles, ring.block, y.shape[1]), t.dtype), x)
-  rows0 = _arrays.match_varying(jnp.zeros((ring.rows,), t.dtype), x)
-  (dx, db, ds), (_, dy) = _walk(ring, visit, (dx0, rows0, rows0), (y_held, dy0), -1)
-  cts = (dx * inv_t, _untiled(ring, dy) * inv_t, -jnp.sum(ds) * inv_t, jnp.sum(db))
+  # Per row: the bias's gradient, and grad * u for the temperature's.
+  dx, (db, ds), dy = _pull_back(ring, x, y, inv_t, (y_held, None), tile_grad,
+                                lambda grad, u: (grad, grad * u), 2)
+  cts = (dx, dy, -jnp.sum(ds) * inv_t, jnp.sum(db))
   return tuple(_like(ct, p) for ct, p in zip(cts, primals, strict=True))
 
 
@@ -444,7 +448,7 @@ def _run(loss: Any, x: Any, y: Any, scalars: tuple[Any, ...], block_size: Any,
 def _devices(axis_name: Any, x: Any, y: Any) -> tuple[tuple[Any, ...] | None, Any]:
   """``(manual axes, None)`` inside shard_map/pmap, ``(None, data axes)`` for plain jit on a
   mesh, ``(None, None)`` on one device."""
-  split = [_leading_axes(v) for v in (x, y)]
+  split = [_arrays.leading_axes(v) for v in (x, y)]
   if split[0] != split[1]:
     raise ValueError(
         f"`x` has its rows sharded over {split[0] or 'no mesh axis'} but `y` over"
@@ -467,12 +471,6 @@ def _devices(axis_name: Any, x: Any, y: Any) -> tuple[tuple[Any, ...] | None, An
         f" over {split[0]}. Name the axes the rows are split over (Explicit ones may be"
         " dropped: the type names them).")
   return None, axes
-
-
-def _leading_axes(v: Any) -> tuple[Any, ...]:
-  """The mesh axes ``v``'s type splits its rows over."""
-  lead = (*_arrays.array_type(v).spec, None)[0]
-  return _arrays.axis_names(lead) if lead else ()
 
 
 def _check_pair(x: Any, y: Any) -> tuple[jax.Array, jax.Array]:
@@ -511,12 +509,9 @@ def _check_scalar(value: Any, name: str, dtype: Any) -> jax.Array:
 def _check_block_size(block_size: Any) -> int | None:
   if block_size is None:
     return None
-  if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool):
-    raise TypeError(
-        f"`block_size` must be a positive int (the columns of one tile) or None for the"
-        f" default; got {block_size!r}. Pass e.g. `block_size=512`.")
-  if block_size < 1:
-    raise ValueError(
+  not_int = not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool)
+  if not_int or block_size < 1:
+    raise (TypeError if not_int else ValueError)(
         f"`block_size` must be a positive int (the columns of one tile) or None for the"
         f" default; got {block_size!r}. Pass e.g. `block_size=512`.")
   return int(block_size)

@@ -54,7 +54,7 @@ def check_update(
     if stacked is not None:
       _check_stacked(_path_str(path), g, b, stacked)
     elif jnp.shape(g) != jnp.shape(b):
-      lead = sorted(_leading_axes(g), key=str) if jnp.shape(g)[1:] == jnp.shape(b) else []
+      lead = sorted(_arrays.leading_axes(g), key=str) if jnp.shape(g)[1:] == jnp.shape(b) else []
       raise ValueError(
           f"The gradients leaf at {_path_str(path)} has shape {jnp.shape(g)} but"
           f" the accumulator holds shape {jnp.shape(b)}. Pass gradients shaped"
@@ -137,7 +137,8 @@ def _check_copies(window: Any, axes: tuple[Any, ...]) -> None:
           f" per device for the {n} device(s) of {where}. A state saved on another number of"
           " devices must be laid out for this mesh first:"
           " `state = optax_accum.sharding.reshard_state(restored, tx.init(params))`.")
-    if _leading_axes(b) != set(axes) and jnp.size(b):  # (copies of size 0 are replicated)
+    # (copies of size 0 are replicated)
+    if set(_arrays.leading_axes(b)) != set(axes) and jnp.size(b):
       raise ValueError(
           f"The accumulator at {_path_str(path)} is {jax.typeof(b)}, not sharded over {where}"
           " along its leading dim (one copy per device). Place a restored state as `init`"
@@ -163,7 +164,8 @@ def _check_stacked(path: str, g: Any, b: Any, axes: tuple[Any, ...]) -> None:
         " and to `accumulate(..., axis_name=...)`.")
   if unreduced and jnp.shape(g) == jnp.shape(b)[1:]:
     return
-  if jnp.shape(g) == jnp.shape(b) and (_leading_axes(g) == set(axes) or not jnp.size(g)):
+  if jnp.shape(g) == jnp.shape(b) and (
+      set(_arrays.leading_axes(g)) == set(axes) or not jnp.size(g)):
     return
   if jnp.shape(g) == jnp.shape(b)[1:]:
     raise ValueError(
@@ -177,12 +179,6 @@ def _check_stacked(path: str, g: Any, b: Any, axes: tuple[Any, ...]) -> None:
       f" accumulator holds one copy per device, {jnp.shape(b)}. Pass the gradients of"
       " `optax_accum.sharding.local_value_and_grad` (one copy per device) or of"
       " `defer_reduction` (typed unreduced), for the params given to `init`.")
-
-
-def _leading_axes(x: Any) -> set[Any]:
-  """The mesh axes ``x``'s leading dim is sharded over."""
-  parts = _arrays.array_type(x).spec.partitions
-  return set(_arrays.axis_names(parts[0])) if parts and parts[0] is not None else set()
 
 
 def check_k(k: Any, name: str = "k") -> int | Callable[[jax.Array], Any]:
@@ -253,17 +249,6 @@ def check_argnums(argnums: Any, name: str, *, empty_ok: bool = False) -> tuple[i
   if not nums and not empty_ok:
     raise ValueError(f"`{name}` is empty; name at least one argument by its position.")
   return tuple(int(a) for a in nums)
-
-
-def resolve_argnums(nums: tuple[int, ...], nargs: int, name: str) -> tuple[int, ...]:
-  """``nums`` for a call with ``nargs`` positional arguments: each in range, counted from 0."""
-  for a in nums:
-    if not -nargs <= a < nargs:
-      raise ValueError(
-          f"`{name}` contains {a}, but the function was called with {nargs} positional"
-          f" argument(s). Pass those arguments positionally, or set `{name}` to their positions."
-      )
-  return tuple(a % nargs for a in nums)
 
 
 def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:

@@ -216,10 +216,8 @@ def fold(state: NoiseScaleState, stats: WindowStats, decay: float = DEFAULT_DECA
     (1.0, 4.0)
   """
   check_decay(decay)
-  return fold_window(state, WindowStats(jnp.asarray(stats.window_sq_norms, jnp.float32),
-                                        jnp.asarray(stats.window_count, jnp.int32),
-                                        jnp.asarray(stats.total_weight, jnp.float32),
-                                        jnp.asarray(stats.mean_sq_norm, jnp.float32)), decay)
+  dtypes = WindowStats(jnp.float32, jnp.int32, jnp.float32, jnp.float32)
+  return fold_window(state, WindowStats(*map(jnp.asarray, stats, dtypes)), decay)
 
 
 def noise_scale(state: Any, min_windows: int = MIN_WINDOWS) -> jax.Array:

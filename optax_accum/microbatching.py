@@ -131,13 +131,9 @@ def _acc_dtype(dtype: Any, requested: jnp.dtype | None, mean: bool = False) -> A
   Integers (aux outputs, token counts) keep their own dtype in a sum, which is
   exact, and become float32 in a mean (or as a denominator).
   """
-  if not _inexact(dtype):
+  if not jnp.issubdtype(dtype, jnp.inexact):
     return jnp.dtype(jnp.float32) if mean else jnp.dtype(dtype)
   return _arrays.accumulator_dtype(dtype, requested)
-
-
-def _inexact(dtype: Any) -> bool:
-  return jnp.issubdtype(dtype, jnp.inexact)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -694,7 +690,7 @@ def _leaf_init(config: _Config, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array
     return _filled(s, _acc_dtype(s.dtype, config.acc_dtype, mean=rule == "mean"))
   if rule == "last":
     return _filled(s, s.dtype)
-  if _inexact(s.dtype):
+  if jnp.issubdtype(s.dtype, jnp.inexact):
     start = -jnp.inf if rule == "max" else jnp.inf
   elif jnp.issubdtype(s.dtype, jnp.bool_):
     start = rule == "min"
@@ -709,7 +705,7 @@ def _leaf_finalize(config: _Config, rule: str, c: jax.Array, s: jax.ShapeDtypeSt
     c = c / config.k
   if rule in _CROSS_DEVICE and config.axis_name is not None:
     c = _CROSS_DEVICE[rule](c, config.axis_name)
-  return c if rule == "mean" and not _inexact(s.dtype) else c.astype(s.dtype)
+  return c if rule == "mean" and not jnp.issubdtype(s.dtype, jnp.inexact) else c.astype(s.dtype)
 
 
 # ---------------------------------------------- plain jit: the batch on a mesh

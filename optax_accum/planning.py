@@ -23,6 +23,7 @@ generated code are not counted.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -120,9 +121,8 @@ def _short(ks: Sequence[int]) -> str:
 
 def _table(rows: Sequence[PlanRow]) -> str:
   out = [f"{'k':>6}  {'micro-batch':>11}  {'peak (MiB)':>10}  {'fits':<4}  note"]
-  for r in rows:
-    out.append(f"{r.k:>6}  {r.micro_batch_size:>11}  {_mib(r.peak_bytes):>10}"
-               f"  {'yes' if r.fits else 'no':<4}  {r.note}".rstrip())
+  out += [f"{r.k:>6}  {r.micro_batch_size:>11}  {_mib(r.peak_bytes):>10}"
+          f"  {'yes' if r.fits else 'no':<4}  {r.note}".rstrip() for r in rows]
   return "\n".join(out)
 
 
@@ -255,21 +255,15 @@ def plan_k(
   seen: dict[int, PlanRow] = {}
   t0 = time.perf_counter()
 
-  def fits(i: int) -> bool:
-    k = ks[i]
+  def fits(k: int) -> bool:
     peak = _compile_peak(make_step, k, args, nums, rows // k if across_steps else None)
     seen[k] = PlanRow(k, rows // k, peak, peak is not None and peak <= limit)
     return seen[k].fits
 
-  lo, hi = 0, len(ks)  # the first fitting index is in [lo, hi]; hi == len(ks): none yet
-  while lo < hi:
-    mid = (lo + hi) // 2
-    if fits(mid):
-      hi = mid
-    else:
-      lo = mid + 1
+  # The first k that fits (at len(ks): none), by bisection: only the k it probes compile.
+  first = bisect.bisect_left(ks, True, key=fits)
   compile_s = time.perf_counter() - t0
-  chosen = ks[hi] if hi < len(ks) else None
+  chosen = ks[first] if first < len(ks) else None
   table, monotone = _annotate([seen[k] for k in sorted(seen)], chosen)
   if chosen is None:
     raise ValueError(_nothing_fits(table, limit, ks, across_steps))
