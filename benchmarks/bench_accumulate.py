@@ -1,17 +1,12 @@
 """Benchmark: the train-step cost of accumulation, against three anchors.
 
-Jitted train steps ``step(params, state, grads) -> (params, state)``, params and
-state donated, window k = 4, timed call by call and binned by phase (mid-steps
-and the emitting step of one program): ``oa.accumulate`` through the optax
-protocol, ``oa.update_and_apply`` and ``oa.MultiSteps``, against the plain
-optimizer, ``optax.MultiSteps`` and the 3P floor of ``acc += g`` (3 x the
-parameter bytes over the copy bandwidth of the same round). Per row: median time
-and same-round ratios to the anchors; per program, temporaries over the params and
-conditionals kept; per-call time on a tiny model; the tracked rows at 4M, adam.
+Train steps (params and state donated, k = 4; NOTES.md says how they are timed):
+``oa.accumulate``, ``oa.update_and_apply`` and ``oa.MultiSteps`` against the plain
+optimizer, ``optax.MultiSteps`` and the 3P floor; per program, temporaries and
+conditionals; per-call time on a tiny model; the tracked rows at 4M, adam.
 
-  python benchmarks/bench_accumulate.py                  # 1M,4M,16M; sgd, adam
+  python benchmarks/bench_accumulate.py --rounds 41      # 1M, 4M, 16M; sgd, adam
   python benchmarks/bench_accumulate.py --quick          # 256K, 3 rounds (smoke)
-  python benchmarks/bench_accumulate.py --sizes 4M --optimizers adam --rounds 41
 """
 
 from __future__ import annotations
@@ -27,6 +22,7 @@ from typing import Any
 import harness
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import optax_accum as oa
@@ -37,10 +33,7 @@ LEAVES = 8
 K_WINDOW = 4
 TINY_PARAMS = LEAVES * 128
 FLOOR_PASSES = 3  # acc += g: read g, read acc, write acc
-OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
-    "sgd": lambda: optax.sgd(1e-3),
-    "adam": lambda: optax.adam(1e-3),
-}
+SIZES, OPTIMIZERS = ("1M", "4M", "16M"), {"sgd": optax.sgd, "adam": optax.adam}
 PROGRAMS: dict[str, str] = {
     "plain": "plain step",
     "accumulate": "oa.accumulate(k, opt): update + apply_updates",
@@ -75,7 +68,6 @@ def row_source(row: str) -> tuple[str | None, str]:
   return special[row] if row in special else tuple(row.rsplit("_", 1))
 
 
-# ----------------------------------------------------------------- programs
 @dataclasses.dataclass(frozen=True)
 class Program:
   """One train step ``step(params, state, grads) -> (params, state)``."""
@@ -88,7 +80,7 @@ class Program:
 
 def make_programs(opt_name: str, k: int = K_WINDOW) -> list[Program]:
   """The benchmarked train steps for inner optimizer ``opt_name``, window ``k``."""
-  make = OPTIMIZERS[opt_name]
+  make = lambda: OPTIMIZERS[opt_name](1e-3)
   plain, acc, uaa = make(), oa.accumulate(k, make()), oa.accumulate(k, make())
   oms, xms = oa.MultiSteps(make(), k), optax.MultiSteps(make(), k)
   return [
@@ -117,7 +109,6 @@ def make_tree(n_params: int, leaves: int = LEAVES, fill: float = 0.01) -> dict[s
           for i in range(leaves)}
 
 
-# -------------------------------------------------------------------- timers
 @dataclasses.dataclass
 class Timer:
   """A compiled program, its donated carry, and its per-phase samples."""
@@ -159,16 +150,14 @@ def compile_program(prog: Program, params: Tree, grads: Tree) -> Timer:
   return Timer(prog, compiled, [jax.tree.map(jnp.copy, params), state], grads, info)
 
 
-@dataclasses.dataclass
 class CopyTimer:
   """A jitted copy of ``n_bytes`` into a donated, kept buffer; one sample per round
   (a fresh output would be page-faulted on every call: that times the allocator)."""
 
-  n_bytes: int
-  samples: list[float] = dataclasses.field(default_factory=list)
-
-  def __post_init__(self) -> None:
-    self.src = jnp.arange(self.n_bytes // 4, dtype=jnp.float32)
+  def __init__(self, n_bytes: int) -> None:
+    self.bytes_moved = 2 * n_bytes  # read + write
+    self.samples: list[float] = []
+    self.src = jnp.arange(n_bytes // 4, dtype=jnp.float32)
     fn = jax.jit(lambda dst, src: src * 1.0, donate_argnums=(0,), keep_unused=True)
     self.compiled = fn.lower(self.src, self.src).compile()
     self.dst = jnp.zeros_like(self.src)
@@ -178,13 +167,8 @@ class CopyTimer:
     self.dst = jax.block_until_ready(self.compiled(self.dst, self.src))
     return time.perf_counter() - t0
 
-  def run_round(self, windows: int = 0) -> None:
-    del windows
+  def run_round(self, windows: int) -> None:
     self.samples.append(self.call())
-
-  @property
-  def bytes_moved(self) -> int:
-    return 2 * self.n_bytes  # read + write
 
 
 def run_rounds(timers: Sequence[Timer], copy: CopyTimer, rounds: int, windows: int,
@@ -202,7 +186,6 @@ def run_rounds(timers: Sequence[Timer], copy: CopyTimer, rounds: int, windows: i
   return copy.samples[start:]
 
 
-# ------------------------------------------------------------------ summary
 def summarize(timers: Sequence[Timer], copy_samples: Sequence[float], copy_bytes: int,
               n_params: int, opt_name: str) -> list[dict[str, Any]]:
   """One record per row: time, same-round ratios to the anchors, program facts."""
@@ -236,17 +219,6 @@ def summarize(timers: Sequence[Timer], copy_samples: Sequence[float], copy_bytes
   return out
 
 
-def measure_size(size: int, opt_name: str, copy: CopyTimer, rounds: int,
-                 windows: int) -> tuple[list[dict[str, Any]], float]:
-  """Compiles and times every program at one size; returns records, compile seconds."""
-  params, grads = make_tree(size), make_tree(size, fill=1e-3)
-  t0 = time.perf_counter()
-  timers = [compile_program(p, params, grads) for p in make_programs(opt_name)]
-  compile_s = time.perf_counter() - t0
-  copy_samples = run_rounds(timers, copy, rounds, windows)
-  return summarize(timers, copy_samples, copy.bytes_moved, size, opt_name), compile_s
-
-
 def host_overhead(opt_name: str, rounds: int, windows: int) -> list[dict[str, Any]]:
   """Per-call time of each program on a tiny model, where dispatch dominates."""
   params, grads = make_tree(TINY_PARAMS), make_tree(TINY_PARAMS, fill=1e-3)
@@ -270,7 +242,6 @@ def tracked(records: Sequence[dict[str, Any]], size: int,
   return out
 
 
-# ------------------------------------------------------------------- reports
 def _x(v: float | None, spec: str = "{:.2f}x", scale: float = 1) -> str:
   return "-" if v is None else spec.format(v * scale)
 
@@ -333,8 +304,6 @@ def markdown(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any]) -> Any:
   """Per optimizer: each row's time over the plain step's, per size."""
-  import numpy as np
-
   sizes, opts = result["meta"]["sizes"], result["meta"]["optimizers"]
   by_key = {(r["size"], r["optimizer"], r["row"]): r for r in result["records"]}
   rows = [r for r, _ in ROWS if r not in ("floor", "plain")]
@@ -354,7 +323,6 @@ def plot(result: dict[str, Any]) -> Any:
   return fig
 
 
-# ---------------------------------------------------------------------- main
 def windows_for(size: int) -> int:
   """Whole windows per round: >= ~8M params touched per program per round."""
   return max(1, (8 * 2**20) // (size * K_WINDOW))
@@ -367,8 +335,12 @@ def measure(sizes: Sequence[int], opts: Sequence[str], copy: CopyTimer, rounds: 
   records: list[dict[str, Any]] = []
   for size in sizes:
     for opt in opts:
-      recs, compile_s = measure_size(size, opt, copy, rounds, windows(size))
-      records += recs
+      params, grads = make_tree(size), make_tree(size, fill=1e-3)
+      t0 = time.perf_counter()
+      timers = [compile_program(p, params, grads) for p in make_programs(opt)]
+      compile_s = time.perf_counter() - t0
+      copy_samples = run_rounds(timers, copy, rounds, windows(size))
+      records += summarize(timers, copy_samples, copy.bytes_moved, size, opt)
       print(f"{size_label(size):>5s} {opt:4s}: compiled in {compile_s:5.1f} s, timed", flush=True)
   copy_s = harness.median(copy.samples)
   return {"meta": {"sizes": list(sizes), "optimizers": list(opts), "rounds": rounds,
@@ -383,19 +355,14 @@ def measure(sizes: Sequence[int], opts: Sequence[str], copy: CopyTimer, rounds: 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark and writes the reports; returns the result dict."""
   ap = harness.parser(__doc__, quick="256K params, 3 rounds: a smoke run")
-  ap.add_argument("--sizes", default="1M,4M,16M", help="comma-separated, e.g. 1M,4M,16M")
-  ap.add_argument("--optimizers", default="sgd,adam")
   ap.add_argument("--rounds", type=int, default=None,
                   help="interleaved rounds per size and optimizer (default 15; --quick 3)")
   args = ap.parse_args(argv)
-  sizes = [parse_size("256K")] if args.quick else [parse_size(s) for s in args.sizes.split(",")]
+  sizes = [parse_size(s) for s in (["256K"] if args.quick else SIZES)]
   rounds = args.rounds or (3 if args.quick else 15)
-  opts = args.optimizers.split(",")
-  if unknown := set(opts) - set(OPTIMIZERS):
-    ap.error(f"unknown optimizer(s) {sorted(unknown)}; choose from {sorted(OPTIMIZERS)}")
-  tracked_size = parse_size("4M") if parse_size("4M") in sizes else sizes[len(sizes) // 2]
   t_start = time.perf_counter()
-  result = measure(sizes, opts, CopyTimer(64 * 2**20), rounds, windows_for, tracked_size)
+  result = measure(sizes, list(OPTIMIZERS), CopyTimer(64 * 2**20), rounds, windows_for,
+                   sizes[len(sizes) // 2])  # tracked rows: the middle size (4M)
   result["meta"].update(argv=list(argv if argv is not None else sys.argv[1:]),
                         wall_s=round(time.perf_counter() - t_start, 1))
   harness.write(args.out, "accumulate", result, markdown(result), plot)

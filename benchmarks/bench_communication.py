@@ -1,12 +1,7 @@
 """Bytes reduced across devices per accumulation window, read from the compiled HLO.
 
-k = 8 micro-batches on 8 data-parallel devices: each variant's train step is
-compiled (nothing runs), its collectives listed with ``debug.hlo_collectives``
-and weighted by how often they run per window (a conditional's emitting branch
-once, its mid branch k - 1 times, a ``while`` body k times a call). Variants:
-``shard_map`` with ``axis_name``; plain ``jit`` with auto-sharding; plain ``jit`` on
-an Explicit mesh, ours (``defer_reduction`` into ``accumulate(..., axis_name)``) and
-naive, params replicated or FSDP; ``microbatched`` under ``shard_map`` and ``jit``.
+k = 8 micro-batches on 8 devices: each variant's train step compiled (nothing runs), its
+collectives (``debug.hlo_collectives``) weighted by how often they run per window.
 
     python benchmarks/bench_communication.py        # 8 host CPU devices, seconds
 """

@@ -1,12 +1,8 @@
 """check_large_batch's host memory and time on a large MLP: a few gradient copies at any k.
 
-An MLP of ``--params`` parameters (float32, tanh layers of one width), a batch of 64
-rows, ``debug.check_large_batch`` at k = 2 and 8, each in a fresh process that first
-takes one gradient. Host memory: the peak of numpy's allocations during the check
-(what it keeps on the host; ``tracemalloc``), the peak resident set above its level
-before the check (sampled every 5 ms; on the CPU backend the device arrays are host
-memory too) and the process's peak, per parameter. Time: the check against one call
-of the jitted value-and-grad on the whole batch, in the same process.
+An MLP of ``--params`` float32 parameters, 64 rows, ``debug.check_large_batch`` at k = 2
+and 8, each in a fresh process: numpy's peak (``tracemalloc``), the resident set's peak
+above its level before the check, the process's peak; the time against one gradient.
 
   python benchmarks/bench_large_batch.py                 # 1e7 params: results/large_batch.*
   python benchmarks/bench_large_batch.py --params 1e8    # results/large_batch_1e08.*

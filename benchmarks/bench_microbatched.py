@@ -1,12 +1,8 @@
 """Benchmark: ``microbatched`` against the full batch, optax's ``microbatch``, remat and bf16.
 
-A small decoder-only transformer (pre-norm attention + MLP blocks in a ``lax.scan``,
-next-token cross-entropy) at a fixed global batch; per configuration of its
-value-and-grad (``harness.compare``): compiled temporaries against the full
-batch's and the bound ``1.3 x full / k + one gradient``, the same-round step ratio
-and the gradient difference. Anchors: the full batch, ``optax.microbatching``'s
-``microbatch`` (MEAN), ``jax.checkpoint`` per block and bf16 compute, alone and with
-``microbatched``.
+A small decoder-only transformer at a fixed global batch; per configuration of its
+value-and-grad (``harness.compare``) the temporaries against the bound
+``1.3 x full / k + one gradient``, the step time and the gradient difference.
 
   python benchmarks/bench_microbatched.py                   # ~3 minutes on 2 CPU cores
   python benchmarks/bench_microbatched.py --quick --out /tmp/mb   # smoke, seconds
@@ -31,7 +27,6 @@ from optax_accum import Policy, microbatched, mixed_precision
 Params = dict[str, Any]
 
 
-# ----------------------------------------------------------------- the model
 def init_params(key: jax.Array, *, vocab: int, d_model: int, layers: int, seq: int) -> Params:
   """Embeddings, output projection and ``layers`` blocks stacked on a leading axis."""
   keys = iter(jax.random.split(key, 3 + 4 * layers))
@@ -82,7 +77,6 @@ def make_loss(*, heads: int, remat: bool) -> Callable[[Params, dict], jax.Array]
   return loss_fn
 
 
-# --------------------------------------------------------------- the configs
 def configs(ks: list[int], trick_k: int) -> list[dict[str, Any]]:
   """Full batch first; then each k with ours and optax's; then remat / bf16 alone and
   with ``microbatched`` at ``trick_k``."""
@@ -131,7 +125,6 @@ def measure(cfgs: list[dict[str, Any]], params: Params, batch: dict[str, jax.Arr
   return rows
 
 
-# ------------------------------------------------------------------ reports
 def table(rows: list[dict[str, Any]]) -> list[str]:
   def bound(r: dict[str, Any]) -> str:
     if "temp_bound" not in r:

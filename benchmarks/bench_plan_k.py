@@ -1,11 +1,8 @@
 """Benchmark: the k that ``plan_k`` plans, against the compiled peak of every candidate.
 
-An MLP, the demo's transformer, and the same with ``jax.checkpoint`` per block, in
-step (``microbatched``) and across steps (``accumulate`` on ``global / k`` rows): every
-candidate k compiled here (peak per device ``argument + output + temp - alias``,
-beside XLA's ``peak_memory_in_bytes``), a limit between two neighbouring peaks, and
-``plan_k`` under it: its k and peak, its compiles (bound ``ceil(log2(n)) + 1``) and
-time, against the brute-force answer. Nothing runs: ``ShapeDtypeStruct`` arguments.
+An MLP, the demo's transformer, and the same with ``jax.checkpoint``, in step and
+across steps: every candidate k compiled, a limit between two neighbouring peaks, and
+``plan_k`` under it against the brute-force answer. Nothing runs.
 
   python benchmarks/bench_plan_k.py                              # ~3 minutes, 2 CPU cores
   python benchmarks/bench_plan_k.py --quick --out /tmp/plan_k   # smoke, seconds
@@ -33,7 +30,6 @@ from optax_accum.planning import compiled_peak_bytes
 MakeStep = Callable[[int], Callable[..., Any]]
 
 
-# ----------------------------------------------------------------------------- models
 def mlp_case(args: argparse.Namespace) -> dict[str, Any]:
   """A ReLU MLP (``--mlp-layers`` x ``--mlp-width``, scalar head), squared error, Adam."""
   d, layers, batch = args.mlp_width, args.mlp_layers, args.mlp_batch
@@ -126,7 +122,6 @@ def _count(tree: Any) -> int:
   return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
-# ----------------------------------------------------------------------------- measuring
 def divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -203,7 +198,6 @@ def run_case(case: dict[str, Any], mode: str, candidates: list[int] | None) -> d
   }
 
 
-# ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   ap = harness.parser(__doc__, quick="tiny sizes (MLP 2 x 32, batch 64; transformer d 16, 1"
                                     " block, seq 16, batch 8): a smoke run")
