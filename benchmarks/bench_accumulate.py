@@ -192,30 +192,24 @@ def summarize(timers: Sequence[Timer], copy_samples: Sequence[float], copy_bytes
   pbytes = 4 * n_params
   by_prog = {t.program.key: t for t in timers}
   floor = [FLOOR_PASSES * pbytes * c / copy_bytes for c in copy_samples]
-  rows = [r for r, _ in ROWS if row_source(r)[0] in (None, *by_prog)]
-  samples = {r: floor if row_source(r)[0] is None
-             else by_prog[row_source(r)[0]].samples[row_source(r)[1]] for r in rows}
-  anchor = {"mid": "optax_multisteps_mid", "emit": "optax_multisteps_emit",
-            "step": "optax_multisteps_emit"}
+  sources = {r: row_source(r) for r, _ in ROWS if row_source(r)[0] in (None, *by_prog)}
+  samples = {r: floor if p is None else by_prog[p].samples[ph] for r, (p, ph) in sources.items()}
 
   def ratio(s: Sequence[float], other: str) -> float | None:
     return harness.paired_ratio(s, samples[other]) if other in samples else None
 
   out = []
-  for row in rows:
-    program, phase = row_source(row)
+  for row, (program, phase) in sources.items():
     s = samples[row]
-    rec: dict[str, Any] = {
+    info = by_prog[program].info if program else None
+    anchor = "optax_multisteps_mid" if phase == "mid" else "optax_multisteps_emit"
+    out.append({
         "size": n_params, "param_bytes": pbytes, "optimizer": opt_name, "row": row,
         "label": LABELS[row], "program": program, "phase": phase,
         "time_s": harness.median(s), "ratio_floor": harness.paired_ratio(s, floor),
-        "ratio_plain": ratio(s, "plain"), "ratio_optax_multisteps": ratio(s, anchor[phase]),
-        "rounds": len(s), "temps_ratio": None, "conditionals": None,
-    }
-    if program is not None:
-      info = by_prog[program].info
-      rec.update(temps_ratio=info["temps_bytes"] / pbytes, conditionals=info["conditionals"])
-    out.append(rec)
+        "ratio_plain": ratio(s, "plain"), "ratio_optax_multisteps": ratio(s, anchor),
+        "rounds": len(s), "temps_ratio": info and info["temps_bytes"] / pbytes,
+        "conditionals": info and info["conditionals"]})
   return out
 
 

@@ -148,14 +148,12 @@ def markdown(result: dict[str, Any], argv: str) -> str:
 
 
 def plot(result: dict[str, Any]) -> Any:
-  plt = harness.pyplot()
-  fig, ax = plt.subplots(figsize=(5, 3), dpi=120)
-  ks = [str(r["k"]) for r in result["records"]]
-  ax.bar([i - 0.2 for i in range(len(ks))],
-         [r["numpy_bytes_per_param"] for r in result["records"]], 0.4, label="numpy peak")
-  ax.bar([i + 0.2 for i in range(len(ks))],
-         [r["rss_bytes_per_param"] for r in result["records"]], 0.4, label="resident set +")
-  ax.set_xticks(range(len(ks)), [f"k = {k}" for k in ks])
+  fig, ax = harness.pyplot().subplots(figsize=(5, 3), dpi=120)
+  recs = result["records"]
+  for dx, key, label in ((-0.2, "numpy", "numpy peak"), (0.2, "rss", "resident set +")):
+    ax.bar([i + dx for i in range(len(recs))], [r[f"{key}_bytes_per_param"] for r in recs], 0.4,
+           label=label)
+  ax.set_xticks(range(len(recs)), [f"k = {r['k']}" for r in recs])
   ax.set_ylabel("host bytes per parameter")
   ax.set_title(f"check_large_batch, {result['params']:,} params")
   ax.legend()

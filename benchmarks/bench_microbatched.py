@@ -92,8 +92,7 @@ def configs(ks: list[int], trick_k: int) -> list[dict[str, Any]]:
 def config_name(cfg: dict[str, Any]) -> str:
   names = {"full": "full batch", "ours": f"microbatched k={cfg['k']}",
            "optax": f"optax microbatch k={cfg['k']}"}
-  return " + ".join([names[cfg["impl"]], *(["remat"] if cfg["remat"] else []),
-                     *(["bf16"] if cfg["bf16"] else [])])
+  return " + ".join([names[cfg["impl"]], *[t for t in ("remat", "bf16") if cfg[t]]])
 
 
 def grad_fn(cfg: dict[str, Any], heads: int, batch_size: int) -> Callable:
@@ -112,8 +111,7 @@ def grad_fn(cfg: dict[str, Any], heads: int, batch_size: int) -> Callable:
 
 def measure(cfgs: list[dict[str, Any]], params: Params, batch: dict[str, jax.Array],
             heads: int, rounds: int, iters: int) -> list[dict[str, Any]]:
-  """One row per config (``harness.compare``, the full batch ``cfgs[0]`` first), with its
-  temporaries' bound."""
+  """``harness.compare``'s rows (the full batch ``cfgs[0]`` first), with their bound."""
   n = batch["tokens"].shape[0]
   grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
   rows = harness.compare([(config_name(c), grad_fn(c, heads, n)) for c in cfgs], (params, batch),
@@ -147,10 +145,6 @@ def markdown(result: dict[str, Any]) -> str:
       *table(result["rows"]), ""])
 
 
-def plot(result: dict[str, Any]) -> Any:
-  return harness.bars(result["rows"])
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   ap = harness.parser(__doc__, quick="d_model 32, 1 block, seq 16, batch 16, k 2 and 4, 2 rounds:"
                                     " a smoke run")
@@ -178,7 +172,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       "global_batch": args.batch, "params": int(n), "grad_bytes": int(4 * n),
                       "rounds": args.rounds, "iters": args.iters, **harness.machine()},
             "rows": rows, "wall_seconds": time.perf_counter() - t0}
-  harness.write(args.out, "microbatched", result, markdown(result), plot)
+  harness.write(args.out, "microbatched", result, markdown(result),
+                lambda r: harness.bars(r["rows"]))
   return result
 
 

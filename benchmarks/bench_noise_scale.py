@@ -95,10 +95,8 @@ def measure_cost(size: int, rounds: int) -> dict[str, Any]:
     programs[key] = {
         "label": label, "tracked": tracked,
         "mid_s": harness.median(t.samples["mid"]), "emit_s": harness.median(t.samples["emit"]),
-        "temps_bytes": t.info["temps_bytes"],
-        "temps_ratio": t.info["temps_bytes"] / pbytes_here,
-        "param_bytes": pbytes_here, "conditionals": t.info["conditionals"],
-    }
+        "temps_bytes": t.info["temps_bytes"], "temps_ratio": t.info["temps_bytes"] / pbytes_here,
+        "param_bytes": pbytes_here, "conditionals": t.info["conditionals"]}
   pairs = [{"untracked": base, "tracked": tracked,
             **{f"{phase}_ratio": harness.paired_ratio(timers[tracked].samples[phase],
                                                       timers[base].samples[phase])
@@ -151,8 +149,7 @@ def simulate(d: int, sigma: float, sizes: tuple[int, ...], weighted: bool) -> np
 def closed_form_table() -> list[dict[str, Any]]:
   """Estimate vs ``B_simple`` for every combo, and the weighted row."""
   rows = []
-  cases = [(d, s, (b,) * k, False) for d, s, b, k in COMBOS]
-  cases.append((8, 0.5, WEIGHTED_SIZES, True))
+  cases = [*((d, s, (b,) * k, False) for d, s, b, k in COMBOS), (8, 0.5, WEIGHTED_SIZES, True)]
   for d, sigma, sizes, weighted in cases:
     b = sum(sizes) / len(sizes)
     est = simulate(d, sigma, sizes, weighted) * b
