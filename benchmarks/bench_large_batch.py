@@ -83,12 +83,8 @@ def measure_one(params_target: float, k: int) -> dict[str, Any]:
   x = jnp.asarray(rng.normal(size=(ROWS, D_IN)), jnp.float32)
   y = jnp.asarray(rng.normal(size=(ROWS, 1)), jnp.float32)
   fn = jax.jit(jax.value_and_grad(loss))
-  calls = []
-  for _ in range(4):  # the first compiles
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(params, x, y))
-    calls.append(time.perf_counter() - t0)
-  one_call = harness.median(calls[1:])
+  calls = harness.interleaved({"call": lambda: jax.block_until_ready(fn(params, x, y))}, 3)
+  one_call = harness.median(calls["call"])  # 3 calls after one that compiles
   check = check_large_batch(fn, k, batch_argnums=(1, 2))
   tracemalloc.start()
   t0 = time.perf_counter()

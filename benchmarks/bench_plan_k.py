@@ -226,12 +226,9 @@ def markdown(result: dict[str, Any]) -> str:
   for r in result["rows"]:
     cells = []
     for row in r["sweep"]:
-      v = f"{row['k']}: {harness.mib(row['peak_bytes'])}"
-      if row["k"] == r["planned_k"]:
-        v = f"**{v}**"
-      elif row["k"] in r["compiled_ks"]:
-        v = f"*{v}*"
-      cells.append(f"{v} [{harness.mib(row['xla_peak_memory_in_bytes'])}]")
+      mark = "**" if row["k"] == r["planned_k"] else "*" if row["k"] in r["compiled_ks"] else ""
+      cells.append(f"{mark}{row['k']}: {harness.mib(row['peak_bytes'])}{mark}"
+                   f" [{harness.mib(row['xla_peak_memory_in_bytes'])}]")
     lines.append(f"- {r['model']}, {r['mode']} (limit {harness.mib(r['memory_limit'])}):"
                  f" {', '.join(cells)}")
   return "\n".join(lines) + "\n"
