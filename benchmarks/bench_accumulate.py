@@ -238,28 +238,6 @@ def _x(v: float | None, spec: str = "{:.2f}x", scale: float = 1) -> str:
   return "-" if v is None else spec.format(v * scale)
 
 
-def rows_table(records: Sequence[dict[str, Any]]) -> list[str]:
-  """Markdown table of the records of one size and optimizer."""
-  return harness.table(
-      "row | ms | x 3P floor | x plain | x optax.MultiSteps | temps / params | conditionals",
-      "lrrrrrr",
-      [[r["label"], f"{r['time_s'] * 1e3:.3f}", _x(r["ratio_floor"]), _x(r["ratio_plain"]),
-        _x(r["ratio_optax_multisteps"]), _x(r["temps_ratio"]), _x(r["conditionals"], "{}")]
-       for r in records])
-
-
-def tracked_table(rows: Sequence[dict[str, Any]]) -> list[str]:
-  return harness.table("tracked row | measured | limit |", "lrrc", [
-      [b["name"], _x(b["value"], "{:.3f}x"), _x(b["limit"], "{}x"),
-       "" if b["passed"] is None else ("PASS" if b["passed"] else "**FAIL**")] for b in rows])
-
-
-def host_table(host: Sequence[dict[str, Any]]) -> list[str]:
-  return harness.table("program | mid / step us per call | emit us per call", "lrr", [
-      [PROGRAMS[h["program"]], _x(h.get("mid_call_s", h.get("step_call_s")), "{:.1f}", 1e6),
-       _x(h.get("emit_call_s"), "{:.1f}", 1e6)] for h in host])
-
-
 def sections(result: dict[str, Any], limits: str = "") -> list[str]:
   """Bandwidth, one table per size and optimizer, per-call time, tracked rows."""
   meta, bw = result["meta"], result["bandwidth"]
@@ -270,15 +248,26 @@ def sections(result: dict[str, Any], limits: str = "") -> list[str]:
     for opt in meta["optimizers"]:
       recs = [r for r in result["records"] if (r["size"], r["optimizer"]) == (size, opt)]
       lines += [f"## {size_label(size)} params ({4 * size / 2**20:g} MiB), {opt}", "",
-                *rows_table(recs), ""]
+                *harness.table(
+                    "row | ms | x 3P floor | x plain | x optax.MultiSteps | temps / params"
+                    " | conditionals", "lrrrrrr",
+                    [[r["label"], f"{r['time_s'] * 1e3:.3f}", _x(r["ratio_floor"]),
+                      _x(r["ratio_plain"]), _x(r["ratio_optax_multisteps"]),
+                      _x(r["temps_ratio"]), _x(r["conditionals"], "{}")] for r in recs]), ""]
   lines += ["## Per-call time on a tiny model", "",
             f"{TINY_PARAMS} f32 params in {LEAVES} leaves, blocking calls: dispatch dominates.",
             ""]
   for opt in meta["optimizers"]:
-    lines += [f"### {opt}", "",
-              *host_table([h for h in result["host_overhead"] if h["optimizer"] == opt]), ""]
+    lines += [f"### {opt}", "", *harness.table(
+        "program | mid / step us per call | emit us per call", "lrr",
+        [[PROGRAMS[h["program"]], _x(h.get("mid_call_s", h.get("step_call_s")), "{:.1f}", 1e6),
+          _x(h.get("emit_call_s"), "{:.1f}", 1e6)]
+         for h in result["host_overhead"] if h["optimizer"] == opt]), ""]
   heading = f"## Tracked rows ({size_label(result['tracked_size'])} params, adam{limits})"
-  return [*lines, heading, "", *tracked_table(result["tracked"]), ""]
+  return [*lines, heading, "", *harness.table("tracked row | measured | limit |", "lrrc", [
+      [b["name"], _x(b["value"], "{:.3f}x"), _x(b["limit"], "{}x"),
+       "" if b["passed"] is None else ("PASS" if b["passed"] else "**FAIL**")]
+      for b in result["tracked"]]), ""]
 
 
 def markdown(result: dict[str, Any]) -> str:
