@@ -1,20 +1,13 @@
 """Benchmark: the train-step cost of accumulation, against three anchors.
 
-Jitted train steps ``step(params, state, grads) -> (params, state)``, params and
-state donated, window k = 4, timed call by call and binned by phase (mid-steps
-and the emitting step of one program): ``oa.accumulate`` through the optax
-protocol, ``oa.update_and_apply`` and ``oa.MultiSteps``, against the plain
-optimizer, ``optax.MultiSteps`` and the 3P floor of ``acc += g`` (3 x the
-parameter bytes over the copy bandwidth of the same round). Per row: median time
-and same-round ratios to the anchors; per program, temporaries over the params and
-conditionals kept; per-call time on a tiny model; the tracked rows at 4M, adam.
+Train steps (params and state donated, k = 4; NOTES.md says how they are timed):
+``oa.accumulate``, ``oa.update_and_apply`` and ``oa.MultiSteps`` against the plain
+optimizer, ``optax.MultiSteps`` and the 3P floor; per program, temporaries and
+conditionals; per-call time on a tiny model; the tracked rows at 4M, adam.
 
-  python benchmarks/bench_accumulate.py                  # 1M,4M,16M; sgd, adam
+  python benchmarks/bench_accumulate.py --rounds 41      # 1M, 4M, 16M; sgd, adam
   python benchmarks/bench_accumulate.py --quick          # 256K, 3 rounds (smoke)
-  python benchmarks/bench_accumulate.py --sizes 4M --optimizers adam --rounds 41
 """
-
-from __future__ import annotations
 
 import dataclasses
 import functools
@@ -27,6 +20,7 @@ from typing import Any
 import harness
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import optax_accum as oa
@@ -37,10 +31,7 @@ LEAVES = 8
 K_WINDOW = 4
 TINY_PARAMS = LEAVES * 128
 FLOOR_PASSES = 3  # acc += g: read g, read acc, write acc
-OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
-    "sgd": lambda: optax.sgd(1e-3),
-    "adam": lambda: optax.adam(1e-3),
-}
+SIZES, OPTIMIZERS = ("1M", "4M", "16M"), {"sgd": optax.sgd, "adam": optax.adam}
 PROGRAMS: dict[str, str] = {
     "plain": "plain step",
     "accumulate": "oa.accumulate(k, opt): update + apply_updates",
@@ -75,7 +66,6 @@ def row_source(row: str) -> tuple[str | None, str]:
   return special[row] if row in special else tuple(row.rsplit("_", 1))
 
 
-# ----------------------------------------------------------------- programs
 @dataclasses.dataclass(frozen=True)
 class Program:
   """One train step ``step(params, state, grads) -> (params, state)``."""
@@ -88,7 +78,7 @@ class Program:
 
 def make_programs(opt_name: str, k: int = K_WINDOW) -> list[Program]:
   """The benchmarked train steps for inner optimizer ``opt_name``, window ``k``."""
-  make = OPTIMIZERS[opt_name]
+  make = lambda: OPTIMIZERS[opt_name](1e-3)
   plain, acc, uaa = make(), oa.accumulate(k, make()), oa.accumulate(k, make())
   oms, xms = oa.MultiSteps(make(), k), optax.MultiSteps(make(), k)
   return [
@@ -117,7 +107,6 @@ def make_tree(n_params: int, leaves: int = LEAVES, fill: float = 0.01) -> dict[s
           for i in range(leaves)}
 
 
-# -------------------------------------------------------------------- timers
 @dataclasses.dataclass
 class Timer:
   """A compiled program, its donated carry, and its per-phase samples."""
@@ -159,16 +148,14 @@ def compile_program(prog: Program, params: Tree, grads: Tree) -> Timer:
   return Timer(prog, compiled, [jax.tree.map(jnp.copy, params), state], grads, info)
 
 
-@dataclasses.dataclass
 class CopyTimer:
   """A jitted copy of ``n_bytes`` into a donated, kept buffer; one sample per round
   (a fresh output would be page-faulted on every call: that times the allocator)."""
 
-  n_bytes: int
-  samples: list[float] = dataclasses.field(default_factory=list)
-
-  def __post_init__(self) -> None:
-    self.src = jnp.arange(self.n_bytes // 4, dtype=jnp.float32)
+  def __init__(self, n_bytes: int) -> None:
+    self.bytes_moved = 2 * n_bytes  # read + write
+    self.samples: list[float] = []
+    self.src = jnp.arange(n_bytes // 4, dtype=jnp.float32)
     fn = jax.jit(lambda dst, src: src * 1.0, donate_argnums=(0,), keep_unused=True)
     self.compiled = fn.lower(self.src, self.src).compile()
     self.dst = jnp.zeros_like(self.src)
@@ -178,13 +165,8 @@ class CopyTimer:
     self.dst = jax.block_until_ready(self.compiled(self.dst, self.src))
     return time.perf_counter() - t0
 
-  def run_round(self, windows: int = 0) -> None:
-    del windows
+  def run_round(self, windows: int) -> None:
     self.samples.append(self.call())
-
-  @property
-  def bytes_moved(self) -> int:
-    return 2 * self.n_bytes  # read + write
 
 
 def run_rounds(timers: Sequence[Timer], copy: CopyTimer, rounds: int, windows: int,
@@ -202,49 +184,31 @@ def run_rounds(timers: Sequence[Timer], copy: CopyTimer, rounds: int, windows: i
   return copy.samples[start:]
 
 
-# ------------------------------------------------------------------ summary
 def summarize(timers: Sequence[Timer], copy_samples: Sequence[float], copy_bytes: int,
               n_params: int, opt_name: str) -> list[dict[str, Any]]:
   """One record per row: time, same-round ratios to the anchors, program facts."""
   pbytes = 4 * n_params
   by_prog = {t.program.key: t for t in timers}
   floor = [FLOOR_PASSES * pbytes * c / copy_bytes for c in copy_samples]
-  rows = [r for r, _ in ROWS if row_source(r)[0] in (None, *by_prog)]
-  samples = {r: floor if row_source(r)[0] is None
-             else by_prog[row_source(r)[0]].samples[row_source(r)[1]] for r in rows}
-  anchor = {"mid": "optax_multisteps_mid", "emit": "optax_multisteps_emit",
-            "step": "optax_multisteps_emit"}
+  sources = {r: row_source(r) for r, _ in ROWS if row_source(r)[0] in (None, *by_prog)}
+  samples = {r: floor if p is None else by_prog[p].samples[ph] for r, (p, ph) in sources.items()}
 
   def ratio(s: Sequence[float], other: str) -> float | None:
     return harness.paired_ratio(s, samples[other]) if other in samples else None
 
   out = []
-  for row in rows:
-    program, phase = row_source(row)
+  for row, (program, phase) in sources.items():
     s = samples[row]
-    rec: dict[str, Any] = {
+    info = by_prog[program].info if program else None
+    anchor = "optax_multisteps_mid" if phase == "mid" else "optax_multisteps_emit"
+    out.append({
         "size": n_params, "param_bytes": pbytes, "optimizer": opt_name, "row": row,
         "label": LABELS[row], "program": program, "phase": phase,
         "time_s": harness.median(s), "ratio_floor": harness.paired_ratio(s, floor),
-        "ratio_plain": ratio(s, "plain"), "ratio_optax_multisteps": ratio(s, anchor[phase]),
-        "rounds": len(s), "temps_ratio": None, "conditionals": None,
-    }
-    if program is not None:
-      info = by_prog[program].info
-      rec.update(temps_ratio=info["temps_bytes"] / pbytes, conditionals=info["conditionals"])
-    out.append(rec)
+        "ratio_plain": ratio(s, "plain"), "ratio_optax_multisteps": ratio(s, anchor),
+        "rounds": len(s), "temps_ratio": info and info["temps_bytes"] / pbytes,
+        "conditionals": info and info["conditionals"]})
   return out
-
-
-def measure_size(size: int, opt_name: str, copy: CopyTimer, rounds: int,
-                 windows: int) -> tuple[list[dict[str, Any]], float]:
-  """Compiles and times every program at one size; returns records, compile seconds."""
-  params, grads = make_tree(size), make_tree(size, fill=1e-3)
-  t0 = time.perf_counter()
-  timers = [compile_program(p, params, grads) for p in make_programs(opt_name)]
-  compile_s = time.perf_counter() - t0
-  copy_samples = run_rounds(timers, copy, rounds, windows)
-  return summarize(timers, copy_samples, copy.bytes_moved, size, opt_name), compile_s
 
 
 def host_overhead(opt_name: str, rounds: int, windows: int) -> list[dict[str, Any]]:
@@ -270,31 +234,8 @@ def tracked(records: Sequence[dict[str, Any]], size: int,
   return out
 
 
-# ------------------------------------------------------------------- reports
 def _x(v: float | None, spec: str = "{:.2f}x", scale: float = 1) -> str:
   return "-" if v is None else spec.format(v * scale)
-
-
-def rows_table(records: Sequence[dict[str, Any]]) -> list[str]:
-  """Markdown table of the records of one size and optimizer."""
-  return harness.table(
-      "row | ms | x 3P floor | x plain | x optax.MultiSteps | temps / params | conditionals",
-      "lrrrrrr",
-      [[r["label"], f"{r['time_s'] * 1e3:.3f}", _x(r["ratio_floor"]), _x(r["ratio_plain"]),
-        _x(r["ratio_optax_multisteps"]), _x(r["temps_ratio"]), _x(r["conditionals"], "{}")]
-       for r in records])
-
-
-def tracked_table(rows: Sequence[dict[str, Any]]) -> list[str]:
-  return harness.table("tracked row | measured | limit |", "lrrc", [
-      [b["name"], _x(b["value"], "{:.3f}x"), _x(b["limit"], "{}x"),
-       "" if b["passed"] is None else ("PASS" if b["passed"] else "**FAIL**")] for b in rows])
-
-
-def host_table(host: Sequence[dict[str, Any]]) -> list[str]:
-  return harness.table("program | mid / step us per call | emit us per call", "lrr", [
-      [PROGRAMS[h["program"]], _x(h.get("mid_call_s", h.get("step_call_s")), "{:.1f}", 1e6),
-       _x(h.get("emit_call_s"), "{:.1f}", 1e6)] for h in host])
 
 
 def sections(result: dict[str, Any], limits: str = "") -> list[str]:
@@ -307,15 +248,26 @@ def sections(result: dict[str, Any], limits: str = "") -> list[str]:
     for opt in meta["optimizers"]:
       recs = [r for r in result["records"] if (r["size"], r["optimizer"]) == (size, opt)]
       lines += [f"## {size_label(size)} params ({4 * size / 2**20:g} MiB), {opt}", "",
-                *rows_table(recs), ""]
+                *harness.table(
+                    "row | ms | x 3P floor | x plain | x optax.MultiSteps | temps / params"
+                    " | conditionals", "lrrrrrr",
+                    [[r["label"], f"{r['time_s'] * 1e3:.3f}", _x(r["ratio_floor"]),
+                      _x(r["ratio_plain"]), _x(r["ratio_optax_multisteps"]),
+                      _x(r["temps_ratio"]), _x(r["conditionals"], "{}")] for r in recs]), ""]
   lines += ["## Per-call time on a tiny model", "",
             f"{TINY_PARAMS} f32 params in {LEAVES} leaves, blocking calls: dispatch dominates.",
             ""]
   for opt in meta["optimizers"]:
-    lines += [f"### {opt}", "",
-              *host_table([h for h in result["host_overhead"] if h["optimizer"] == opt]), ""]
+    lines += [f"### {opt}", "", *harness.table(
+        "program | mid / step us per call | emit us per call", "lrr",
+        [[PROGRAMS[h["program"]], _x(h.get("mid_call_s", h.get("step_call_s")), "{:.1f}", 1e6),
+          _x(h.get("emit_call_s"), "{:.1f}", 1e6)]
+         for h in result["host_overhead"] if h["optimizer"] == opt]), ""]
   heading = f"## Tracked rows ({size_label(result['tracked_size'])} params, adam{limits})"
-  return [*lines, heading, "", *tracked_table(result["tracked"]), ""]
+  return [*lines, heading, "", *harness.table("tracked row | measured | limit |", "lrrc", [
+      [b["name"], _x(b["value"], "{:.3f}x"), _x(b["limit"], "{}x"),
+       "" if b["passed"] is None else ("PASS" if b["passed"] else "**FAIL**")]
+      for b in result["tracked"]]), ""]
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -333,8 +285,6 @@ def markdown(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any]) -> Any:
   """Per optimizer: each row's time over the plain step's, per size."""
-  import numpy as np
-
   sizes, opts = result["meta"]["sizes"], result["meta"]["optimizers"]
   by_key = {(r["size"], r["optimizer"], r["row"]): r for r in result["records"]}
   rows = [r for r, _ in ROWS if r not in ("floor", "plain")]
@@ -354,7 +304,6 @@ def plot(result: dict[str, Any]) -> Any:
   return fig
 
 
-# ---------------------------------------------------------------------- main
 def windows_for(size: int) -> int:
   """Whole windows per round: >= ~8M params touched per program per round."""
   return max(1, (8 * 2**20) // (size * K_WINDOW))
@@ -367,8 +316,12 @@ def measure(sizes: Sequence[int], opts: Sequence[str], copy: CopyTimer, rounds: 
   records: list[dict[str, Any]] = []
   for size in sizes:
     for opt in opts:
-      recs, compile_s = measure_size(size, opt, copy, rounds, windows(size))
-      records += recs
+      params, grads = make_tree(size), make_tree(size, fill=1e-3)
+      t0 = time.perf_counter()
+      timers = [compile_program(p, params, grads) for p in make_programs(opt)]
+      compile_s = time.perf_counter() - t0
+      copy_samples = run_rounds(timers, copy, rounds, windows(size))
+      records += summarize(timers, copy_samples, copy.bytes_moved, size, opt)
       print(f"{size_label(size):>5s} {opt:4s}: compiled in {compile_s:5.1f} s, timed", flush=True)
   copy_s = harness.median(copy.samples)
   return {"meta": {"sizes": list(sizes), "optimizers": list(opts), "rounds": rounds,
@@ -383,19 +336,14 @@ def measure(sizes: Sequence[int], opts: Sequence[str], copy: CopyTimer, rounds: 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark and writes the reports; returns the result dict."""
   ap = harness.parser(__doc__, quick="256K params, 3 rounds: a smoke run")
-  ap.add_argument("--sizes", default="1M,4M,16M", help="comma-separated, e.g. 1M,4M,16M")
-  ap.add_argument("--optimizers", default="sgd,adam")
   ap.add_argument("--rounds", type=int, default=None,
                   help="interleaved rounds per size and optimizer (default 15; --quick 3)")
   args = ap.parse_args(argv)
-  sizes = [parse_size("256K")] if args.quick else [parse_size(s) for s in args.sizes.split(",")]
+  sizes = [parse_size(s) for s in (["256K"] if args.quick else SIZES)]
   rounds = args.rounds or (3 if args.quick else 15)
-  opts = args.optimizers.split(",")
-  if unknown := set(opts) - set(OPTIMIZERS):
-    ap.error(f"unknown optimizer(s) {sorted(unknown)}; choose from {sorted(OPTIMIZERS)}")
-  tracked_size = parse_size("4M") if parse_size("4M") in sizes else sizes[len(sizes) // 2]
   t_start = time.perf_counter()
-  result = measure(sizes, opts, CopyTimer(64 * 2**20), rounds, windows_for, tracked_size)
+  result = measure(sizes, list(OPTIMIZERS), CopyTimer(64 * 2**20), rounds, windows_for,
+                   sizes[len(sizes) // 2])  # tracked rows: the middle size (4M)
   result["meta"].update(argv=list(argv if argv is not None else sys.argv[1:]),
                         wall_s=round(time.perf_counter() - t_start, 1))
   harness.write(args.out, "accumulate", result, markdown(result), plot)

@@ -1,17 +1,10 @@
 """Bytes reduced across devices per accumulation window, read from the compiled HLO.
 
-k = 8 micro-batches on 8 data-parallel devices: each variant's train step is
-compiled (nothing runs), its collectives listed with ``debug.hlo_collectives``
-and weighted by how often they run per window (a conditional's emitting branch
-once, its mid branch k - 1 times, a ``while`` body k times a call). Variants:
-``shard_map`` with ``axis_name``; plain ``jit`` with auto-sharding; plain ``jit`` on
-an Explicit mesh, ours (``defer_reduction`` into ``accumulate(..., axis_name)``) and
-naive, params replicated or FSDP; ``microbatched`` under ``shard_map`` and ``jit``.
+k = 8 micro-batches on 8 devices: each variant's train step compiled (nothing runs), its
+collectives (``debug.hlo_collectives``) weighted by how often they run per window.
 
     python benchmarks/bench_communication.py        # 8 host CPU devices, seconds
 """
-
-from __future__ import annotations
 
 import os
 
@@ -149,46 +142,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   opt = optax.adam(1e-3)
   rows = []
 
+  def shard_mapped(tx: Any, specs: Any, reduce: Any) -> Any:
+    """A jitted ``shard_map``ped train step: ``reduce`` of the per-device gradients."""
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+             out_specs=(P(), specs))
+    def step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> Any:
+      grads = reduce(jax.grad(loss_fn)(lax.pcast(p, "data", to="varying"), xb, yb))
+      return harness.protocol_step(tx)(p, s, grads)
+    return step
+
   # 1. accumulate(axis_name) under shard_map: all-reduce in the emitting branch.
   tx = per_device_state(oa.accumulate(K, opt, axis_name="data"), "data")
   specs = shard_map_specs(tx, params, "data")
   state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-
-  @jax.jit
-  @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
-           out_specs=(P(), specs))
-  def ours_step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> Any:
-    grads = jax.grad(loss_fn)(lax.pcast(p, "data", to="varying"), xb, yb)
-    return harness.protocol_step(tx)(p, s, grads)
-
+  ours = shard_mapped(tx, specs, lambda g: g).lower(params, state, x, y).compile()
   rows.append(("accumulate(k, opt, axis_name) + shard_map (ours)", "across steps",
-               bytes_per_window(ours_step.lower(params, state, x, y).compile(), K)))
-
+               bytes_per_window(ours, K)))
   # 2. Naive: pmean of the gradients on every micro-step, then accumulate.
   naive_tx = oa.accumulate(K, opt)
-
-  @jax.jit
-  @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
-           out_specs=(P(), P()))
-  def naive_step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> Any:
-    grads = lax.pmean(jax.grad(loss_fn)(lax.pcast(p, "data", to="varying"), xb, yb), "data")
-    return harness.protocol_step(naive_tx)(p, s, grads)
-
+  naive = shard_mapped(naive_tx, P(), lambda g: lax.pmean(g, "data"))
   rows.append(("naive: pmean every micro-step, then accumulate", "across steps",
-               bytes_per_window(
-                   naive_step.lower(params, naive_tx.init(params), x, y).compile(), K)))
+               bytes_per_window(naive.lower(params, naive_tx.init(params), x, y).compile(), K)))
 
   # 3. Plain jit, batch sharded, params replicated (GSPMD inserts the all-reduce).
   batch, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-  jit_params = jax.device_put(params, rep)
-
-  @jax.jit
-  def jit_step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> Any:
-    return harness.protocol_step(naive_tx)(p, s, jax.grad(loss_fn)(p, xb, yb))
-
+  jit_step = jax.jit(lambda p, s, xb, yb: harness.protocol_step(naive_tx)(
+      p, s, jax.grad(loss_fn)(p, xb, yb)))
   rows.append(("accumulate(k, opt) under plain jit (auto-sharded)", "across steps",
                bytes_per_window(jit_step.lower(
-                   jit_params, jax.device_put(naive_tx.init(params), rep),
+                   jax.device_put(params, rep), jax.device_put(naive_tx.init(params), rep),
                    jax.device_put(x, batch), jax.device_put(y, batch)).compile(), K)))
 
   rows += plain_jit_rows(params, x, y, opt)

@@ -1,17 +1,11 @@
 """Benchmark: ``cached_microbatched`` against the whole batch and plain ``microbatched``;
 the tiled losses (``contrastive.clip_loss``, ``siglip_loss``) against the dense ones.
 
-Two towers (an MLP over a sequence of tokens, mean-pooled, normalised), CLIP's and SigLIP's
-losses: per k, ``harness.compare`` against the whole batch's ``value_and_grad``. Then, at a
-fixed micro-batch, by batch: what of them is whole-batch (cached's over plain's).
-
-The tiled losses (``--tiled``, or after the above): ``value_and_grad`` of the loss alone on
-``[B, 256]`` float32 embeddings, B = 4,096, 16,384, 32,768: the compiled temporaries
-(``memory_analysis().temp_size_in_bytes``) of the dense formula and of the tiled loss (default
-tiles), and the step time of each, the tiled as a same-round ratio to the dense where the
-dense runs (its temporaries at most ``--max-dense-gib``; above, it is compiled only). With
-``--h200`` (the venv of ``gpu_hlo.py --setup``) the same temporaries from XLA's H200
-compiler, deviceless, nothing run::
+Two towers (an MLP over tokens, mean-pooled, normalised), CLIP's and SigLIP's losses:
+per k, ``harness.compare`` against the whole batch; by batch, what stays whole-batch.
+The tiled losses (``--tiled``, or after the above): the temporaries and step time of
+``value_and_grad`` of the loss alone, dense and tiled; with ``--h200`` (the venv of
+``gpu_hlo.py --setup``) the temporaries from XLA's H200 compiler, deviceless::
 
   python benchmarks/bench_contrastive.py                   # ~15 minutes on 2 CPU cores
   python benchmarks/bench_contrastive.py --quick --out /tmp/contrastive   # smoke
@@ -19,14 +13,11 @@ compiler, deviceless, nothing run::
   /tmp/gpuvenv/bin/python benchmarks/bench_contrastive.py --tiled --h200   # ..._tiled_h200.*
 """
 
-from __future__ import annotations
-
 import os
 import sys
 
-if "--h200" in sys.argv:  # before jax is imported: no GPU runtime, no check for a CUDA install
-  os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
-  os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+if "--h200" in sys.argv:  # gpu_hlo hides the GPU runtime before jax is imported (deviceless)
+  import gpu_hlo  # noqa: F401
 
 from typing import Any
 
@@ -97,7 +88,6 @@ def markdown(r: dict[str, Any]) -> str:
                                for x in r["whole_batch"]])])
 
 
-# ---------------------------------------------------------------- the tiled losses
 def dense_clip(x: jax.Array, y: jax.Array, t: jax.Array) -> jax.Array:
   s = x @ y.T / t
   return -(jnp.trace(jax.nn.log_softmax(s, axis=1)) + jnp.trace(jax.nn.log_softmax(s, axis=0))

@@ -1,19 +1,13 @@
 """check_large_batch's host memory and time on a large MLP: a few gradient copies at any k.
 
-An MLP of ``--params`` parameters (float32, tanh layers of one width), a batch of 64
-rows, ``debug.check_large_batch`` at k = 2 and 8, each in a fresh process that first
-takes one gradient. Host memory: the peak of numpy's allocations during the check
-(what it keeps on the host; ``tracemalloc``), the peak resident set above its level
-before the check (sampled every 5 ms; on the CPU backend the device arrays are host
-memory too) and the process's peak, per parameter. Time: the check against one call
-of the jitted value-and-grad on the whole batch, in the same process.
+An MLP of ``--params`` float32 parameters, 64 rows, ``debug.check_large_batch`` at k = 2
+and 8, each in a fresh process: numpy's peak (``tracemalloc``), the resident set's peak
+above its level before the check, the process's peak; the time against one gradient.
 
   python benchmarks/bench_large_batch.py                 # 1e7 params: results/large_batch.*
   python benchmarks/bench_large_batch.py --params 1e8    # results/large_batch_1e08.*
   python benchmarks/bench_large_batch.py --quick --out /tmp/x
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -89,12 +83,8 @@ def measure_one(params_target: float, k: int) -> dict[str, Any]:
   x = jnp.asarray(rng.normal(size=(ROWS, D_IN)), jnp.float32)
   y = jnp.asarray(rng.normal(size=(ROWS, 1)), jnp.float32)
   fn = jax.jit(jax.value_and_grad(loss))
-  calls = []
-  for _ in range(4):  # the first compiles
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(params, x, y))
-    calls.append(time.perf_counter() - t0)
-  one_call = harness.median(calls[1:])
+  calls = harness.interleaved({"call": lambda: jax.block_until_ready(fn(params, x, y))}, 3)
+  one_call = harness.median(calls["call"])  # 3 calls after one that compiles
   check = check_large_batch(fn, k, batch_argnums=(1, 2))
   tracemalloc.start()
   t0 = time.perf_counter()
@@ -152,14 +142,12 @@ def markdown(result: dict[str, Any], argv: str) -> str:
 
 
 def plot(result: dict[str, Any]) -> Any:
-  plt = harness.pyplot()
-  fig, ax = plt.subplots(figsize=(5, 3), dpi=120)
-  ks = [str(r["k"]) for r in result["records"]]
-  ax.bar([i - 0.2 for i in range(len(ks))],
-         [r["numpy_bytes_per_param"] for r in result["records"]], 0.4, label="numpy peak")
-  ax.bar([i + 0.2 for i in range(len(ks))],
-         [r["rss_bytes_per_param"] for r in result["records"]], 0.4, label="resident set +")
-  ax.set_xticks(range(len(ks)), [f"k = {k}" for k in ks])
+  fig, ax = harness.pyplot().subplots(figsize=(5, 3), dpi=120)
+  recs = result["records"]
+  for dx, key, label in ((-0.2, "numpy", "numpy peak"), (0.2, "rss", "resident set +")):
+    ax.bar([i + dx for i in range(len(recs))], [r[f"{key}_bytes_per_param"] for r in recs], 0.4,
+           label=label)
+  ax.set_xticks(range(len(recs)), [f"k = {r['k']}" for r in recs])
   ax.set_ylabel("host bytes per parameter")
   ax.set_title(f"check_large_batch, {result['params']:,} params")
   ax.legend()

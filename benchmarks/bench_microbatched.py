@@ -1,18 +1,12 @@
 """Benchmark: ``microbatched`` against the full batch, optax's ``microbatch``, remat and bf16.
 
-A small decoder-only transformer (pre-norm attention + MLP blocks in a ``lax.scan``,
-next-token cross-entropy) at a fixed global batch; per configuration of its
-value-and-grad (``harness.compare``): compiled temporaries against the full
-batch's and the bound ``1.3 x full / k + one gradient``, the same-round step ratio
-and the gradient difference. Anchors: the full batch, ``optax.microbatching``'s
-``microbatch`` (MEAN), ``jax.checkpoint`` per block and bf16 compute, alone and with
-``microbatched``.
+A small decoder-only transformer at a fixed global batch; per configuration of its
+value-and-grad (``harness.compare``) the temporaries against the bound
+``1.3 x full / k + one gradient``, the step time and the gradient difference.
 
   python benchmarks/bench_microbatched.py                   # ~3 minutes on 2 CPU cores
   python benchmarks/bench_microbatched.py --quick --out /tmp/mb   # smoke, seconds
 """
-
-from __future__ import annotations
 
 import functools
 import math
@@ -31,7 +25,6 @@ from optax_accum import Policy, microbatched, mixed_precision
 Params = dict[str, Any]
 
 
-# ----------------------------------------------------------------- the model
 def init_params(key: jax.Array, *, vocab: int, d_model: int, layers: int, seq: int) -> Params:
   """Embeddings, output projection and ``layers`` blocks stacked on a leading axis."""
   keys = iter(jax.random.split(key, 3 + 4 * layers))
@@ -82,7 +75,6 @@ def make_loss(*, heads: int, remat: bool) -> Callable[[Params, dict], jax.Array]
   return loss_fn
 
 
-# --------------------------------------------------------------- the configs
 def configs(ks: list[int], trick_k: int) -> list[dict[str, Any]]:
   """Full batch first; then each k with ours and optax's; then remat / bf16 alone and
   with ``microbatched`` at ``trick_k``."""
@@ -98,8 +90,7 @@ def configs(ks: list[int], trick_k: int) -> list[dict[str, Any]]:
 def config_name(cfg: dict[str, Any]) -> str:
   names = {"full": "full batch", "ours": f"microbatched k={cfg['k']}",
            "optax": f"optax microbatch k={cfg['k']}"}
-  return " + ".join([names[cfg["impl"]], *(["remat"] if cfg["remat"] else []),
-                     *(["bf16"] if cfg["bf16"] else [])])
+  return " + ".join([names[cfg["impl"]], *[t for t in ("remat", "bf16") if cfg[t]]])
 
 
 def grad_fn(cfg: dict[str, Any], heads: int, batch_size: int) -> Callable:
@@ -118,8 +109,7 @@ def grad_fn(cfg: dict[str, Any], heads: int, batch_size: int) -> Callable:
 
 def measure(cfgs: list[dict[str, Any]], params: Params, batch: dict[str, jax.Array],
             heads: int, rounds: int, iters: int) -> list[dict[str, Any]]:
-  """One row per config (``harness.compare``, the full batch ``cfgs[0]`` first), with its
-  temporaries' bound."""
+  """``harness.compare``'s rows (the full batch ``cfgs[0]`` first), with their bound."""
   n = batch["tokens"].shape[0]
   grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
   rows = harness.compare([(config_name(c), grad_fn(c, heads, n)) for c in cfgs], (params, batch),
@@ -131,7 +121,6 @@ def measure(cfgs: list[dict[str, Any]], params: Params, batch: dict[str, jax.Arr
   return rows
 
 
-# ------------------------------------------------------------------ reports
 def table(rows: list[dict[str, Any]]) -> list[str]:
   def bound(r: dict[str, Any]) -> str:
     if "temp_bound" not in r:
@@ -152,10 +141,6 @@ def markdown(result: dict[str, Any]) -> str:
       f" cores), jax {s['jax']}, {s['date']}; timing: median of {s['rounds']} interleaved"
       " rounds, ratio to the full-batch step of the same round.", "",
       *table(result["rows"]), ""])
-
-
-def plot(result: dict[str, Any]) -> Any:
-  return harness.bars(result["rows"])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -185,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       "global_batch": args.batch, "params": int(n), "grad_bytes": int(4 * n),
                       "rounds": args.rounds, "iters": args.iters, **harness.machine()},
             "rows": rows, "wall_seconds": time.perf_counter() - t0}
-  harness.write(args.out, "microbatched", result, markdown(result), plot)
+  harness.write(args.out, "microbatched", result, markdown(result),
+                lambda r: harness.bars(r["rows"]))
   return result
 
 

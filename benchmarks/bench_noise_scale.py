@@ -1,19 +1,13 @@
 """Benchmark: what ``track_noise_scale`` costs, and how close its estimate lands.
 
-* Cost: ``bench_accumulate.py``'s train steps (4M f32 params, adam, k = 4), the
-  protocol and ``update_and_apply``, and ``update_and_apply`` with a 4-layer MLP's
-  gradient (1024 wide, batch 32) computed inside, each without and with tracking:
-  per phase the median same-round ratio tracked / untracked, and temporaries.
-* The estimate: linear regression ``0.5 (x.w - y)^2`` at ``w = w* + delta`` (inner
-  learning rate 0), where ``B_simple = d + 1 + sigma^2 d / |delta|^2``; per ``(d,
-  sigma, b, k)`` 8 seeds of 400 windows against ``B_simple``, and one weighted row
-  (micro-batches of 1, 2, 5 and 8 examples).
+* Cost: ``bench_accumulate.py``'s train steps (and one computing an MLP's gradient)
+  without and with tracking: same-round ratios tracked / untracked, temporaries.
+* The estimate: linear regression at ``w = w* + delta`` against the closed form
+  ``B_simple``, per ``(d, sigma, b, k)`` and one weighted row.
 
   python benchmarks/bench_noise_scale.py            # about a minute
   python benchmarks/bench_noise_scale.py --quick    # 256K params, 5 rounds
 """
-
-from __future__ import annotations
 
 import sys
 import time
@@ -35,12 +29,10 @@ PROGRAMS = [
     ("accumulate_tracked", "oa.accumulate(track_noise_scale=True): update + apply_updates", True),
     ("update_and_apply", "oa.update_and_apply", False),
     ("update_and_apply_tracked", "oa.update_and_apply, track_noise_scale=True", True),
-]
-MLP_PROGRAMS = [
     ("mlp_update_and_apply", "MLP gradient + oa.update_and_apply", False),
     ("mlp_update_and_apply_tracked", "MLP gradient + oa.update_and_apply, tracked", True),
 ]
-PAIRS = [(key, f"{key}_tracked") for key, _, tracked in PROGRAMS + MLP_PROGRAMS if not tracked]
+PAIRS = [(key, f"{key}_tracked") for key, _, tracked in PROGRAMS if not tracked]
 MLP_WIDTH, MLP_LAYERS, MLP_BATCH = 1024, 4, 32
 
 DELTA_NORM, SEEDS, WINDOWS, DECAY = 0.5, 8, 400, 0.999
@@ -49,7 +41,6 @@ COMBOS = [(4, 0.1, 2, 4), (8, 0.5, 2, 8), (32, 0.5, 8, 4), (16, 1.75, 16, 16)]
 WEIGHTED_SIZES = (1, 2, 5, 8)
 
 
-# ------------------------------------------------------------------ cost
 def mlp_params(key: jax.Array) -> dict[str, jax.Array]:
   """``MLP_LAYERS`` dense layers of ``MLP_WIDTH``: 2 leaves each."""
   params = {}
@@ -68,9 +59,9 @@ def mlp_loss(params: dict[str, jax.Array], batch: tuple[jax.Array, jax.Array]) -
 
 
 def make_programs() -> list[ba.Program]:
-  """Every program of ``PROGRAMS + MLP_PROGRAMS``: untracked and tracked."""
+  """Every program of ``PROGRAMS``: untracked and tracked."""
   progs = []
-  for key, _, tracked in PROGRAMS + MLP_PROGRAMS:
+  for key, _, tracked in PROGRAMS:
     tx = oa.accumulate(ba.K_WINDOW, optax.adam(1e-3), track_noise_scale=tracked)
     if key.startswith("accumulate"):
       step = harness.protocol_step(tx)
@@ -96,16 +87,14 @@ def measure_cost(size: int, rounds: int) -> dict[str, Any]:
   pbytes = 4 * size
   mlp_bytes = 4 * sum(x.size for x in jax.tree.leaves(mlp))
   programs = {}
-  for key, label, tracked in PROGRAMS + MLP_PROGRAMS:
+  for key, label, tracked in PROGRAMS:
     t = timers[key]
     pbytes_here = mlp_bytes if key.startswith("mlp") else pbytes
     programs[key] = {
         "label": label, "tracked": tracked,
         "mid_s": harness.median(t.samples["mid"]), "emit_s": harness.median(t.samples["emit"]),
-        "temps_bytes": t.info["temps_bytes"],
-        "temps_ratio": t.info["temps_bytes"] / pbytes_here,
-        "param_bytes": pbytes_here, "conditionals": t.info["conditionals"],
-    }
+        "temps_bytes": t.info["temps_bytes"], "temps_ratio": t.info["temps_bytes"] / pbytes_here,
+        "param_bytes": pbytes_here, "conditionals": t.info["conditionals"]}
   pairs = [{"untracked": base, "tracked": tracked,
             **{f"{phase}_ratio": harness.paired_ratio(timers[tracked].samples[phase],
                                                       timers[base].samples[phase])
@@ -116,7 +105,6 @@ def measure_cost(size: int, rounds: int) -> dict[str, Any]:
           "programs": programs, "pairs": pairs}
 
 
-# -------------------------------------------------------------- estimate
 def b_simple(d: int, sigma: float) -> float:
   """``tr(Sigma) / |G|^2`` in examples at ``w = w* + delta``."""
   return d + 1 + sigma**2 * d / DELTA_NORM**2
@@ -159,8 +147,7 @@ def simulate(d: int, sigma: float, sizes: tuple[int, ...], weighted: bool) -> np
 def closed_form_table() -> list[dict[str, Any]]:
   """Estimate vs ``B_simple`` for every combo, and the weighted row."""
   rows = []
-  cases = [(d, s, (b,) * k, False) for d, s, b, k in COMBOS]
-  cases.append((8, 0.5, WEIGHTED_SIZES, True))
+  cases = [*((d, s, (b,) * k, False) for d, s, b, k in COMBOS), (8, 0.5, WEIGHTED_SIZES, True)]
   for d, sigma, sizes, weighted in cases:
     b = sum(sizes) / len(sizes)
     est = simulate(d, sigma, sizes, weighted) * b
@@ -175,7 +162,6 @@ def closed_form_table() -> list[dict[str, Any]]:
   return rows
 
 
-# --------------------------------------------------------------- reports
 def markdown(result: dict[str, Any]) -> str:
   meta, cost = result["meta"], result["cost"]
 
@@ -226,11 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   start = time.perf_counter()
   cost = measure_cost(size, rounds)
-  for q in cost["pairs"]:
-    print(f"{q['untracked']:>16s}: tracked/untracked mid {q['mid_ratio']:.3f}x,"
-          f" emit {q['emit_ratio']:.3f}x, extra temporaries {q['extra_temps_ratio']:+.4f}x"
-          " params", flush=True)
-  table = closed_form_table()  # printed with the markdown
+  table = closed_form_table()
   result = {"meta": {"argv": list(argv if argv is not None else sys.argv[1:]),
                      **harness.machine(), "wall_s": round(time.perf_counter() - start, 1)},
             "cost": cost, "closed_form": table}

@@ -1,19 +1,15 @@
 """Benchmark: the k that ``plan_k`` plans, against the compiled peak of every candidate.
 
-An MLP, the demo's transformer, and the same with ``jax.checkpoint`` per block, in
-step (``microbatched``) and across steps (``accumulate`` on ``global / k`` rows): every
-candidate k compiled here (peak per device ``argument + output + temp - alias``,
-beside XLA's ``peak_memory_in_bytes``), a limit between two neighbouring peaks, and
-``plan_k`` under it: its k and peak, its compiles (bound ``ceil(log2(n)) + 1``) and
-time, against the brute-force answer. Nothing runs: ``ShapeDtypeStruct`` arguments.
+An MLP, the demo's transformer, and the same with ``jax.checkpoint``, in step and
+across steps: every candidate k compiled, a limit between two neighbouring peaks, and
+``plan_k`` under it against the brute-force answer. Nothing runs.
 
   python benchmarks/bench_plan_k.py                              # ~3 minutes, 2 CPU cores
   python benchmarks/bench_plan_k.py --quick --out /tmp/plan_k   # smoke, seconds
 """
 
-from __future__ import annotations
-
 import argparse
+import functools
 import itertools
 import math
 import sys
@@ -33,7 +29,6 @@ from optax_accum.planning import compiled_peak_bytes
 MakeStep = Callable[[int], Callable[..., Any]]
 
 
-# ----------------------------------------------------------------------------- models
 def mlp_case(args: argparse.Namespace) -> dict[str, Any]:
   """A ReLU MLP (``--mlp-layers`` x ``--mlp-width``, scalar head), squared error, Adam."""
   d, layers, batch = args.mlp_width, args.mlp_layers, args.mlp_batch
@@ -49,30 +44,24 @@ def mlp_case(args: argparse.Namespace) -> dict[str, Any]:
       h = jax.nn.relu(h @ layer["w"] + layer["b"])
     return jnp.mean((h @ p["head"] - b["y"]) ** 2)
 
-  opt = optax.adam(1e-3)
+  opt, vg = optax.adam(1e-3), jax.value_and_grad(loss)
 
-  def in_step(k: int) -> Callable[..., Any]:
-    grad_fn = oa.microbatched(jax.value_and_grad(loss), k)
+  def make_step(k: int, across: bool) -> Callable[..., Any]:
+    """In step: ``microbatched`` and the optax protocol; across: ``update_and_apply``."""
+    grad_fn = vg if across else oa.microbatched(vg, k)
+    apply = harness.fast_step(oa.accumulate(k, opt)) if across else harness.protocol_step(opt)
 
     def step(p, state, b):
       value, grads = grad_fn(p, b)
-      updates, state = opt.update(grads, state, p)
-      return optax.apply_updates(p, updates), state, value
-    return step
-
-  def across(k: int) -> Callable[..., Any]:
-    tx = oa.accumulate(k, opt)
-
-    def step(p, state, micro):
-      value, grads = jax.value_and_grad(loss)(p, micro)
-      p, state = oa.update_and_apply(tx, grads, state, p)
-      return p, state, value
+      return *apply(p, state, grads), value
     return step
 
   across_state = jax.eval_shape(oa.accumulate(2, opt).init, params)
   return {"model": f"MLP {layers} x {d}", "global_batch": batch, "params": _count(params),
-          "modes": {"in-step": (in_step, (params, jax.eval_shape(opt.init, params), data)),
-                    "across steps": (across, (params, across_state, data))}}
+          "modes": {"in-step": (functools.partial(make_step, across=False),
+                                (params, jax.eval_shape(opt.init, params), data)),
+                    "across steps": (functools.partial(make_step, across=True),
+                                     (params, across_state, data))}}
 
 
 def transformer_case(args: argparse.Namespace, remat: bool) -> dict[str, Any]:
@@ -126,25 +115,15 @@ def _count(tree: Any) -> int:
   return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
-# ----------------------------------------------------------------------------- measuring
-def divisors(n: int) -> list[int]:
-  return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def cut(args: tuple[Any, ...], rows: int) -> tuple[Any, ...]:
-  """The batch (last argument) cut to ``rows`` rows, as the planner does across steps."""
-  *rest, batch = args
-  return (*rest, jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct((rows, *s.shape[1:]), s.dtype, sharding=s.sharding),
-      batch))
-
-
 def sweep(make_step: MakeStep, args: tuple[Any, ...], ks: list[int], global_batch: int,
           across: bool) -> list[dict[str, Any]]:
-  """Every candidate compiled here, independently of the planner."""
+  """Every candidate compiled here, independently of the planner (across steps: on the
+  batch, the last argument, cut to ``global_batch // k`` rows as the planner does)."""
   rows = []
   for k in ks:
-    call_args = cut(args, global_batch // k) if across else args
+    micro = jax.tree.map(lambda s, k=k: jax.ShapeDtypeStruct(
+        (global_batch // k, *s.shape[1:]), s.dtype, sharding=s.sharding), args[-1])
+    call_args = (*args[:-1], micro) if across else args
     t0 = time.perf_counter()
     compiled = jax.jit(make_step(k)).lower(*call_args).compile()
     m = compiled.memory_analysis()
@@ -160,22 +139,18 @@ def sweep(make_step: MakeStep, args: tuple[Any, ...], ks: list[int], global_batc
 def pick_limit(rows: list[dict[str, Any]]) -> float:
   """Halfway between the peaks of two neighbours near the middle, the larger one first."""
   n = len(rows)
-  order = sorted(range(1, n), key=lambda i: abs(i - n / 2))
-  for i in order:
+  for i in sorted(range(1, n), key=lambda i: abs(i - n / 2)):
     hi, lo = rows[i - 1]["peak_bytes"], rows[i]["peak_bytes"]
     if hi > lo:
       return (hi + lo) / 2
   return rows[-1]["peak_bytes"]  # (flat peaks: every candidate fits)
 
 
-def monotone(rows: list[dict[str, Any]]) -> bool:
-  return all(a["peak_bytes"] >= b["peak_bytes"] for a, b in itertools.pairwise(rows))
-
-
-def run_case(case: dict[str, Any], mode: str, candidates: list[int] | None) -> dict[str, Any]:
+def run_case(case: dict[str, Any], mode: str) -> dict[str, Any]:
+  """The sweep over every divisor of the global batch, and ``plan_k`` against it."""
   make_step, args = case["modes"][mode]
   across = mode == "across steps"
-  ks = candidates or divisors(case["global_batch"])
+  ks = [d for d in range(1, case["global_batch"] + 1) if case["global_batch"] % d == 0]
   rows = sweep(make_step, args, ks, case["global_batch"], across)
   limit = int(pick_limit(rows))
   brute = min((r["k"] for r in rows if r["peak_bytes"] <= limit), default=None)
@@ -193,7 +168,9 @@ def run_case(case: dict[str, Any], mode: str, candidates: list[int] | None) -> d
   return {
       "model": case["model"], "mode": mode, "global_batch": case["global_batch"],
       "params": case["params"], "candidates": ks, "sweep": rows,
-      "sweep_monotone": monotone(rows), "memory_limit": limit,
+      "sweep_monotone": all(a["peak_bytes"] >= b["peak_bytes"]
+                            for a, b in itertools.pairwise(rows)),
+      "memory_limit": limit,
       "planned_k": plan.k, "planned_peak_bytes": plan.peak_bytes,
       "planned_micro_batch_size": plan.micro_batch_size,
       "brute_force_k": brute, "agrees": plan.k == brute,
@@ -203,7 +180,6 @@ def run_case(case: dict[str, Any], mode: str, candidates: list[int] | None) -> d
   }
 
 
-# ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   ap = harness.parser(__doc__, quick="tiny sizes (MLP 2 x 32, batch 64; transformer d 16, 1"
                                     " block, seq 16, batch 8): a smoke run")
@@ -218,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   t_start = time.perf_counter()
   cases = [mlp_case(args), transformer_case(args, remat=False),
            transformer_case(args, remat=True)]
-  results = [run_case(case, mode, None) for case in cases for mode in case["modes"]]
+  results = [run_case(case, mode) for case in cases for mode in case["modes"]]
   result = {"setup": {**harness.machine(), "optimizer": "adam",
                       "peak": "argument + output + temp - alias (memory_analysis, per device)"},
             "rows": results, "wall_seconds": time.perf_counter() - t_start}
@@ -250,12 +226,9 @@ def markdown(result: dict[str, Any]) -> str:
   for r in result["rows"]:
     cells = []
     for row in r["sweep"]:
-      v = f"{row['k']}: {harness.mib(row['peak_bytes'])}"
-      if row["k"] == r["planned_k"]:
-        v = f"**{v}**"
-      elif row["k"] in r["compiled_ks"]:
-        v = f"*{v}*"
-      cells.append(f"{v} [{harness.mib(row['xla_peak_memory_in_bytes'])}]")
+      mark = "**" if row["k"] == r["planned_k"] else "*" if row["k"] in r["compiled_ks"] else ""
+      cells.append(f"{mark}{row['k']}: {harness.mib(row['peak_bytes'])}{mark}"
+                   f" [{harness.mib(row['xla_peak_memory_in_bytes'])}]")
     lines.append(f"- {r['model']}, {r['mode']} (limit {harness.mib(r['memory_limit'])}):"
                  f" {', '.join(cells)}")
   return "\n".join(lines) + "\n"

@@ -1,15 +1,11 @@
 """GPU benchmark: accumulation train steps and in-step microbatching on one GPU.
 
-``bench_accumulate.py``'s train steps (adam, k = 4) at 1M, 16M and 256M params
-against the 3P floor of a 1 GiB copy; ``bench_microbatched.py``'s comparison on
-``TRANSFORMER`` (k = 4 and 16); microbatched against the full batch at matmul
-precision ``"highest"``. ``benchmarks/NOTES.md`` ("On a GPU") says what each shows.
+``bench_accumulate.py``'s train steps, ``bench_microbatched.py``'s comparison, and
+microbatched at matmul precision ``"highest"``: ``benchmarks/NOTES.md``, "On a GPU".
 
   python benchmarks/gpu.py --out DIR     # DIR/gpu.{json,md}: commit as results/gpu.md
   python benchmarks/gpu.py --cpu-smoke   # tiny sizes on the CPU: checks the script
 """
-
-from __future__ import annotations
 
 import sys
 import tempfile

@@ -6,14 +6,18 @@ import sys
 from pathlib import Path
 
 import bench_accumulate as bench
-import bench_large_batch
+
+
+def run(script: str, out: Path, *flags: str) -> None:
+  """``benchmarks/script --quick --out out`` in a fresh process; fails with its stderr."""
+  proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script)), *flags, "--quick",
+                         "--out", str(out)], capture_output=True, text=True, timeout=300,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_bench_accumulate_quick(tmp_path: Path) -> None:
-  proc = subprocess.run(
-      [sys.executable, bench.__file__, "--quick", "--out", str(tmp_path)],
-      capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  run("bench_accumulate.py", tmp_path)
   result = json.loads((tmp_path / "accumulate.json").read_text())
   seen = {(r["optimizer"], r["row"]) for r in result["records"]}
   assert {(opt, row) for opt in ("sgd", "adam") for row, _ in bench.ROWS} <= seen
@@ -23,10 +27,7 @@ def test_bench_accumulate_quick(tmp_path: Path) -> None:
 
 
 def test_bench_large_batch_quick(tmp_path: Path) -> None:
-  proc = subprocess.run(
-      [sys.executable, bench_large_batch.__file__, "--quick", "--out", str(tmp_path)],
-      capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  run("bench_large_batch.py", tmp_path)
   result = json.loads((tmp_path / "large_batch.json").read_text())
   assert [r["k"] for r in result["records"]] == [2, 8]
   assert all(r["cause"] == "equal" and r["numpy_peak_bytes"] > 0 for r in result["records"])
@@ -34,10 +35,7 @@ def test_bench_large_batch_quick(tmp_path: Path) -> None:
 
 
 def test_bench_contrastive_tiled_quick(tmp_path: Path) -> None:
-  script = Path(bench.__file__).with_name("bench_contrastive.py")
-  proc = subprocess.run([sys.executable, str(script), "--tiled", "--quick", "--out", str(tmp_path)],
-                        capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  run("bench_contrastive.py", tmp_path, "--tiled")
   rows = json.loads((tmp_path / "contrastive_tiled.json").read_text())["rows"]
   assert {(r["loss"], r["batch"]) for r in rows} == {
       (loss, b) for loss in ("CLIP", "SigLIP") for b in (256, 1024, 2048)}
