@@ -9,6 +9,8 @@ conditionals; per-call time on a tiny model; the tracked rows at 4M, adam.
   python benchmarks/bench_accumulate.py --quick          # 256K, 3 rounds (smoke)
 """
 
+from __future__ import annotations
+
 import dataclasses
 import functools
 import statistics

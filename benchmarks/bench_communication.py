@@ -6,6 +6,8 @@ collectives (``debug.hlo_collectives``) weighted by how often they run per windo
     python benchmarks/bench_communication.py        # 8 host CPU devices, seconds
 """
 
+from __future__ import annotations
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

@@ -13,6 +13,8 @@ The tiled losses (``--tiled``, or after the above): the temporaries and step tim
   /tmp/gpuvenv/bin/python benchmarks/bench_contrastive.py --tiled --h200   # ..._tiled_h200.*
 """
 
+from __future__ import annotations
+
 import os
 import sys
 

@@ -9,6 +9,8 @@ above its level before the check, the process's peak; the time against one gradi
   python benchmarks/bench_large_batch.py --quick --out /tmp/x
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import resource

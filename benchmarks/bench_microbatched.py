@@ -8,6 +8,8 @@ value-and-grad (``harness.compare``) the temporaries against the bound
   python benchmarks/bench_microbatched.py --quick --out /tmp/mb   # smoke, seconds
 """
 
+from __future__ import annotations
+
 import functools
 import math
 import sys

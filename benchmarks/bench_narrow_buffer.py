@@ -1,12 +1,16 @@
 """A bfloat16 accumulation buffer: precision and time, against the float32 one.
 
-One window's error against a float64 reference, bf16 rounding to nearest and
-stochastically, k = 16 to 1024; the mid-step time of ``update_and_apply``, bf16 over
-f32 buffer. (Bytes per parameter: ``gpu_hlo.py``'s rows.)
+1. **Error of one window** against a float64 reference, bf16 rounding to nearest
+   and stochastically (``accumulator_dtype=jnp.bfloat16``), k = 16 to 1024,
+   gradients ``N(1, 0.5^2)``: bias and spread of the error over the mean |reference|.
+2. **Mid-step time** of ``update_and_apply``, bf16 over f32 buffer, 4M f32 params,
+   interleaved rounds. (Bytes per parameter: ``gpu_hlo.py``'s rows.)
 
   python benchmarks/bench_narrow_buffer.py                    # results/narrow_buffer.*
   python benchmarks/bench_narrow_buffer.py --quick --out /tmp/nb   # small sizes
 """
+
+from __future__ import annotations
 
 import sys
 from typing import Any

@@ -9,6 +9,8 @@
   python benchmarks/bench_noise_scale.py --quick    # 256K params, 5 rounds
 """
 
+from __future__ import annotations
+
 import sys
 import time
 from typing import Any

@@ -8,6 +8,8 @@ across steps: every candidate k compiled, a limit between two neighbouring peaks
   python benchmarks/bench_plan_k.py --quick --out /tmp/plan_k   # smoke, seconds
 """
 
+from __future__ import annotations
+
 import argparse
 import functools
 import itertools

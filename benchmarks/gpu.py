@@ -7,6 +7,8 @@ microbatched at matmul precision ``"highest"``: ``benchmarks/NOTES.md``, "On a G
   python benchmarks/gpu.py --cpu-smoke   # tiny sizes on the CPU: checks the script
 """
 
+from __future__ import annotations
+
 import sys
 import tempfile
 import time

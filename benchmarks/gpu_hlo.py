@@ -23,6 +23,8 @@ repository with ``--no-deps -e .``. Without a compiler for the target the
 script exits with status 2.
 """
 
+from __future__ import annotations
+
 import os
 
 # Before jax is imported: no GPU runtime (deviceless), no check for a CUDA install.

@@ -1,8 +1,14 @@
 """What every benchmark script shares: how it times, where it ran, its results files.
 
-Timed programs run in :func:`interleaved` rounds and compare by :func:`paired_ratio`
-(NOTES.md: how the timings are taken); :func:`write` saves JSON, markdown and a PNG.
+Programs timed against each other run in :func:`interleaved` rounds (each once a
+round, in a fresh seeded order) and compare by :func:`paired_ratio` (the median of
+same-round ratios). :func:`write` saves the result as JSON, markdown (printed) and
+a PNG; the rest is what several scripts build alike: :func:`parser`, the train
+steps :func:`protocol_step` and :func:`fast_step`, :func:`table`, and in-step
+gradient functions against a reference (:func:`compare`, :func:`bars`).
 """
+
+from __future__ import annotations
 
 import argparse
 import datetime
