@@ -576,7 +576,7 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
   c = stats.weights
   dot = sum(float(x @ x) for x in combined)
   s = sum(float(combined[n] @ whole.host(n)) for n in leaves) / dot if dot else 0.0
-  if s > 0 and np.all(off(whole, s) <= max(1.0, s) * tol):
+  if s > 0 and np.all(off(whole, s) <= tol):
     return report("scale", c / c.sum(), _scale_fix(k, normalize, s))
   entries = sum(x.size for x in combined)
   if entries <= k:  # k vectors of that few entries combine into any gradient
@@ -586,16 +586,15 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
         f" but with {entries} gradient entries for num_microbatches={k} unequal weights"
         f" cannot be told from coupling. Check with num_microbatches < {entries}, or on a"
         " model with more parameters.")
-  w = np.linalg.lstsq(stats.sketches.T, _sketch(whole), rcond=None)[0]
-  if np.all(w >= -1e-6 * np.abs(w).max(initial=0.0)) and w.sum() > 0:
-    w = np.maximum(w, 0.0)
+  # Non-negative weights only: the least-squares fit clamped at 0, then checked exactly.
+  w = np.maximum(np.linalg.lstsq(stats.sketches.T, _sketch(whole), rcond=None)[0], 0.0)
+  if w.sum() > 0:
     fitted = [np.zeros_like(x) for x in combined]
     for wj, g in zip(w, micro_batches(), strict=True):  # the second pass: exact
       for n in leaves:
         fitted[n] += wj * g.host(n)
-    growth = max(1.0, float(w.sum() / c.sum())) if c.sum() else 1.0
     misfit = np.array([np.linalg.norm(fitted[n] - whole.host(n)) for n in leaves])
-    if np.all(misfit <= growth * tol):
+    if np.all(misfit <= tol):
       return report("weights", w / w.sum(),
                     _WEIGHTED_FIX if normalize == "weighted" else _WEIGHTS_FIX)
   return report("coupling", None, _COUPLING_FIX)
