@@ -291,9 +291,10 @@ def test_a_defect_of_one_percent_is_found(data):
 
 def test_narrow_ops_off_the_rows_do_not_loosen_the_tolerance():
   """An fp8 round trip of the targets rounds them once, the same for every batch; a
-  bfloat16 sum over the params sums no rows."""
+  bfloat16 dot of the params sums no rows (``jnp.sum`` would sum bfloat16 in float32)."""
   def narrow_ops(p, x, y):
-    decay = 1e-4 * jnp.sum(p["w1"].astype(jnp.bfloat16) ** 2).astype(jnp.float32)
+    w = p["w1"].astype(jnp.bfloat16).ravel()
+    decay = 1e-4 * jnp.dot(w, w).astype(jnp.float32)
     return mean_loss(p, x, y.astype(jnp.float8_e4m3fn).astype(jnp.float32)) + decay
 
   report = checked(narrow_ops, PARAMS, X, Y)
