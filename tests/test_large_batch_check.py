@@ -302,6 +302,17 @@ def test_narrow_ops_off_the_rows_do_not_loosen_the_tolerance():
   assert report.rounding == "float32 sums over 32 rows"
 
 
+def test_bfloat16_params_computed_in_float32_raise_no_false_alarm():
+  """No reduction over the rows is narrow, but the gradients come out in bfloat16: they
+  are rounded to its unit once, the whole batch's and the accumulated alike."""
+  def loss(p, x, y):
+    return mean_loss(jax.tree.map(lambda a: a.astype(jnp.float32), p), x, y)
+
+  report = checked(loss, jax.tree.map(lambda a: a.astype(jnp.bfloat16), PARAMS), X, Y)
+  assert report.cause == "equal", str(report)
+  assert report.rounding == "bfloat16 results, float32 sums over 32 rows"
+
+
 def test_a_negative_multiple_is_no_scale():
   def flipped(p, x, y):  # the whole batch's gradient is minus the micro-batches'
     return (-1.0 if x.shape[0] == B else 1.0) * mean_loss(p, x, y)
