@@ -121,6 +121,16 @@ def test_a_large_float32_batch_raises_no_false_alarm_and_finds_a_tenth_of_a_perc
   assert checked(off, PARAMS, x, y, k=8).cause == "scale"
 
 
+def test_the_tolerance_of_a_linear_float32_loss_is_its_sums_rounding():
+  """A loss linear in the params: the nudged inputs barely move its gradient, the mean of
+  the rows, and the tolerance is the sums' term alone, 4 u sqrt(B) |G| with float32's
+  unit u = 2**-24."""
+  x = jnp.asarray(np.random.default_rng(2).normal(1.0, 1.0, size=(16384, 6)), jnp.float32)
+  report = checked(lambda w, x: jnp.mean(x @ w), jnp.ones(6), x, k=8)
+  assert report.cause == "equal", str(report)
+  np.testing.assert_allclose(report.tolerance, 4 * 2**-24 * np.sqrt(16384), rtol=0.05)
+
+
 def test_at_the_optimum_rows_that_cancel_raise_no_false_alarm():
   """Least squares at its solution: the gradient is rounding, each row's is not small."""
   rng = np.random.default_rng(2)
