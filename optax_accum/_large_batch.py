@@ -501,7 +501,9 @@ def _walk_inner(eqn: Any, ins: list[frozenset], dtypes: set[Any]) -> list[frozen
   name, n_out = eqn.primitive.name, len(eqn.outvars)
   if name == "cond":
     outs = [_walk(s, ins[1:], dtypes) for s in subs]
-    return [frozenset().union(ins[0], *o) for o in zip(*outs, strict=True)]
+    # Not the branch index's labels: a value the batch only chooses carries no rows, and a
+    # key it chooses is drawn the same for every micro-batch (refused).
+    return [frozenset().union(*o) for o in zip(*outs, strict=True)]
   if name == "while":
     c, b = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
     carry = ins[c + b:]

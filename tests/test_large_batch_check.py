@@ -481,8 +481,15 @@ def key_made_inside(p, x, y):
   return jnp.mean(per_example(p, x * keep / 0.5, y))
 
 
+def key_the_batch_chooses(p, x, y):  # the same key for every micro-batch whose mean is > -1e9
+  key = jax.lax.cond(jnp.mean(x) > -1e9, lambda: KEY, lambda: jax.random.key(1))
+  keep = jax.random.bernoulli(key, 0.5, x.shape)
+  return jnp.mean(per_example(p, x * keep / 0.5, y))
+
+
 @pytest.mark.parametrize(("loss", "said"), [(captured_key, "a key it captured"),
-                                            (key_made_inside, "a key it makes itself")])
+                                            (key_made_inside, "a key it makes itself"),
+                                            (key_the_batch_chooses, "a key it captured")])
 def test_randomness_from_no_argument_is_refused(loss, said):
   with pytest.raises(ValueError, match=f"{said}.*rng_argnums"):
     checked(loss, PARAMS, X, Y)
