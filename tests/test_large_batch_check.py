@@ -299,13 +299,21 @@ def test_a_defect_of_one_percent_is_found(data):
   assert report.rounding.startswith("float32 sums")
 
 
-def test_narrow_ops_off_the_rows_do_not_loosen_the_tolerance():
+@pytest.mark.parametrize("called", [False, True])
+def test_narrow_ops_off_the_rows_do_not_loosen_the_tolerance(called):
   """An fp8 round trip of the targets rounds them once, the same for every batch; a
-  bfloat16 dot of the params sums no rows (``jnp.sum`` would sum bfloat16 in float32)."""
-  def narrow_ops(p, x, y):
+  bfloat16 dot of the params sums no rows (``jnp.sum`` would sum bfloat16 in float32),
+  also inside a call (a jitted function's outputs carry their own inputs' labels)."""
+  def decay(p):
     w = p["w1"].astype(jnp.bfloat16).ravel()
-    decay = 1e-4 * jnp.dot(w, w).astype(jnp.float32)
-    return mean_loss(p, x, y.astype(jnp.float8_e4m3fn).astype(jnp.float32)) + decay
+    return 1e-4 * jnp.dot(w, w).astype(jnp.float32)
+
+  def narrow_ops(p, x, y):
+    targets = y.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    if called:
+      return jax.jit(lambda p, x, y: (mean_loss(p, x, y), decay(p)))(p, x, targets)[1] + (
+          mean_loss(p, x, targets))
+    return mean_loss(p, x, targets) + decay(p)
 
   report = checked(narrow_ops, PARAMS, X, Y)
   assert report.cause == "equal" and report.tolerance < 1e-5, str(report)
