@@ -24,6 +24,8 @@ from optax_accum import contrastive
 from optax_accum.debug import hlo_collectives
 
 DEVICES = 8
+NEEDS_DEVICES = pytest.mark.skipif(len(jax.devices()) < DEVICES,
+                                   reason="needs 8 devices (conftest)")
 NAMES = ("clip", "siglip")
 SCALARS = {"clip": (0.07,), "siglip": (0.1, -3.0)}  # temperature (, bias): never 1, never 0
 
@@ -220,6 +222,7 @@ def ring_value_and_grads(name: str, x: object, y: object, scalars: tuple, **kw: 
   return jax.jit(fn), (x, y, *(jnp.float32(s) for s in scalars))
 
 
+@NEEDS_DEVICES
 @pytest.mark.catches("ring_hops_two_devices")
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("block_size", [None, 5])
@@ -235,6 +238,7 @@ def _trip_counts(hlo: str) -> dict[str, int]:
   return {body: int(n) for body, n in found}
 
 
+@NEEDS_DEVICES
 @pytest.mark.parametrize("name", NAMES)
 def test_the_ring_has_devices_minus_one_steps_and_no_all_gather(name):
   rows, dim = 12, 8
@@ -253,6 +257,7 @@ def test_the_ring_has_devices_minus_one_steps_and_no_all_gather(name):
   assert _max_array_elements(hlo) < rows * rows * DEVICES  # not even this device's B/n x B
 
 
+@NEEDS_DEVICES
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
 def test_plain_jit_on_a_mesh_runs_the_ring(name, kind):
@@ -297,7 +302,7 @@ def _model(n: int) -> tuple[dict, dict]:
   return jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), (params, batch))
 
 
-@pytest.mark.parametrize("on_a_mesh", [False, True])
+@pytest.mark.parametrize("on_a_mesh", [False, pytest.param(True, marks=NEEDS_DEVICES)])
 def test_as_the_loss_of_cached_microbatched(on_a_mesh):
   params, batch = _model(64)
   with jax.enable_x64(True):  # the whole batch, the dense loss, float64
@@ -342,6 +347,7 @@ def test_siglip_bias_must_be_a_scalar():
     contrastive.siglip_loss(np.ones((4, 3)), np.ones((4, 3)), 0.1, np.ones(4))
 
 
+@NEEDS_DEVICES
 def test_rows_split_differently_is_an_error():
   mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Explicit,))
   with jax.set_mesh(mesh):
