@@ -8,8 +8,6 @@ host, once, streaming the micro-batches: a debugging tool, not a training step.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -343,46 +341,35 @@ def _sketch_leaf(n: int, x: np.ndarray, out: np.ndarray) -> None:
     out += np.bincount(rows, part * signs, minlength=_SKETCH_ROWS)
 
 
-@dataclasses.dataclass
-class _Stats:
+class _Stats(NamedTuple):
   """What the check keeps of the micro-batch gradients: their float64 combination, sketched.
 
-  With ``a_i`` each micro-batch's raw weight (``1/k``, 1, or its denominator) and
-  ``norm`` what divides them into ``c_i`` (1, or the sum of the denominators),
-  ``combined`` is ``sum a_i g_i``; one sketch per micro-batch.
+  ``combined`` is ``C = sum c_i g_i`` leaf by leaf, ``weights`` the ``c_i``: how
+  ``microbatched`` combines the micro-batch gradients (``1/k``, 1, or each micro-batch's
+  share of the denominators); one sketch per micro-batch.
   """
 
   combined: list[np.ndarray]
-  raw: np.ndarray  # a_i
-  norm: float
+  weights: np.ndarray
   sketches: np.ndarray  # [k, _SKETCH_ROWS]
 
   @classmethod
   def of(cls, whole: _Grads, micro: Iterator[_Grads], normalize: str, k: int) -> _Stats:
-    sizes = [math.prod(shape) * (2 if jnp.iscomplexobj(g) else 1)
-             for g, (_, shape) in zip(whole.leaves, whole.paths, strict=True)]
-    stats = cls([np.zeros(size) for size in sizes], np.zeros(k), 1.0,
-                np.zeros((k, _SKETCH_ROWS)))
+    combined = [np.zeros(np.size(g) * (2 if jnp.iscomplexobj(g) else 1)) for g in whole.leaves]
+    weights, sketches = np.zeros(k), np.zeros((k, _SKETCH_ROWS))
     for j, g in enumerate(micro):
-      a = g.den if normalize == "weighted" else (1.0 / k if normalize == "mean" else 1.0)
-      stats.raw[j] = a
-      for n, combined in enumerate(stats.combined):
+      weights[j] = g.den if normalize == "weighted" else (1.0 / k if normalize == "mean" else 1.0)
+      for n, total in enumerate(combined):
         x = g.host(n)
-        _sketch_leaf(n, x, stats.sketches[j])
-        x *= a
-        combined += x
-    if normalize == "weighted":
-      stats.norm = float(stats.raw.sum()) or 1.0  # no weight at all: C is 0
-    return stats
-
-  @property
-  def weights(self) -> np.ndarray:
-    """``c_i``: how ``microbatched`` combines the micro-batch gradients."""
-    return self.raw / self.norm
-
-  def combination(self, n: int) -> np.ndarray:
-    """Leaf ``n`` of ``C = sum c_i g_i`` (a view for the mean and the sum)."""
-    return self.combined[n] / self.norm if self.norm != 1.0 else self.combined[n]
+        _sketch_leaf(n, x, sketches[j])
+        x *= weights[j]
+        total += x
+    if normalize == "weighted":  # over the sum of the denominators
+      norm = float(weights.sum()) or 1.0  # no weight at all: C is 0
+      for total in combined:
+        total /= norm
+      weights /= norm
+    return cls(combined, weights, sketches)
 
 
 # --------------------------------------------------------------- rounding and keys
@@ -438,9 +425,8 @@ def _rounding(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 
   labels = [frozenset({_source(path, b_nums)}) for path in inputs.paths]
   closed = jax.make_jaxpr(traced)(*inputs.arrays)
-  dtypes: set[Any] = set()
+  dtypes = {np.dtype(v.aval.dtype) for v in closed.jaxpr.outvars}  # the gradients' own
   _walk(closed.jaxpr, labels, dtypes)
-  dtypes |= {np.dtype(v.aval.dtype) for v in closed.jaxpr.outvars}  # the gradients' own
   floats = [d for d in dtypes if jnp.issubdtype(d, jnp.inexact)] or [np.dtype(np.float32)]
   coarse = max(floats, key=lambda d: float(jnp.finfo(d).eps))
   sums = min(float(jnp.finfo(coarse).eps), float(jnp.finfo(np.float32).eps))
@@ -479,26 +465,24 @@ def _walk(jaxpr: jax_core.Jaxpr, labels: list[frozenset], dtypes: set[Any]) -> l
       _check_key(ins[0] if ins and name != "rng_uniform" else frozenset())
     if name in _REDUCTIONS and _BATCH in every:
       dtypes.update(np.dtype(v.aval.dtype) for v in eqn.outvars)
-    outs = _walk_inner(eqn, ins, dtypes)
+    outs = _walk_inner(eqn, ins, every, dtypes)
     env.update(zip(eqn.outvars, outs or [every] * len(eqn.outvars), strict=True))
   return [read(v) for v in jaxpr.outvars]
 
 
-def _walk_inner(eqn: Any, ins: list[frozenset], dtypes: set[Any]) -> list[frozenset] | None:
-  """The labels of an equation's outputs, from its inner jaxprs (None: it has none).
+def _walk_inner(eqn: Any, ins: list[frozenset], every: frozenset,
+                dtypes: set[Any]) -> list[frozenset] | None:
+  """The labels of an equation's outputs, from its inner jaxprs (None: ``every`` on each).
 
   A call (jit, checkpoint, custom rules, shard_map, a scan's body) maps its operands one
   to one; a ``cond`` its operands after the branch index; a ``while`` its constants and
   carry. A loop's body is walked once, with the carry's labels on entry: a label that
   reaches a key only through the carry is missed, which refuses a loss rather than
-  passing one. Anything else gets every operand's labels.
+  passing one. Anything else, an equation without inner jaxprs too, gets ``every``, the
+  union of its operands' labels, on each output; its inner jaxprs are walked with it.
   """
-  subs = [p.jaxpr if isinstance(p, jax_core.ClosedJaxpr) else p
-          for v in eqn.params.values() for p in (v if isinstance(v, (tuple, list)) else (v,))
-          if isinstance(p, (jax_core.ClosedJaxpr, jax_core.Jaxpr))]
-  if not subs:
-    return None
-  name, n_out = eqn.primitive.name, len(eqn.outvars)
+  subs = list(jax_core.jaxprs_in_params(eqn.params))
+  name = eqn.primitive.name
   if name == "cond":
     outs = [_walk(s, ins[1:], dtypes) for s in subs]
     # Not the branch index's labels: a value the batch only chooses carries no rows, and a
@@ -512,12 +496,11 @@ def _walk_inner(eqn: Any, ins: list[frozenset], dtypes: set[Any]) -> list[frozen
     return [a | b for a, b in zip(outs, carry, strict=True)]
   if len(subs) == 1 and len(subs[0].invars) == len(ins):
     outs = _walk(subs[0], ins, dtypes)
-    if len(outs) == n_out:
+    if len(outs) == len(eqn.outvars):
       return outs
-  every = frozenset().union(*ins)
   for s in subs:
     _walk(s, [every] * len(s.invars), dtypes)
-  return [every] * n_out
+  return None
 
 
 def _check_key(labels: frozenset) -> None:
@@ -550,7 +533,7 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
   ``permuted``: each leaf's distance of the permuted batch's gradient from the whole's.
   """
   leaves = range(len(whole.leaves))
-  combined = [stats.combination(n) for n in leaves]
+  combined = stats.combined
   scale = np.array([np.linalg.norm(whole.host(n)) for n in leaves])
   scale = np.where(scale > 0, scale, tol / _SAFETY + (tol == 0))  # a zero leaf: its rounding
   errors = acc.distance(whole)
@@ -564,22 +547,21 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
     return LargeBatchReport(cause == "equal", cause, table[worst].relative_error,
                             table[worst].tolerance, w, fix, table, k, rounding.text)
 
-  def off(grads: _Grads, factor: float = 1.0) -> np.ndarray:
-    """Each leaf's distance of ``factor`` times the combination from ``grads``."""
-    return np.array([np.linalg.norm(factor * combined[n] - grads.host(n)) for n in leaves])
+  def off(fit: list[np.ndarray], factor: float = 1.0) -> np.ndarray:
+    """Each leaf's distance of ``factor`` times ``fit`` from the whole batch's gradient."""
+    return np.array([np.linalg.norm(factor * fit[n] - whole.host(n)) for n in leaves])
 
   if np.all(errors <= tol):
     return report("equal", None, "Nothing to fix: accumulating these micro-batches gives the"
                   " whole batch's gradient, up to rounding.")
-  if np.all(off(whole) <= tol):
+  if np.all(off(combined) <= tol):
     return report("accumulation", None, _ACCUMULATION_FIX)
   if np.any(permuted > tol):
     return report("order", None, _ORDER_FIX)
-  c = stats.weights
   dot = sum(float(x @ x) for x in combined)
   s = sum(float(combined[n] @ whole.host(n)) for n in leaves) / dot if dot else 0.0
-  if s > 0 and np.all(off(whole, s) <= tol):
-    return report("scale", c / c.sum(), _scale_fix(k, normalize, s))
+  if s > 0 and np.all(off(combined, s) <= tol):
+    return report("scale", stats.weights / stats.weights.sum(), _scale_fix(k, normalize, s))
   entries = sum(x.size for x in combined)
   if entries <= k:  # k vectors of that few entries combine into any gradient
     raise ValueError(
@@ -595,8 +577,7 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
     for wj, g in zip(w, micro_batches(), strict=True):  # the second pass: exact
       for n in leaves:
         fitted[n] += wj * g.host(n)
-    misfit = np.array([np.linalg.norm(fitted[n] - whole.host(n)) for n in leaves])
-    if np.all(misfit <= tol):
+    if np.all(off(fitted) <= tol):
       return report("weights", w / w.sum(),
                     _WEIGHTED_FIX if normalize == "weighted" else _WEIGHTS_FIX)
   return report("coupling", None, _COUPLING_FIX)
