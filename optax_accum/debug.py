@@ -28,6 +28,7 @@ large batch, and if not, why?).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import Counter
@@ -131,13 +132,8 @@ def _type_bytes(type_str: str) -> int:
 
 def _closing(text: str, start: int) -> int:
   """Index of the parenthesis closing the one at ``text[start]`` (or -1)."""
-  depth = 0
-  for i in range(start, len(text)):
-    depth += text[i] == "("
-    depth -= text[i] == ")"
-    if depth == 0:
-      return i
-  return -1
+  depths = itertools.accumulate((c == "(") - (c == ")") for c in text[start:])
+  return next((start + i for i, depth in enumerate(depths) if depth == 0), -1)
 
 
 def _parse_instruction(line: str) -> _Instruction | None:
