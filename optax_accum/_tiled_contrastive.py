@@ -124,8 +124,7 @@ def clip_loss(x: jax.Array, y: jax.Array, temperature: Any, *, block_size: int |
     >>> bool(jnp.allclose(jax.jit(ring)(x, y), ref))
     True
   """
-  x, y, t = _prepare(x, y, {"temperature": temperature})
-  return _run(_clip, x, y, (t,), block_size, axis_name)
+  return _run(_clip, x, y, {"temperature": temperature}, block_size, axis_name)
 
 
 def siglip_loss(x: jax.Array, y: jax.Array, temperature: Any, bias: Any, *,
@@ -180,8 +179,7 @@ def siglip_loss(x: jax.Array, y: jax.Array, temperature: Any, bias: Any, *,
     >>> bool(jnp.allclose(loss, ref)), bool(jnp.allclose(jnp.stack(grads), jnp.stack(ref_grads)))
     (True, True)
   """
-  x, y, t, b = _prepare(x, y, {"temperature": temperature, "bias": bias})
-  return _run(_siglip, x, y, (t, b), block_size, axis_name)
+  return _run(_siglip, x, y, {"temperature": temperature, "bias": bias}, block_size, axis_name)
 
 
 class _Ring(NamedTuple):
@@ -200,29 +198,37 @@ class _Ring(NamedTuple):
     """This device's place on the ring (its block of rows)."""
     return 0 if self.axes is None else lax.axis_index(self.axes)
 
-  def shift(self, tree: Any, direction: int) -> Any:
-    """Every device's ``tree`` to its neighbour: ``d -> d + direction``."""
-    perm = [(d, (d + direction) % self.devices) for d in range(self.devices)]
-    return lax.ppermute(tree, self.axes, perm)
-
   def total(self, x: jax.Array) -> jax.Array:
     return x if self.axes is None else lax.psum(x, self.axes)
 
 
-def _walk(ring: _Ring, visit: Any, carry: Any, block: Any, direction: int) -> tuple[Any, Any]:
-  """``visit(carry, block, owner)`` on each of the ``devices`` blocks this device meets.
+def _walk(ring: _Ring, tile: Any, carry: Any, block: tuple[Any, Any, Any], direction: int
+          ) -> tuple[Any, Any]:
+  """``tile(owner, carry, (y_tile, stats, out, i))`` on every tile of the blocks this device meets.
 
-  Between visits every block moves one device along ``direction`` (``devices - 1``
-  steps, one block in flight). Forward (``direction=1``) each device starts with its
-  own block and ends with its next neighbour's; backward (-1) it starts with that
-  one and ends with its own. Returns the carry and the block held last.
+  A block is ``(y_tiles, stats, out)``, each ``[tiles, ...]`` (``stats`` and ``out``
+  may be None); ``tile`` returns the carry and its tile of the new ``out``. Between
+  blocks every block moves one device along ``direction`` (``devices - 1`` steps,
+  one block in flight, ``lax.ppermute``: ``d -> d + direction``). Forward
+  (``direction=1``) each device starts with its own block and ends with its next
+  neighbour's; backward (-1) it starts with that one and ends with its own.
+  Returns the carry and the block held last.
   """
+  def visit(carry: Any, block: tuple[Any, Any, Any], owner: Any) -> tuple[Any, Any]:
+    y_tiles, stats, out = block
+    carry, out = lax.scan(functools.partial(tile, owner), carry,
+                          (y_tiles, stats, out, jnp.arange(ring.tiles)))
+    return carry, (y_tiles, stats, out)
+
   owner = ring.index() if direction == 1 else (ring.index() + 1) % ring.devices
   if ring.devices > 1:
+    perm = [(d, (d + direction) % ring.devices) for d in range(ring.devices)]
+
     def step(state: Any, _: Any) -> tuple[Any, None]:
       carry, block, owner = state
       carry, block = visit(carry, block, owner)
-      return (carry, ring.shift(block, direction), (owner - direction) % ring.devices), None
+      block = lax.ppermute(block, ring.axes, perm)
+      return (carry, block, (owner - direction) % ring.devices), None
     (carry, block, owner), _ = lax.scan(step, (carry, block, owner), length=ring.devices - 1)
   return visit(carry, block, owner)
 
@@ -237,15 +243,12 @@ def _untiled(ring: _Ring, v: jax.Array) -> jax.Array:
   return v.reshape(ring.tiles * ring.block, *v.shape[2:])[:ring.rows]
 
 
-def _valid(ring: _Ring, t: jax.Array) -> jax.Array | None:
-  """Which columns of tile ``t`` are real (a ``[1, block]`` mask); None without padding."""
+def _masked(ring: _Ring, t: jax.Array, v: jax.Array, fill: Any = 0) -> jax.Array:
+  """``v``, a ``[rows, block]`` array of tile ``t``, with ``fill`` in its padded columns."""
   if ring.tiles * ring.block == ring.rows:
-    return None
-  return (t * ring.block + lax.broadcasted_iota(jnp.int32, (1, ring.block), 1)) < ring.rows
-
-
-def _masked(valid: jax.Array | None, v: jax.Array, fill: Any = 0) -> jax.Array:
-  return v if valid is None else jnp.where(valid, v, fill)
+    return v
+  valid = (t * ring.block + lax.broadcasted_iota(jnp.int32, (1, ring.block), 1)) < ring.rows
+  return jnp.where(valid, v, fill)
 
 
 def _diagonal(ring: _Ring, shape: tuple[int, int], owner: Any, i: jax.Array) -> jax.Array:
@@ -292,22 +295,18 @@ def _clip_fwd(ring: _Ring, x: jax.Array, y: jax.Array, t: jax.Array) -> tuple[ja
   x, y, t = _vary(ring, x, y, t)
   inv_t = 1 / t
 
-  def tile(rows: Any, xs: tuple[Any, ...]) -> tuple[Any, Any]:
-    y_tile, cols, i = xs
+  def tile(owner: Any, rows: Any, xs: tuple[Any, ...]) -> tuple[Any, Any]:
+    y_tile, _, cols, i = xs
     s = _logits(x, y_tile, inv_t)
-    return _online(rows, _masked(_valid(ring, i), s, -jnp.inf), 1), _online(cols, s, 0)
-
-  def visit(rows: Any, block: tuple[jax.Array, Any], owner: Any) -> Any:
-    y_tiles, cols = block
-    rows, cols = lax.scan(tile, rows, (y_tiles, cols, jnp.arange(ring.tiles)))
-    return rows, (y_tiles, cols)
+    return _online(rows, _masked(ring, i, s, -jnp.inf), 1), _online(cols, s, 0)
 
   def empty(*shape: int) -> tuple[jax.Array, jax.Array]:  # no term yet: max -inf, sum 0
     return tuple(_arrays.match_varying(jnp.full(shape, v, t.dtype), x) for v in (-jnp.inf, 0))
 
-  rows, (y_held, cols) = _walk(ring, visit, empty(ring.rows), (_tiled(ring, y),
-                                                               empty(ring.tiles, ring.block)), 1)
-  r, c = _lse(rows), _lse(cols)  # each row's and each held column's log-sum-exp
+  rows, (y_held, _, cols) = _walk(ring, tile, empty(ring.rows),
+                                  (_tiled(ring, y), None, empty(ring.tiles, ring.block)), 1)
+  # Each row's and each held column's log-sum-exp.
+  r, c = (m + jnp.log(total) for m, total in (rows, cols))
   diag = jnp.sum(x.astype(t.dtype) * y.astype(t.dtype)) * inv_t
   loss = ring.total(jnp.sum(r) + jnp.sum(_untiled(ring, c)) - 2 * diag)
   return loss / (2 * ring.rows * ring.devices), (primals, r, y_held, c)
@@ -324,10 +323,6 @@ def _online(stats: tuple[jax.Array, jax.Array], s: jax.Array, axis: int
   return new, total * jnp.exp(m - new) + jnp.sum(jnp.exp(s - jnp.expand_dims(new, axis)), axis)
 
 
-def _lse(stats: tuple[jax.Array, jax.Array]) -> jax.Array:
-  return stats[0] + jnp.log(stats[1])
-
-
 def _clip_bwd(ring: _Ring, res: Any, g: jax.Array) -> tuple[jax.Array, ...]:
   primals, r, y_held, c_held = res
   x, y, t, r, y_held, c_held, g = _vary(ring, *primals, r, y_held, c_held, g)
@@ -335,7 +330,7 @@ def _clip_bwd(ring: _Ring, res: Any, g: jax.Array) -> tuple[jax.Array, ...]:
 
   def tile_grad(s: jax.Array, c_tile: jax.Array, owner: Any, i: jax.Array) -> jax.Array:
     grad = jnp.exp(s - r[:, None]) + jnp.exp(s - c_tile) - 2 * _diagonal(ring, s.shape, owner, i)
-    return _masked(_valid(ring, i), scale * grad)
+    return _masked(ring, i, scale * grad)
 
   # ds: each row's sum of grad * s, for the temperature's gradient.
   dx, (ds,), dy = _pull_back(ring, x, y, inv_t, (y_held, c_held), tile_grad,
@@ -357,20 +352,16 @@ def _pull_back(ring: _Ring, x: jax.Array, y: jax.Array, inv_t: jax.Array, held: 
   def zeros(*shape: int) -> jax.Array:
     return _arrays.match_varying(jnp.zeros(shape, inv_t.dtype), x)
 
-  def visit(carry: tuple[jax.Array, Any], block: tuple[Any, ...], owner: Any) -> Any:
-    def tile(carry: tuple[jax.Array, Any], xs: tuple[Any, ...]) -> Any:
-      (dx, sums), (y_tile, stats, dy_tile, i) = carry, xs
-      s = _logits(x, y_tile, inv_t)
-      grad = tile_grad(s, stats, owner, i)
-      dx = dx + _product(grad, y_tile)
-      sums = tuple(a + jnp.sum(v, 1) for a, v in zip(sums, row_terms(grad, s), strict=True))
-      return (dx, sums), dy_tile + _product(grad.T, x)
-    y_tiles, stats, dy = block
-    carry, dy = lax.scan(tile, carry, (y_tiles, stats, dy, jnp.arange(ring.tiles)))
-    return carry, (y_tiles, stats, dy)
+  def tile(owner: Any, carry: tuple[jax.Array, Any], xs: tuple[Any, ...]) -> Any:
+    (dx, sums), (y_tile, stats, dy_tile, i) = carry, xs
+    s = _logits(x, y_tile, inv_t)
+    grad = tile_grad(s, stats, owner, i)
+    dx = dx + _product(grad, y_tile)
+    sums = tuple(a + jnp.sum(v, 1) for a, v in zip(sums, row_terms(grad, s), strict=True))
+    return (dx, sums), dy_tile + _product(grad.T, x)
 
   start = (zeros(*x.shape), (zeros(ring.rows),) * n_terms)
-  (dx, sums), (_, _, dy) = _walk(ring, visit, start,
+  (dx, sums), (_, _, dy) = _walk(ring, tile, start,
                                  (*held, zeros(ring.tiles, ring.block, y.shape[1])), -1)
   return dx * inv_t, sums, _untiled(ring, dy) * inv_t
 
@@ -395,15 +386,13 @@ def _siglip_fwd(ring: _Ring, x: jax.Array, y: jax.Array, t: jax.Array, b: jax.Ar
   x, y, t, b = _vary(ring, x, y, t, b)
   inv_t = 1 / t
 
-  def visit(total: jax.Array, y_tiles: jax.Array, owner: Any) -> Any:
-    def tile(total: jax.Array, xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
-      y_tile, i = xs
-      z = _signed(ring, _logits(x, y_tile, inv_t) + b, owner, i)
-      return total + jnp.sum(_masked(_valid(ring, i), jax.nn.softplus(z))), None
-    return lax.scan(tile, total, (y_tiles, jnp.arange(ring.tiles)))[0], y_tiles
+  def tile(owner: Any, total: jax.Array, xs: tuple[Any, ...]) -> tuple[jax.Array, None]:
+    y_tile, _, _, i = xs
+    z = _signed(ring, _logits(x, y_tile, inv_t) + b, owner, i)
+    return total + jnp.sum(_masked(ring, i, jax.nn.softplus(z))), None
 
   total0 = _arrays.match_varying(jnp.zeros((), t.dtype), x)
-  total, y_held = _walk(ring, visit, total0, _tiled(ring, y), 1)
+  total, (y_held, _, _) = _walk(ring, tile, total0, (_tiled(ring, y), None, None), 1)
   return ring.total(total) / (ring.rows * ring.devices), (primals, y_held)
 
 
@@ -414,7 +403,7 @@ def _siglip_bwd(ring: _Ring, res: Any, g: jax.Array) -> tuple[jax.Array, ...]:
 
   def tile_grad(u: jax.Array, _: None, owner: Any, i: jax.Array) -> jax.Array:
     z = _signed(ring, u + b, owner, i)
-    return _masked(_valid(ring, i), scale * _signed(ring, jax.nn.sigmoid(z), owner, i))
+    return _masked(ring, i, scale * _signed(ring, jax.nn.sigmoid(z), owner, i))
 
   # Per row: the bias's gradient, and grad * u for the temperature's.
   dx, (db, ds), dy = _pull_back(ring, x, y, inv_t, (y_held, None), tile_grad,
@@ -427,9 +416,16 @@ _siglip.defvjp(_siglip_fwd, _siglip_bwd)
 
 
 # ------------------------------------------------------------------------ the calls
-def _run(loss: Any, x: Any, y: Any, scalars: tuple[Any, ...], block_size: Any,
+def _run(loss: Any, x: Any, y: Any, scalars: dict[str, Any], block_size: Any,
          axis_name: Any) -> jax.Array:
-  """``loss(ring, x, y, *scalars)`` on this device's rows, or on each device's (a mesh)."""
+  """``loss(ring, x, y, *scalars)`` on this device's rows, or on each device's (a mesh).
+
+  The inputs are checked first: ``x`` and ``y`` get one dtype, the scalars (by name)
+  its accumulator dtype.
+  """
+  x, y = _check_pair(x, y)
+  dtype = _arrays.accumulator_dtype(x.dtype)
+  scalars = [_check_scalar(v, name, dtype) for name, v in scalars.items()]
   block_size = _check_block_size(block_size)
   with _arrays.mesh_context((x, y)):
     manual, mesh = _devices(axis_name, x, y)
@@ -515,10 +511,3 @@ def _check_block_size(block_size: Any) -> int | None:
         f"`block_size` must be a positive int (the columns of one tile) or None for the"
         f" default; got {block_size!r}. Pass e.g. `block_size=512`.")
   return int(block_size)
-
-
-def _prepare(x: Any, y: Any, scalars: dict[str, Any]) -> tuple[Any, ...]:
-  """The checked inputs: ``x``, ``y`` of one dtype, the scalars in its accumulator dtype."""
-  x, y = _check_pair(x, y)
-  dtype = _arrays.accumulator_dtype(x.dtype)
-  return x, y, *(_check_scalar(v, name, dtype) for name, v in scalars.items())

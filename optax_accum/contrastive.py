@@ -32,8 +32,9 @@ global batch, and the gradients are all-reduced once, after the second pass.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,18 +45,6 @@ from optax_accum import _arrays, _batch, _per_device, _validation
 from optax_accum._tiled_contrastive import clip_loss, siglip_loss
 
 __all__ = ["cached_microbatched", "clip_loss", "siglip_loss"]
-
-
-class _Config(NamedTuple):
-  """The validated options of one :func:`cached_microbatched` wrapper."""
-
-  embed_fn: Callable[..., Any]
-  loss_fn: Callable[..., Any]
-  k: int
-  batch_argnums: tuple[int, ...]
-  rng_argnums: tuple[int, ...]
-  has_aux: bool
-  axis_name: Any
 
 
 def cached_microbatched(
@@ -157,22 +146,21 @@ def cached_microbatched(
   for name, f in (("embed_fn", embed_fn), ("loss_fn", loss_fn)):
     if not callable(f):
       raise TypeError(f"`{name}` must be callable; got {f!r}.")
-  config = _Config(
-      embed_fn, loss_fn, _batch.check_num_microbatches(num_microbatches),
-      _validation.check_argnums(batch_argnums, "batch_argnums"),
-      _validation.check_argnums(rng_argnums, "rng_argnums", empty_ok=True),
-      _validation.check_flag(has_aux, "has_aux"), axis_name)
+  k = _batch.check_num_microbatches(num_microbatches)
+  batch_argnums = _validation.check_argnums(batch_argnums, "batch_argnums")
+  rng_argnums = _validation.check_argnums(rng_argnums, "rng_argnums", empty_ok=True)
+  has_aux = _validation.check_flag(has_aux, "has_aux")
+  cached = functools.partial(_cached, embed_fn, loss_fn, k, has_aux)
 
   def grad_fn(params: Any, *args: Any) -> Any:
     args = (params, *args)
     with _arrays.mesh_context(args):
-      batch = _batch.of(args, config.batch_argnums, config.rng_argnums,
-                        axis_name=config.axis_name, in_step=True)
-      batch.check_divides(config.k)
+      batch = _batch.of(args, batch_argnums, rng_argnums, axis_name=axis_name, in_step=True)
+      batch.check_divides(k)
       if not batch.axes:  # one device, or inside shard_map/pmap
-        bound = None if config.axis_name is None else _arrays.axis_names(config.axis_name)
-        return _cached(config, args, batch, bound)
-      value, grads = _per_device.run(lambda *a: _cached(config, a, batch, batch.axes), args,
+        bound = None if axis_name is None else _arrays.axis_names(axis_name)
+        return cached(args, batch, bound)
+      value, grads = _per_device.run(lambda *a: cached(a, batch, batch.axes), args,
                                      batch.positions, batch.axes, P())
       # Params sharded over the data axes (FSDP) get their gradients back in their sharding.
       return value, _batch.to_params(grads, params)
@@ -180,40 +168,37 @@ def cached_microbatched(
   return grad_fn
 
 
-def _cached(config: _Config, args: tuple[Any, ...], batch: _batch.Batch,
-            axes: tuple[Any, ...] | None) -> Any:
+def _cached(embed_fn: Callable[..., Any], loss_fn: Callable[..., Any], k: int, has_aux: bool,
+            args: tuple[Any, ...], batch: _batch.Batch, axes: tuple[Any, ...] | None) -> Any:
   """The three stages on this device's rows; ``axes``: the devices to gather and reduce over."""
   params = args[0] if axes is None else _per_device.make_varying(args[0], axes)
   keys = {i: _batch.device_key(args[i], axes) for i in batch.keys}
-  steps = (jnp.arange(config.k), {i: _batch.split(args[i], config.k) for i in batch.positions})
-  rows = batch.per_device_rows // config.k
+  steps = (jnp.arange(k), {i: _batch.split(args[i], k) for i in batch.positions})
+  rows = batch.per_device_rows // k
 
-  def embed(p: Any, i: jax.Array, micro: dict[int, Any]) -> Any:
-    """``embed_fn`` on micro-batch ``i`` (its rows ``micro``, its keys)."""
+  def embed(p: Any, i: Any, micro: dict[int, Any], rows: int = rows) -> Any:
+    """``embed_fn`` on micro-batch ``i`` (its ``rows`` rows ``micro``, its keys), checked."""
     micro_keys = {j: _batch.microbatch_key(key, i) for j, key in keys.items()}
-    return _check_rows(config.embed_fn(*_batch.micro_args([p, *args[1:]], micro, micro_keys)),
-                       rows)
+    return _check_rows(embed_fn(*_batch.micro_args([p, *args[1:]], micro, micro_keys)), rows)
 
   _, stacked = lax.scan(lambda _, xs: (None, embed(params, *xs)), None, steps)
   # Shapes only, at twice the rows: an output that merely happens to have `rows` rows (a
   # mean over the micro-batch of that width) does not follow them.
   doubled = {j: jax.tree.map(lambda x: jnp.concatenate([x[0], x[0]]), tree)
              for j, tree in steps[1].items()}
-  _check_rows(jax.eval_shape(lambda: config.embed_fn(
-      *_batch.micro_args([params, *args[1:]], doubled, keys))), 2 * rows)
-  local = _batch.unsplit(stacked)
-  emb, whole, devices = local, list(args[1:]), 1
+  jax.eval_shape(lambda: embed(params, 0, doubled, 2 * rows))
+  emb, whole, devices = _batch.unsplit(stacked), list(args[1:]), 1
   if axes is not None:  # the global batch: every device's rows, in order
     gather = lambda tree: jax.tree.map(lambda x: lax.all_gather(x, axes, tiled=True), tree)
-    emb, devices = gather(local), lax.axis_size(axes)
+    emb, devices = gather(emb), lax.axis_size(axes)
     for i in batch.positions:  # XLA removes the gathers of those loss_fn does not read
       whole[i - 1] = gather(args[i])  # (`whole` holds args[1:])
   value, (g_params, g_emb) = jax.value_and_grad(
-      lambda p, e: config.loss_fn(p, e, *whole), argnums=(0, 1), has_aux=config.has_aux,
+      lambda p, e: loss_fn(p, e, *whole), argnums=(0, 1), has_aux=has_aux,
   )(params, emb)
   if axes is not None:  # this device's rows of the embeddings' gradient
-    start = lax.axis_index(axes) * rows * config.k
-    g_emb = jax.tree.map(lambda g: lax.dynamic_slice_in_dim(g, start, rows * config.k), g_emb)
+    start = lax.axis_index(axes) * rows * k
+    g_emb = jax.tree.map(lambda g: lax.dynamic_slice_in_dim(g, start, rows * k), g_emb)
 
   def pull_back(acc: Any, xs: tuple[jax.Array, dict[int, Any], Any]) -> tuple[Any, None]:
     i, micro, g_micro = xs
@@ -223,7 +208,7 @@ def _cached(config: _Config, args: tuple[Any, ...], batch: _batch.Batch,
   # The loss's own gradient starts the sum; each device holds it whole, so 1/devices of it
   # joins the one all-reduce.
   init = jax.tree.map(lambda g: g.astype(_arrays.accumulator_dtype(g.dtype)) / devices, g_params)
-  acc, _ = lax.scan(pull_back, init, (*steps, _batch.split(g_emb, config.k)))
+  acc, _ = lax.scan(pull_back, init, (*steps, _batch.split(g_emb, k)))
   if axes is not None:
     acc = lax.psum(acc, axes)
     value = jax.tree.map(lambda v: lax.pmax(v, axes), value)  # equal everywhere; now typed so
