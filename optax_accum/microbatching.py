@@ -635,7 +635,10 @@ def _resolve_aux_rules(config: _Config, aux_shapes: Any) -> _AuxPlan:
 
 
 def _program(config: _Config, rule: str | AuxRule, shapes: Any, where: str) -> AuxRule:
-  """What ``rule`` runs over the micro-batches: a built-in rule as an :class:`AuxRule`."""
+  """What ``rule`` runs over the micro-batches: a built-in rule as an :class:`AuxRule`.
+
+  Raises for ``"concat"`` of an aux leaf with no leading (per-example) dim.
+  """
   if isinstance(rule, AuxRule):
     return rule
   for path, s in jax.tree_util.tree_flatten_with_path(shapes)[0]:
