@@ -17,7 +17,6 @@ too), and each gradient given back in its param's layout.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -211,8 +210,7 @@ def _check_no_hidden_split(args: Sequence[Any], positions: tuple[int, ...]) -> N
 
 def divisors(n: int) -> list[int]:
   """The divisors of ``n``, in increasing order."""
-  small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-  return sorted(set(small + [n // d for d in small]))
+  return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_num_microbatches(num_microbatches: Any) -> int:

@@ -114,17 +114,6 @@ def split_microbatches(tree: Any, num_microbatches: int, split: str = "strided")
   return _batch.split(tree, k, split)
 
 
-def _unstack_concat(stacked: jax.Array, split: str, what: str) -> jax.Array:
-  """``[k, m, ...]`` per-micro-batch rows back to ``[k * m, ...]`` batch order."""
-  if stacked.ndim < 2:
-    raise ValueError(
-        f"aux_rules='concat' needs per-example outputs with a leading batch"
-        f" dimension, but the aux leaf at {what} has shape {stacked.shape[1:]}."
-        " Use 'stack' to collect one value per micro-batch."
-    )
-  return _batch.unsplit(stacked, split)
-
-
 def _acc_dtype(dtype: Any, requested: jnp.dtype | None, mean: bool = False) -> Any:
   """The dtype that sums values of ``dtype``: ``accumulate``'s rule for floats and complex.
 
@@ -443,16 +432,15 @@ def _split_inputs(config: _Config, args: tuple[Any, ...], batch: _batch.Batch) -
   else the transpose of a replicated input would all-reduce its gradient on
   every micro-batch.
   """
-  b_nums, r_nums = batch.positions, batch.keys
   rest = list(args)
   if config.axis_name is not None:
     axes = _arrays.axis_names(config.axis_name)
-    rest = [x if i in b_nums or i in r_nums else _per_device.make_varying(x, axes)
+    rest = [x if i in batch.positions or i in batch.keys else _per_device.make_varying(x, axes)
             for i, x in enumerate(args)]
   splits = {i: jax.tree.map(lambda x: _batch.reshape(x, config.k, config.split), args[i])
-            for i in b_nums}
+            for i in batch.positions}
   # Per device: devices must not share micro-batch i's keys.
-  keys = {i: _batch.device_key(args[i], config.axis_name) for i in r_nums}
+  keys = {i: _batch.device_key(args[i], config.axis_name) for i in batch.keys}
   if config.rng_mode == "split":  # deprecated: k keys, one per micro-batch
     keys = {i: jax.random.split(key, config.k) for i, key in keys.items()}
   return _Inputs(rest, splits, keys)
@@ -486,7 +474,7 @@ def _run(
       lambda *a: step(leaves.rebuild(a), jnp.zeros([], jnp.int32)), *leaves.arrays),
       config.normalize, config.has_aux)
   _validation.check_no_float0(shapes.grads, where="gradient `fn` returns")
-  plan = _resolve_aux_rules(config, shapes.aux) if config.has_aux else None
+  plan = _resolve_aux_rules(config, shapes.aux)
 
   def body(carry: _Carry, idx: jax.Array) -> _Carry:
     out = _batch.unpack(step(inputs, idx), config.normalize, config.has_aux)
@@ -497,7 +485,7 @@ def _run(
   num, grads, stats = _normalize(config, carry, scatter)
   num = jax.tree.map(lambda x, s: x.astype(s.dtype), num, shapes.num)
   grads = jax.tree.map(lambda x, s: x.astype(s.dtype), grads, shapes.grads)
-  aux = None if plan is None else jax.tree.unflatten(plan.treedef, [
+  aux = jax.tree.unflatten(plan.treedef, [
       rule.finalize(c) for rule, c in zip(plan.programs, carry.aux, strict=True)])
   out = ((num, aux) if config.has_aux else num), grads
   return (out, stats) if config.return_noise_stats else out
@@ -512,33 +500,29 @@ def _filled(s: jax.ShapeDtypeStruct, dtype: Any, fill: Any = 0) -> jax.Array:
   return jnp.full(s.shape, fill, dtype, out_sharding=_arrays.array_type(s).explicit_spec)
 
 
-def _init_carry(config: _Config, plan: _AuxPlan | None, shapes: _batch.Out) -> _Carry:
+def _init_carry(config: _Config, plan: _AuxPlan, shapes: _batch.Out) -> _Carry:
   """Zero accumulators shaped like one micro-batch's output, in the accumulator dtypes."""
-  def zeros(s: jax.ShapeDtypeStruct) -> jax.Array:
-    return _filled(s, _acc_dtype(s.dtype, config.acc_dtype))
-
-  num, grads = jax.tree.map(zeros, (shapes.num, shapes.grads))
+  num, grads = jax.tree.map(lambda s: _filled(s, _acc_dtype(s.dtype, config.acc_dtype)),
+                            (shapes.num, shapes.grads))
   den = None
   if shapes.den is not None:
     # An integer token count is summed as a float, like the value it divides.
     den = jnp.zeros([], _acc_dtype(shapes.den.dtype, config.acc_dtype, mean=True))
-  aux = [] if plan is None else [
-      rule.init(s) for rule, s in zip(plan.programs, plan.shapes, strict=True)]
+  aux = [rule.init(s) for rule, s in zip(plan.programs, plan.shapes, strict=True)]
   noise = gradient_noise.init() if config.return_noise_stats else ()
   return _Carry(num, den, grads, aux, noise)
 
 
 def _add(
-    config: _Config, plan: _AuxPlan | None, carry: _Carry, out: _batch.Out, idx: jax.Array,
+    config: _Config, plan: _AuxPlan, carry: _Carry, out: _batch.Out, idx: jax.Array,
 ) -> _Carry:
   """One loop step: micro-batch ``idx``'s outputs ``out`` added to the carry."""
   num, den, grads = jax.tree.map(  # den: None (no leaves) unless normalize="weighted"
       lambda c, x: c + jnp.asarray(x).astype(c.dtype), (carry.num, carry.den, carry.grads),
       (out.num, out.den, out.grads))
   noise = _add_noise(carry.noise, out) if config.return_noise_stats else ()
-  aux = [] if plan is None else [
-      rule.update(c, v, idx) for rule, c, v in
-      zip(plan.programs, carry.aux, plan.treedef.flatten_up_to(out.aux), strict=True)]
+  aux = [rule.update(c, v, idx) for rule, c, v in
+         zip(plan.programs, carry.aux, plan.treedef.flatten_up_to(out.aux), strict=True)]
   return _Carry(num, den, grads, aux, noise)
 
 
@@ -551,11 +535,9 @@ def _add_noise(noise: gradient_noise.NoiseScaleState, out: _batch.Out,
   ``w |g|^2 = |grad n|^2 / d``. A micro-batch of weight 0 is not counted.
   """
   sq = gradient_noise.sq_norm(out.grads)
-  if out.den is None:
-    return gradient_noise.add_micro_batch(noise, sq, True, None)
-  den = jnp.asarray(out.den).astype(jnp.float32)
-  # |g|^2 = |grad n|^2 / d^2 (NaN for d = 0, which does not count).
-  return gradient_noise.add_micro_batch(noise, sq / den / den, True, den)
+  den = None if out.den is None else jnp.asarray(out.den).astype(jnp.float32)
+  # Weighted: |g|^2 = |grad n|^2 / d^2 (NaN for d = 0, which does not count).
+  return gradient_noise.add_micro_batch(noise, sq if den is None else sq / den / den, True, den)
 
 
 def _loop(config: _Config, body: Callable[[_Carry, jax.Array], _Carry], init: _Carry,
@@ -635,8 +617,9 @@ _CROSS_DEVICE = {"mean": lax.pmean, "sum": lax.psum, "max": lax.pmax, "min": lax
 
 
 def _resolve_aux_rules(config: _Config, aux_shapes: Any) -> _AuxPlan:
-  """Matches the ``aux_rules`` prefix tree against the aux shape tree."""
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(config.aux_rules, is_leaf=_is_rule)
+  """Matches the ``aux_rules`` prefix tree against the aux shape tree (no rules without aux)."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(
+      config.aux_rules if config.has_aux else None, is_leaf=_is_rule)
   try:
     subtrees = treedef.flatten_up_to(aux_shapes)
   except (ValueError, TypeError) as e:
@@ -652,9 +635,18 @@ def _resolve_aux_rules(config: _Config, aux_shapes: Any) -> _AuxPlan:
 
 
 def _program(config: _Config, rule: str | AuxRule, shapes: Any, where: str) -> AuxRule:
-  """What ``rule`` runs over the micro-batches: a built-in rule as an :class:`AuxRule`."""
+  """What ``rule`` runs over the micro-batches: a built-in rule as an :class:`AuxRule`.
+
+  Raises for ``"concat"`` of an aux leaf with no leading (per-example) dim.
+  """
   if isinstance(rule, AuxRule):
     return rule
+  for path, s in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+    if rule == "concat" and not s.shape:
+      raise ValueError(
+          "aux_rules='concat' needs per-example outputs with a leading batch dimension, but"
+          f" the aux leaf at {where}{jax.tree_util.keystr(path)} has shape {s.shape}. Use"
+          " 'stack' to collect one value per micro-batch.")
 
   def init(shapes: Any) -> Any:
     return jax.tree.map(lambda s: _leaf_init(config, rule, s), shapes)
@@ -671,10 +663,8 @@ def _program(config: _Config, rule: str | AuxRule, shapes: Any, where: str) -> A
   def finalize(carry: Any) -> Any:
     if rule == "stack":
       return carry
-    if rule == "concat":
-      leaves, treedef = jax.tree_util.tree_flatten_with_path(carry)
-      return jax.tree.unflatten(treedef, [
-          _unstack_concat(x, config.split, where + jax.tree_util.keystr(p)) for p, x in leaves])
+    if rule == "concat":  # [k, m, ...] per micro-batch back to [k * m, ...] in batch order
+      return _batch.unsplit(carry, config.split)
     return jax.tree.map(lambda c, s: _leaf_finalize(config, rule, c, s), carry, shapes)
 
   return AuxRule(init, update, finalize)
