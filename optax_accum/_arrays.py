@@ -65,9 +65,8 @@ def array_type(x: Any) -> ArrayType:
   """
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
   sharding = getattr(aval, "sharding", None)
-  spec = getattr(sharding, "spec", None)
-  if spec is None:  # (not `or`: a rank-0 spec, typed unreduced or not, is an empty tuple)
-    spec = jax.sharding.PartitionSpec()
+  # (not `or`: a rank-0 spec, typed unreduced or not, is an empty tuple)
+  spec = getattr(sharding, "spec", jax.sharding.PartitionSpec())
   explicit = spec if has_explicit_axes(getattr(sharding, "mesh", None)) else None
   varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
   return ArrayType(spec, explicit, frozenset(varying or ()),
@@ -89,10 +88,8 @@ def laid_out_like(x: jax.Array, like: Any) -> jax.Array:
 
 def strip_axes(partitions: tuple[Any, ...], axes: tuple[Any, ...]) -> tuple[Any, ...]:
   """A spec's partitions with ``axes`` removed (those dims all-gathered over them)."""
-  def one(entry: Any) -> Any:  # (None, no axis, stays None)
-    names = tuple(n for n in axis_names(entry) if n not in axes)
-    return None if not names else names[0] if len(names) == 1 else names
-  return tuple(one(e) for e in partitions)
+  kept = (tuple(n for n in axis_names(e) if n not in axes) for e in partitions)
+  return tuple(spec_entry(names) if names else None for names in kept)  # (None stays None)
 
 
 def has_explicit_axes(mesh: Any) -> bool:
@@ -153,8 +150,7 @@ def axis_kind(axis_name: Any, *, check: bool = True) -> str | None:
     raise ValueError(
         f"`axis_name={axis_name!r}` names mesh axes of kinds {sorted(kinds)}: name axes of"
         " one kind, not a mix (Explicit ones for plain jit, Manual ones inside shard_map).")
-  kind = kinds.pop()
-  return None if kind == "Manual" else kind
+  return None if kinds == {"Manual"} else kinds.pop()
 
 
 def axis_indices(axes: Sequence[Any]) -> list[jax.Array] | None:
@@ -163,26 +159,6 @@ def axis_indices(axes: Sequence[Any]) -> list[jax.Array] | None:
     return [lax.axis_index(a) for a in axes]
   except NameError:
     return None
-
-
-def explicit_axes(axis_name: Any, *, check: bool = True) -> tuple[Any, ...] | None:
-  """The axes, if ``axis_name`` names Explicit axes of the current mesh (plain jit).
-
-  None when they are manual axes (``shard_map``, ``pmap``): there the
-  cross-device reduction is a ``psum``. Under ``jax.jit`` in explicit-sharding
-  mode the gradients arrive *unreduced* over these axes and the reduction is a
-  ``jax.reshard``. Auto axes carry no such types: that is an error, as is a
-  mix of kinds (:func:`axis_kind`, which ``check`` goes to).
-  """
-  if axis_name is None:
-    return None
-  kind = axis_kind(axis_name, check=check)
-  if kind == "Auto":
-    raise ValueError(
-        f"`axis_name={axis_name!r}` names mesh axes of kinds ['Auto']. Use Explicit axes"
-        " (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...)) and jax.set_mesh) for jit"
-        " with unreduced gradients, or Manual ones (inside shard_map) for psum.")
-  return axis_names(axis_name) if kind == "Explicit" else None
 
 
 class Layout(NamedTuple):
@@ -207,8 +183,24 @@ ONE_DEVICE = Layout()
 
 
 def device_layout(axis_name: Any, *, check: bool = True) -> Layout:
-  """The :class:`Layout` for ``axis_name`` on the current mesh (see :func:`explicit_axes`)."""
-  return Layout(axis_name, explicit_axes(axis_name, check=check))
+  """The :class:`Layout` for ``axis_name`` on the current mesh.
+
+  ``stacked`` holds the axes if ``axis_name`` names Explicit axes of the current
+  mesh (plain jit): under ``jax.jit`` in explicit-sharding mode the gradients
+  arrive *unreduced* over them and the reduction is a ``jax.reshard``. None
+  when they are manual axes (``shard_map``, ``pmap``): there the cross-device
+  reduction is a ``psum``. Auto axes carry no such types: that is an error, as
+  is a mix of kinds (:func:`axis_kind`, which ``check`` goes to).
+  """
+  if axis_name is None:
+    return ONE_DEVICE
+  kind = axis_kind(axis_name, check=check)
+  if kind == "Auto":
+    raise ValueError(
+        f"`axis_name={axis_name!r}` names mesh axes of kinds ['Auto']. Use Explicit axes"
+        " (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...)) and jax.set_mesh) for jit"
+        " with unreduced gradients, or Manual ones (inside shard_map) for psum.")
+  return Layout(axis_name, axis_names(axis_name) if kind == "Explicit" else None)
 
 
 def mesh_context(tree: Any) -> Any:

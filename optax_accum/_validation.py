@@ -37,9 +37,8 @@ def check_update(
   counts as zero), nor is a flush's (it carries no micro-batch). Each message names the
   tree path at fault and the fix. Call it inside the inputs' mesh (``_arrays.mesh_context``).
   """
-  buffer = window.acc_grads
   g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
-  b_leaves, b_def = jax.tree_util.tree_flatten_with_path(buffer)
+  b_leaves, b_def = jax.tree_util.tree_flatten_with_path(window.acc_grads)
   if g_def != b_def:
     _raise_tree_mismatch([_path_str(p) for p, _ in g_leaves],
                          [_path_str(p) for p, _ in b_leaves], g_def, b_def)
@@ -162,23 +161,22 @@ def _check_stacked(path: str, g: Any, b: Any, axes: tuple[Any, ...]) -> None:
         f"The gradient at {path} is unreduced over {sorted(unreduced, key=str)} but the"
         f" accumulator reduces over {where}. Pass the same axes to `defer_reduction`"
         " and to `accumulate(..., axis_name=...)`.")
-  if unreduced and jnp.shape(g) == jnp.shape(b)[1:]:
-    return
-  if jnp.shape(g) == jnp.shape(b) and (
-      set(_arrays.leading_axes(g)) == set(axes) or not jnp.size(g)):
-    return
-  if jnp.shape(g) == jnp.shape(b)[1:]:
+  if jnp.shape(g) == jnp.shape(b)[1:]:  # one copy's shape: a partial sum, or the whole gradient
+    if unreduced:
+      return
     raise ValueError(
         f"The gradient at {path} is already reduced over {where} (its type"
         f" {jax.typeof(g)} is the whole gradient): jax.grad with respect to replicated"
         " params reduces it on every micro-step, which is what `accumulate(...,"
         " axis_name=...)` under jit avoids. Take the gradients with"
         f" `optax_accum.sharding.local_value_and_grad(loss, {_arrays.spec_entry(axes)!r})`.")
-  raise ValueError(
-      f"The gradients leaf at {path} has shape {jnp.shape(g)} ({jax.typeof(g)}) but the"
-      f" accumulator holds one copy per device, {jnp.shape(b)}. Pass the gradients of"
-      " `optax_accum.sharding.local_value_and_grad` (one copy per device) or of"
-      " `defer_reduction` (typed unreduced), for the params given to `init`.")
+  if jnp.shape(g) != jnp.shape(b) or (
+      set(_arrays.leading_axes(g)) != set(axes) and jnp.size(g)):
+    raise ValueError(
+        f"The gradients leaf at {path} has shape {jnp.shape(g)} ({jax.typeof(g)}) but the"
+        f" accumulator holds one copy per device, {jnp.shape(b)}. Pass the gradients of"
+        " `optax_accum.sharding.local_value_and_grad` (one copy per device) or of"
+        " `defer_reduction` (typed unreduced), for the params given to `init`.")
 
 
 def check_k(k: Any, name: str = "k") -> int | Callable[[jax.Array], Any]:
@@ -357,11 +355,28 @@ def _raise_tree_mismatch(g_paths: list[str], b_paths: list[str], g_def: Any, b_d
 def _check_placement(layout: _arrays.Layout, g_leaves: list[Any]) -> None:
   """Raises unless the gradients live where ``layout`` expects them: their types say it.
 
-  Without ``axis_name`` no gradient is a per-device partial sum; inside ``shard_map``
-  each is device-local (:func:`_check_local`). (Plain jit: :func:`_check_stacked`.)
+  Without ``axis_name`` no gradient is a per-device partial sum. Inside a checked
+  ``shard_map`` none is already reduced: ``jax.grad`` with respect to replicated params
+  there sums the gradient over the mesh axis on every call; accumulating that and reducing
+  again would scale it by the axis size. Where the types carry no manual-axis information
+  (pmap, ``check_vma=False``) nothing can be checked. (Plain jit: :func:`_check_stacked`.)
   """
   if layout.manual:  # shard_map / pmap
-    _check_local(g_leaves, layout.axis_name)
+    names = set(_arrays.axis_names(layout.axis_name))
+    probe = _arrays.axis_indices(tuple(names))
+    if probe is None or not all(names & _arrays.array_type(p).varying for p in probe):
+      return  # no manual-axis types here: nothing to check
+    for path, g in g_leaves:
+      if not names <= _arrays.array_type(g).varying:
+        raise ValueError(
+            f"The gradient at {_path_str(path)} is already reduced over"
+            f" {layout.axis_name!r} (it is the same on every device): inside shard_map,"
+            " jax.grad with respect to replicated params sums over the devices on"
+            " every micro-step, and `accumulate(..., axis_name=...)` would reduce"
+            " it again. Differentiate with respect to"
+            f" `jax.lax.pcast(params, {layout.axis_name!r}, to='varying')` so each device"
+            " accumulates its local gradient and the all-reduce runs once per window."
+        )
   if layout.axis_name is not None:
     return
   for path, g in g_leaves:
@@ -374,31 +389,6 @@ def _check_placement(layout: _arrays.Layout, g_leaves: list[Any]) -> None:
           f" `axis_name`: build it with `accumulate(..., axis_name="
           f"{names[0] if len(names) == 1 else tuple(names)!r})` so the window is"
           " reduced once when it closes."
-      )
-
-
-def _check_local(g_leaves: list[Any], axis_name: Any) -> None:
-  """Raises if, inside a checked ``shard_map``, the gradients are already reduced.
-
-  ``jax.grad`` with respect to replicated params there sums the gradient over the mesh
-  axis on every call; accumulating that and reducing again would scale it by the axis
-  size. Where the types carry no manual-axis information (pmap, ``check_vma=False``)
-  nothing can be checked.
-  """
-  names = set(_arrays.axis_names(axis_name))
-  probe = _arrays.axis_indices(tuple(names))
-  if probe is None or not all(names & _arrays.array_type(p).varying for p in probe):
-    return  # no manual-axis types here: nothing to check
-  for path, g in g_leaves:
-    if not names <= _arrays.array_type(g).varying:
-      raise ValueError(
-          f"The gradient at {_path_str(path)} is already reduced over"
-          f" {axis_name!r} (it is the same on every device): inside shard_map,"
-          " jax.grad with respect to replicated params sums over the devices on"
-          " every micro-step, and `accumulate(..., axis_name=...)` would reduce"
-          " it again. Differentiate with respect to"
-          f" `jax.lax.pcast(params, {axis_name!r}, to='varying')` so each device"
-          " accumulates its local gradient and the all-reduce runs once per window."
       )
 
 
