@@ -9,11 +9,12 @@
    0, acc) + g`` (the lazy reset: a NaN from a past window is dropped by a
    select, never multiplied);
 3. **emit or not**: one ``lax.cond``. The emitting branch (:func:`emit`, traced
-   once, its types read with ``jax.eval_shape``) reduces the buffer and runs the inner
-   optimizer once; the other (:func:`mid`) returns zeros, or the params when
-   applying. Where the updates fit the buffer exactly, the emitting branch
-   writes them into it, dead once its window closed (:func:`parking`,
-   :func:`park`, :func:`unpark`: a tree of flags and tree-to-tree functions);
+   once under ``jax.jit``: ``jax.eval_shape`` reads its types, the branch reuses
+   the trace) reduces the buffer and runs the inner optimizer once; the other
+   (:func:`mid`) returns zeros, or the params when applying. Where the updates
+   fit the buffer exactly, the emitting branch writes them into it, dead once
+   its window closed (:func:`parking`, :func:`park`, :func:`unpark`: a tree of
+   flags and tree-to-tree functions);
 4. **advance** the counters.
 
 Around it, the apply protocol both transforms share (:class:`Applied`,
