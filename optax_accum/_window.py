@@ -9,11 +9,12 @@
    0, acc) + g`` (the lazy reset: a NaN from a past window is dropped by a
    select, never multiplied);
 3. **emit or not**: one ``lax.cond``. The emitting branch (:func:`emit`, traced
-   once by :func:`trace_updates`) reduces the buffer and runs the inner
-   optimizer once; the other (:func:`mid`) returns zeros, or the params when
-   applying. Where the updates fit the buffer exactly, the emitting branch
-   writes them into it, dead once its window closed (:func:`parking`,
-   :func:`park`, :func:`unpark`: a tree of flags and tree-to-tree functions);
+   once under ``jax.jit``: ``jax.eval_shape`` reads its types, the branch reuses
+   the trace) reduces the buffer and runs the inner optimizer once; the other
+   (:func:`mid`) returns zeros, or the params when applying. Where the updates
+   fit the buffer exactly, the emitting branch writes them into it, dead once
+   its window closed (:func:`parking`, :func:`park`, :func:`unpark`: a tree of
+   flags and tree-to-tree functions);
 4. **advance** the counters.
 
 Around it, the apply protocol both transforms share (:class:`Applied`,
@@ -142,11 +143,10 @@ def init_window(config: Config, params: optax.Params) -> Window:
         acc_weight=jnp.zeros([], jnp.float32) if config.reduction == "weighted" else (),
         noise_stats=() if config.noise_decay is None else noise_lib.init())
 
-  layout = config.layout
-  if layout.stacked is None:
+  if config.layout.stacked is None:
     return empty(params)
   copies = _state.map_state(lambda s: _copies.zeros(
-      s.shape, s.dtype, _arrays.array_type(s).spec, layout.stacked), jax.eval_shape(
+      s.shape, s.dtype, _arrays.array_type(s).spec, config.layout.stacked), jax.eval_shape(
           empty, params), skip=("acc_weight",))
   return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(
       x, jax.ShapeDtypeStruct) else x, copies)
@@ -214,7 +214,7 @@ def micro_step(
   """
   # 1. Decide: does the window close, and does it emit?
   layout = config.layout  # one device, manual axes, or plain jit's per-device copies
-  decision = decide(config, window, accept, weight, emit_now, layout.manual)
+  decision = decide(config, window, accept, weight, emit_now)
   noise = window.noise_stats
   if config.noise_decay is not None:
     sq_norm, device_weight = (noise_lib.sq_norm(grads), weight) if layout.stacked is None else (
@@ -230,8 +230,10 @@ def micro_step(
       buffer_after, config, mini_step=window.mini_step, accept=accept, weight=weight, seed=seed))
 
   # 3. Emit or not: one lax.cond.
+  # Under jax.jit the trace that gives the types of the updates (or params) is cached: the
+  # conditional's branch binds it again, and the inner optimizer's Python runs once.
   run_emit = jax.jit(functools.partial(emit, config, apply=apply, extra_args=extra_args or {}))
-  updates_like = trace_updates(run_emit, ops, window.acc_grads)
+  updates_like = jax.eval_shape(run_emit, ops, window.acc_grads).out
   parks = parking(config, updates_like, window.acc_grads, apply=apply)
   waiting = functools.partial(mid, updates_like=updates_like, parks=parks, apply=apply)
   if not any(jax.tree.leaves(parks)):
@@ -270,7 +272,7 @@ def micro_step(
 
 
 def decide(config: Config, window: Window, accept: Any, weight: jax.Array | None,
-           emit_now: Any, manual: bool) -> Decision:
+           emit_now: Any) -> Decision:
   """Does the window close with this micro-batch (``k`` of them, or ``emit_now``)?
 
   A window of total weight 0 (only padding) is not a step: it closes without
@@ -286,22 +288,12 @@ def decide(config: Config, window: Window, accept: Any, weight: jax.Array | None
   if weight is not None:
     total_weight = total_weight + jnp.where(accept, weight, 0.0)
   window_weight = total_weight
-  if weighted and manual:
+  if weighted and config.layout.manual:
     # Per-device weights (shard_map / pmap): the devices agree on the
     # window's total with one scalar all-reduce per micro-step.
     window_weight = lax.psum(total_weight, config.axis_name)
   emits = jnp.logical_and(closes, window_weight != 0) if weighted else closes
   return Decision(count, closes, emits, total_weight, window_weight)
-
-
-def trace_updates(run_emit: Callable[..., Emitted], ops: Operands, buffer: optax.Updates) -> Any:
-  """The types of the updates (or params) the emitting branch returns, from one trace.
-
-  ``run_emit`` is ``emit`` under ``jax.jit``, which caches this trace: the
-  conditional's branch binds it again, and the inner optimizer's Python runs
-  once per traced update.
-  """
-  return jax.eval_shape(run_emit, ops, buffer).out
 
 
 def window_length(k: KSchedule | noise_lib.AdaptiveK, window: Window) -> jax.Array:

@@ -172,8 +172,7 @@ def accumulate(
     >>> bool(jnp.allclose(params["w"], 1 + u["w"]))
     True
   """
-  adaptive = isinstance(k, noise_lib.AdaptiveK)
-  k = k if adaptive else _validation.check_k(k)
+  k = _validation.check_k(k)  # a schedule or `adaptive_k` (callable) passes as it is
   if optimizer is _NO_OPTIMIZER:
     warnings.warn(
         "`accumulate(k)` was given no optimizer: it emits the reduced gradient every k-th"
@@ -201,7 +200,7 @@ def accumulate(
   # in the chain form the chain hands every member the others' keywords.
   strict_kwargs = optimizer is not None and not isinstance(
       optimizer, optax.GradientTransformationExtraArgs)
-  if not isinstance(k, int) and not adaptive:
+  if not isinstance(k, (int, noise_lib.AdaptiveK)):
     _validation.check_schedule_at_zero(k)
 
   def init_fn(params: optax.Params) -> AccumulateState:

@@ -86,10 +86,9 @@ class MultiSteps:
     """
     _validation.check_optimizer(opt, "opt")
     self._strict_kwargs = not isinstance(opt, optax.GradientTransformationExtraArgs)
-    self._opt = optax.with_extra_args_support(opt)
     self._config = _window.Config(
         k=_validation.check_k(every_k_schedule, "every_k_schedule"),
-        inner=self._opt,
+        inner=optax.with_extra_args_support(opt),
         reduction="mean" if use_grad_mean else "sum",
         running_mean=use_grad_mean,
         acc_dtype=_validation.check_accumulator_dtype(accumulator_dtype),
@@ -100,7 +99,7 @@ class MultiSteps:
   @property
   def inner_opt(self) -> optax.GradientTransformationExtraArgs:
     """The wrapped optimizer (with extra-args support), as in optax."""
-    return self._opt
+    return self._config.inner
 
   def init(self, params: optax.Params) -> optax.MultiStepsState:
     """The initial ``optax.MultiStepsState``: empty buffer, counters at 0."""
@@ -110,7 +109,7 @@ class MultiSteps:
       if self._should_skip is not None:
         _, skip_state = self._should_skip(
             optax.tree.zeros_like(params), window.gradient_step, params)
-      return self._state(window, self._opt.init(params), skip_state)
+      return self._state(window, self._config.inner.init(params), skip_state)
 
   def update(
       self,
@@ -143,14 +142,21 @@ class MultiSteps:
     _validation.check_keywords(extra_args, self._strict_kwargs, "MultiSteps.update",
                                ("apply", "flush"))
     # (No `axis_name`: one device's layout, and the checks need no mesh.)
-    skip_state, noise = self._unpack(state.skip_state)
+    skip_state, noise = (state.skip_state, ()) if self._config.noise_decay is None else (
+        state.skip_state)  # the noise estimate rides in `skip_state` (see `_state`)
     window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads, (), noise)
     _validation.check_update(self._config, updates, window, flushing=flush)
     updates = _validation.update_values(self._config, updates, window, None, False, flush)[0]
     accept: Any = not flush  # a flush carries no micro-batch
     if accept and self._should_skip is not None:
       should_skip, skip_state = self._should_skip(updates, state.gradient_step, params)
-      accept = jnp.logical_not(_check_skip(should_skip))
+      should_skip = jnp.asarray(should_skip)
+      if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
+        raise ValueError(
+            "`should_skip_update_fn` must return a boolean scalar array first;"
+            f" got dtype {should_skip.dtype} and shape {should_skip.shape}."
+        )
+      accept = jnp.logical_not(should_skip)
     with _arrays.mesh_context((updates, params)):
       out = _window.micro_step(
           self._config, updates, window, state.inner_opt_state, params, accept=accept,
@@ -178,16 +184,3 @@ class MultiSteps:
         acc_grads=window.acc_grads,
         skip_state=skip_state,
     )
-
-  def _unpack(self, skip_state: Any) -> tuple[Any, Any]:
-    return (skip_state, ()) if self._config.noise_decay is None else tuple(skip_state)
-
-
-def _check_skip(should_skip: Any) -> jax.Array:
-  should_skip = jnp.asarray(should_skip)
-  if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
-    raise ValueError(
-        "`should_skip_update_fn` must return a boolean scalar array first;"
-        f" got dtype {should_skip.dtype} and shape {should_skip.shape}."
-    )
-  return should_skip
