@@ -382,8 +382,7 @@ def scaled_value_and_grad(
 
   def scaled(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     out = loss_fn(*args, **kwargs)
-    loss = out[0] if has_aux else out
-    return scaler.scale(loss, state), out
+    return scaler.scale(out[0] if has_aux else out, state), out
 
   grad_fn = jax.grad(scaled, has_aux=True)
 
