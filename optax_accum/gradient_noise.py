@@ -167,14 +167,13 @@ def fold_window(state: NoiseScaleState, stats: WindowStats, decay: float) -> Noi
       when the window spans several).
     decay: the decay of the moving averages.
   """
-  window_count, total_weight = stats.window_count, stats.total_weight
-  k = window_count.astype(jnp.float32)
-  s = stats.window_sq_norms / jnp.where(total_weight == 0, 1.0, total_weight)
+  k = stats.window_count.astype(jnp.float32)
+  s = stats.window_sq_norms / jnp.where(stats.total_weight == 0, 1.0, stats.total_weight)
   m = stats.mean_sq_norm
   denom = jnp.maximum(k - 1.0, 1.0)
   signal = (k * m - s) / denom
   noise = k * (s - m) / denom
-  use = (window_count >= 2) & jnp.isfinite(signal) & jnp.isfinite(noise)
+  use = (stats.window_count >= 2) & jnp.isfinite(signal) & jnp.isfinite(noise)
   return NoiseScaleState(
       window_sq_norms=jnp.zeros_like(state.window_sq_norms),
       window_count=jnp.zeros_like(state.window_count),
@@ -367,14 +366,10 @@ def scale_by_schedule_in_examples(
     >>> updates["w"].tolist()   # -lr(8) * sign(1)
     [-0.25, -0.25]
   """
-  def init_fn(params: optax.Params) -> optax.EmptyState:
-    del params
-    return optax.EmptyState()
-
   def update_fn(updates: optax.Updates, state: optax.EmptyState, params: Any = None, *,
                 examples: Any, **extra_args: Any) -> tuple[optax.Updates, optax.EmptyState]:
     del params, extra_args
     lr = schedule(examples)
     return jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates), state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)

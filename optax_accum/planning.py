@@ -114,9 +114,8 @@ def _mib(n: int | None) -> str:
 
 
 def _short(ks: Sequence[int]) -> str:
-  if len(ks) <= 8:
-    return ", ".join(map(str, ks))
-  return f"{', '.join(map(str, ks[:3]))}, ..., {', '.join(map(str, ks[-2:]))}"
+  shown = ks if len(ks) <= 8 else (*ks[:3], "...", *ks[-2:])
+  return ", ".join(map(str, shown))
 
 
 def _table(rows: Sequence[PlanRow]) -> str:

@@ -209,8 +209,7 @@ def mixed_precision(
   def wrapped(params: Any, *args: Any, **kwargs: Any) -> Any:
     params = policy.cast_to_compute(params)
     if cast_inputs:
-      args = policy.cast_to_compute(args)
-      kwargs = policy.cast_to_compute(kwargs)
+      args, kwargs = policy.cast_to_compute((args, kwargs))
     return policy.cast_to_output(loss_fn(params, *args, **kwargs))
 
   return wrapped
@@ -382,14 +381,11 @@ def scaled_value_and_grad(
 
   def scaled(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     out = loss_fn(*args, **kwargs)
-    loss = out[0] if has_aux else out
-    return scaler.scale(loss, state), out
-
-  grad_fn = jax.grad(scaled, has_aux=True)
+    return scaler.scale(out[0] if has_aux else out, state), out
 
   @functools.wraps(loss_fn)
   def value_and_grad(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    grads, value = grad_fn(*args, **kwargs)
+    grads, value = jax.grad(scaled, has_aux=True)(*args, **kwargs)
     return value, scaler.unscale(grads, state)
 
   return value_and_grad

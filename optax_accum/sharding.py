@@ -77,7 +77,6 @@ def _leaf_layout(value: Any, target: Any, param: Any, other: Any) -> Any:
 
 def _lay_out_like_params(
     tx: optax.GradientTransformation, params: optax.Params, per_param: Any, other: Any,
-    name: str,
 ) -> tuple[Any, Any]:
   """``(abstract_state, layout)``: a layout entry for each leaf of ``tx.init(params)``.
 
@@ -86,9 +85,8 @@ def _lay_out_like_params(
   ``optax.multi_transform`` into their masked states) and laid out by
   :func:`_leaf_layout` from their param's entry of ``per_param``. Every other
   leaf gets ``other``; ``optax.MaskedNode`` placeholders stay as they are.
-  ``per_param``, the argument ``name``, must have the params' tree structure.
+  ``per_param`` has the params' tree structure (:func:`_check_like_params`).
   """
-  _check_like_params(per_param, params, name)
   abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)),
                           params)
   state = jax.eval_shape(tx.init, abstract)
@@ -114,8 +112,6 @@ def _check_like_params(per_param: Any, params: Any, name: str) -> None:
 def _lay_out_by_structure(state: Any, per_param: Any, abstract: Any, other: Any) -> Any:
   """The layout of ``state`` where its subtrees have the params' structure and shapes."""
   params_def = jax.tree.structure(abstract)
-  targets = params_def.flatten_up_to(per_param)
-  params = params_def.flatten_up_to(abstract)
 
   def is_params_like(node: Any) -> bool:  # (params one array: every array leaf is)
     try:
@@ -127,9 +123,8 @@ def _lay_out_by_structure(state: Any, per_param: Any, abstract: Any, other: Any)
   def lay_out(node: Any) -> Any:
     if not is_params_like(node):
       return other
-    return params_def.unflatten([
-        _leaf_layout(v, t, p, other)
-        for v, t, p in zip(params_def.flatten_up_to(node), targets, params, strict=True)])
+    return jax.tree.map(lambda v, t, p: _leaf_layout(v, t, p, other), node, per_param, abstract,
+                        is_leaf=_is_masked)
 
   return jax.tree.map(lay_out, state, is_leaf=is_params_like)
 
@@ -216,18 +211,17 @@ def state_shardings(
   sharding_leaves = jax.tree.leaves(shardings)
   if not sharding_leaves:
     raise ValueError("`params` has no leaves; there is nothing to lay out.")
+  _check_like_params(shardings, params, "shardings")
   mesh = getattr(sharding_leaves[0], "mesh", None)
   if isinstance(mesh, jax.sharding.Mesh) and _arrays.has_explicit_axes(mesh):
     # Explicit axes put the layout in the types: what `init` builds on the mesh.
-    _check_like_params(shardings, params, "shardings")
     abstract = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p),
                                                               sharding=s), params, shardings)
     with jax.set_mesh(mesh):
       state = jax.eval_shape(tx.init, abstract)
     return jax.tree.map(lambda v: v if _is_masked(v) else NamedSharding(
         mesh, _arrays.array_type(v).spec), state, is_leaf=_is_masked)
-  return _lay_out_like_params(tx, params, shardings, _replicated_like(sharding_leaves[0]),
-                              "shardings")[1]
+  return _lay_out_like_params(tx, params, shardings, _replicated_like(sharding_leaves[0]))[1]
 
 
 def _map_per_device(fn: Any, state: Any, **kw: Any) -> Any:
@@ -291,22 +285,19 @@ def reshard_state(restored: Any, like: Any) -> Any:
   """
   saved = {_names(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
   per_device = {_names(path) for path, _ in _state.leaves(like, walk=_map_per_device)}
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
-  out = []
-  for path, target in leaves:
+
+  def fit(path: tuple[Any, ...], target: Any) -> jax.Array:
     key = _names(path)
-    if key not in saved and jnp.size(target) == 0:  # (orbax saves no size-0 array)
-      saved[key] = np.zeros(jnp.shape(target), target.dtype)
-    if key not in saved:
+    if key not in saved and jnp.size(target):  # (orbax saves no size-0 array)
       raise ValueError(
           f"`restored` has no leaf at {jax.tree_util.keystr(path)}, which `like` holds. Pass"
           " the state saved from the same transform (`like` is its `tx.init(params)` on the"
           " new mesh).")
-    new = _fit_leaf(np.asarray(saved[key]), target, key in per_device,
-                    jax.tree_util.keystr(path))
-    sharding = getattr(target, "sharding", None)
-    out.append(jax.device_put(new, sharding) if sharding is not None else jnp.asarray(new))
-  return treedef.unflatten(out)
+    leaf = saved[key] if key in saved else np.zeros(jnp.shape(target), target.dtype)
+    new = _fit_leaf(np.asarray(leaf), target, key in per_device, jax.tree_util.keystr(path))
+    return jax.device_put(new, getattr(target, "sharding", None))
+
+  return jax.tree_util.tree_map_with_path(fit, like)
 
 
 def _names(path: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -321,11 +312,11 @@ def _fit_leaf(saved: np.ndarray, target: Any, per_device: bool, where: str) -> n
   if saved.shape == shape:
     return saved.astype(dtype)
   wide = np.result_type(saved.dtype, np.float64 if np.issubdtype(dtype, np.inexact) else np.int64)
-  if per_device and saved.ndim == len(shape) + 1 and saved.shape[1:] == shape:
-    return saved.sum(0, dtype=wide).astype(dtype)  # onto one buffer without `axis_name`
-  if per_device:  # their total on the first device; a buffer without `axis_name` is one copy
+  if per_device:  # their total; a buffer saved without `axis_name` is one copy
     copies = saved[None] if saved.ndim + 1 == len(shape) else saved
-    if copies.ndim == len(shape) and copies.shape[1:] == shape[1:]:
+    if copies.shape[1:] == shape:
+      return copies.sum(0, dtype=wide).astype(dtype)  # onto one buffer without `axis_name`
+    if copies.ndim == len(shape) and copies.shape[1:] == shape[1:]:  # on the first device
       new = np.zeros(shape, dtype)
       new[0] = copies.sum(0, dtype=wide)
       return new
@@ -467,7 +458,8 @@ def shard_map_specs(
   """
   if param_specs is None:
     param_specs = jax.tree.map(lambda _: PartitionSpec(), params)
-  state, specs = _lay_out_like_params(tx, params, param_specs, PartitionSpec(), "param_specs")
+  _check_like_params(param_specs, params, "param_specs")
+  state, specs = _lay_out_like_params(tx, params, param_specs, PartitionSpec())
   _check_has_accumulate_state(state, "shard_map_specs")
   # The per-device leaves have a leading axis of length 1 (laid out ``None``): ``axis_name``.
   entry = _arrays.spec_entry(_arrays.axis_names(axis_name))
