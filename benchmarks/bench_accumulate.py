@@ -62,12 +62,6 @@ TRACKED: list[tuple[str, str, str, float | None]] = [
 ]
 
 
-def row_source(row: str) -> tuple[str | None, str]:
-  """``(program, phase)`` of a row; program None for the floor."""
-  special = {"floor": (None, "mid"), "plain": ("plain", "step")}
-  return special[row] if row in special else tuple(row.rsplit("_", 1))
-
-
 @dataclasses.dataclass(frozen=True)
 class Program:
   """One train step ``step(params, state, grads) -> (params, state)``."""
@@ -78,15 +72,14 @@ class Program:
   init: Callable[[Tree], Any]
 
 
-def make_programs(opt_name: str, k: int = K_WINDOW) -> list[Program]:
-  """The benchmarked train steps for inner optimizer ``opt_name``, window ``k``."""
-  make = lambda: OPTIMIZERS[opt_name](1e-3)
-  plain, acc, uaa = make(), oa.accumulate(k, make()), oa.accumulate(k, make())
-  oms, xms = oa.MultiSteps(make(), k), optax.MultiSteps(make(), k)
+def make_programs(opt_name: str) -> list[Program]:
+  """The benchmarked train steps for inner optimizer ``opt_name``, window ``K_WINDOW``."""
+  opt, k = OPTIMIZERS[opt_name](1e-3), K_WINDOW
+  acc, oms, xms = oa.accumulate(k, opt), oa.MultiSteps(opt, k), optax.MultiSteps(opt, k)
   return [
-      Program("plain", None, harness.protocol_step(plain), plain.init),
+      Program("plain", None, harness.protocol_step(opt), opt.init),
       Program("accumulate", k, harness.protocol_step(acc), acc.init),
-      Program("update_and_apply", k, harness.fast_step(uaa), uaa.init),
+      Program("update_and_apply", k, harness.fast_step(acc), acc.init),
       Program("oa_multisteps", k, harness.protocol_step(oms), oms.init),
       Program("optax_multisteps", k, harness.protocol_step(xms), xms.init),
   ]
@@ -192,12 +185,9 @@ def summarize(timers: Sequence[Timer], copy_samples: Sequence[float], copy_bytes
   pbytes = 4 * n_params
   by_prog = {t.program.key: t for t in timers}
   floor = [FLOOR_PASSES * pbytes * c / copy_bytes for c in copy_samples]
-  sources = {r: row_source(r) for r, _ in ROWS if row_source(r)[0] in (None, *by_prog)}
+  special = {"floor": (None, "mid"), "plain": ("plain", "step")}  # the rest: program_phase
+  sources = {r: special.get(r, tuple(r.rsplit("_", 1))) for r, _ in ROWS}
   samples = {r: floor if p is None else by_prog[p].samples[ph] for r, (p, ph) in sources.items()}
-
-  def ratio(s: Sequence[float], other: str) -> float | None:
-    return harness.paired_ratio(s, samples[other]) if other in samples else None
-
   out = []
   for row, (program, phase) in sources.items():
     s = samples[row]
@@ -207,7 +197,8 @@ def summarize(timers: Sequence[Timer], copy_samples: Sequence[float], copy_bytes
         "size": n_params, "param_bytes": pbytes, "optimizer": opt_name, "row": row,
         "label": LABELS[row], "program": program, "phase": phase,
         "time_s": harness.median(s), "ratio_floor": harness.paired_ratio(s, floor),
-        "ratio_plain": ratio(s, "plain"), "ratio_optax_multisteps": ratio(s, anchor),
+        "ratio_plain": harness.paired_ratio(s, samples["plain"]),
+        "ratio_optax_multisteps": harness.paired_ratio(s, samples[anchor]),
         "rounds": len(s), "temps_ratio": info and info["temps_bytes"] / pbytes,
         "conditionals": info and info["conditionals"]})
   return out
@@ -223,15 +214,14 @@ def host_overhead(opt_name: str, rounds: int, windows: int) -> list[dict[str, An
           for t in timers]
 
 
-def tracked(records: Sequence[dict[str, Any]], size: int,
-            opt_name: str = "adam") -> list[dict[str, Any]]:
-  """The tracked rows from the records at ``size``, ``opt_name``."""
-  by_row = {r["row"]: r for r in records if (r["size"], r["optimizer"]) == (size, opt_name)}
+def tracked(records: Sequence[dict[str, Any]], size: int) -> list[dict[str, Any]]:
+  """The tracked rows from the records at ``size``, adam."""
+  by_row = {r["row"]: r for r in records if (r["size"], r["optimizer"]) == (size, "adam")}
   out = []
   for name, row, measure, limit in TRACKED:
     value = by_row.get(row, {}).get(measure)
     out.append({"name": name, "row": row, "measure": measure, "value": value, "limit": limit,
-                "size": size, "optimizer": opt_name,
+                "size": size, "optimizer": "adam",
                 "passed": None if limit is None else value is not None and value <= limit})
   return out
 

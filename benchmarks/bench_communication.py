@@ -68,8 +68,6 @@ def bytes_per_window(compiled: Any, calls_per_window: int) -> dict[str, Any]:
   total = gathered = 0
   where = []
   for c in hlo_collectives(compiled):
-    if c.op not in REDUCTIONS + GATHERS:
-      continue
     runs = calls_per_window
     for kind, which in c.context:
       if kind == "conditional":
@@ -78,10 +76,10 @@ def bytes_per_window(compiled: Any, calls_per_window: int) -> dict[str, Any]:
         runs *= K
     if c.op in GATHERS:
       gathered += c.bytes * runs
-      continue
-    total += c.bytes * runs
-    where.append({"op": c.op, "bytes": c.bytes, "context": [list(x) for x in c.context],
-                  "runs_per_window": runs})
+    elif c.op in REDUCTIONS:
+      total += c.bytes * runs
+      where.append({"op": c.op, "bytes": c.bytes, "context": [list(x) for x in c.context],
+                    "runs_per_window": runs})
   return {"bytes_per_window": total, "gathered_per_window": gathered, "all_reduces": where}
 
 

@@ -119,12 +119,11 @@ def tiled_losses(a: Any, sharding: Any = None) -> list[dict[str, Any]]:
   rows = []
   for name, (dense, tiled, scalars) in TILED.items():
     argnums = tuple(range(2 + len(scalars)))
-    fns = {"dense": dense, "tiled": tiled}
     for batch in a.sizes:
       shapes = [jax.ShapeDtypeStruct((batch, a.dim), jnp.float32, sharding=sharding)] * 2 + [
           jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding)] * len(scalars)
       compiled = {k: jax.jit(jax.value_and_grad(f, argnums=argnums)).lower(*shapes).compile()
-                  for k, f in fns.items()}
+                  for k, f in (("dense", dense), ("tiled", tiled))}
       row = {"loss": name, "batch": batch, **{f"{k}_temp_bytes": int(
           c.memory_analysis().temp_size_in_bytes) for k, c in compiled.items()}}
       rows.append(row)

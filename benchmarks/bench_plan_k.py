@@ -58,12 +58,9 @@ def mlp_case(args: argparse.Namespace) -> dict[str, Any]:
       return *apply(p, state, grads), value
     return step
 
-  across_state = jax.eval_shape(oa.accumulate(2, opt).init, params)
-  return {"model": f"MLP {layers} x {d}", "global_batch": batch, "params": _count(params),
-          "modes": {"in-step": (functools.partial(make_step, across=False),
-                                (params, jax.eval_shape(opt.init, params), data)),
-                    "across steps": (functools.partial(make_step, across=True),
-                                     (params, across_state, data))}}
+  return _case(f"MLP {layers} x {d}", batch, params, data,
+               (functools.partial(make_step, across=False), opt.init),
+               (functools.partial(make_step, across=True), oa.accumulate(2, opt).init))
 
 
 def transformer_case(args: argparse.Namespace, remat: bool) -> dict[str, Any]:
@@ -103,18 +100,19 @@ def transformer_case(args: argparse.Namespace, remat: bool) -> dict[str, Any]:
   def arm(name: str) -> MakeStep:
     return lambda k: demo.build_step(name, loss_terms, base, k)[1]
 
-  across_state = jax.eval_shape(demo.build_step("accumulate", loss_terms, base, 2)[0].init,
-                                params)
   name = "demo transformer" + (" + jax.checkpoint (scan)" if remat else "")
-  return {"model": f"{name} (d {cfg.d_model}, {cfg.layers} blocks, seq {cfg.seq_len})",
-          "global_batch": cfg.batch_size, "params": _count(params),
-          "modes": {"in-step": (arm("microbatched"), (params, jax.eval_shape(base.init, params),
-                                                      batch)),
-                    "across steps": (arm("accumulate"), (params, across_state, batch))}}
+  return _case(f"{name} (d {cfg.d_model}, {cfg.layers} blocks, seq {cfg.seq_len})",
+               cfg.batch_size, params, batch, (arm("microbatched"), base.init),
+               (arm("accumulate"), demo.build_step("accumulate", loss_terms, base, 2)[0].init))
 
 
-def _count(tree: Any) -> int:
-  return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
+def _case(model: str, global_batch: int, params: Any, batch: Any, in_step: tuple[MakeStep, Any],
+          across: tuple[MakeStep, Any]) -> dict[str, Any]:
+  """A case's modes, each ``(make_step, (params, state, batch))`` from its (make_step, init)."""
+  return {"model": model, "global_batch": global_batch,
+          "params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(params))),
+          "modes": {mode: (make, (params, jax.eval_shape(init, params), batch))
+                    for mode, (make, init) in (("in-step", in_step), ("across steps", across))}}
 
 
 def sweep(make_step: MakeStep, args: tuple[Any, ...], ks: list[int], global_batch: int,

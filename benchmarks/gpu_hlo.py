@@ -142,13 +142,12 @@ def programs(k: int) -> list[tuple[str, str, Any]]:
 def compile_all(n_params: int, k: int, sharding: NamedSharding | None) -> list[dict[str, Any]]:
   """Every program at f32 and bf16 params, for the accelerator (``sharding``) or the CPU."""
   rows: list[dict[str, Any]] = []
-  kw = {} if sharding is None else {"sharding": sharding}
   for dtype in (jnp.float32, jnp.bfloat16):
-    leaf = jax.ShapeDtypeStruct((n_params // LEAVES,), dtype, **kw)
+    leaf = jax.ShapeDtypeStruct((n_params // LEAVES,), dtype, sharding=sharding)
     params = {f"w{i:02d}": leaf for i in range(LEAVES)}
     param_bytes = n_params * jnp.dtype(dtype).itemsize
     for key, label, (init, step) in programs(k):
-      state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, **kw),
+      state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                            jax.eval_shape(init, params))
       compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
       copies = debug.copies(compiled, min_bytes=param_bytes // LEAVES)

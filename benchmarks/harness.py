@@ -1,18 +1,12 @@
-"""What every benchmark script shares: how it times, where it ran, its results files.
-
-Programs timed against each other run in :func:`interleaved` rounds (each once a
-round, in a fresh seeded order) and compare by :func:`paired_ratio` (the median of
-same-round ratios). :func:`write` saves the result as JSON, markdown (printed) and
-a PNG; the rest is what several scripts build alike: :func:`parser`, the train
-steps :func:`protocol_step` and :func:`fast_step`, :func:`table`, and in-step
-gradient functions against a reference (:func:`compare`, :func:`bars`).
+"""What every benchmark script shares: how it times (:func:`interleaved` rounds, compared
+by :func:`paired_ratio`: NOTES.md, "How the timings are taken"), where it ran, its results
+files (:func:`write`), and what several scripts build alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import platform
@@ -141,7 +135,6 @@ def write(out: Path, stem: str, result: dict[str, Any], markdown: str,
           plot: Callable[[dict[str, Any]], Any] | None = None) -> None:
   """``out/stem.json``, ``out/stem.md`` (printed) and, with ``plot`` (result ->
   figure), ``out/stem.png`` at the figure's dpi."""
-  out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
   (out / f"{stem}.md").write_text(markdown if markdown.endswith("\n") else markdown + "\n")
@@ -170,8 +163,7 @@ def compare(fns: Sequence[tuple[str, Callable[..., Any]]], args: Sequence[Any], 
     value, grads = c(*args)
     rows.append({"config": name, "loss": float(jax.tree.leaves(value)[0]), "grads": grads,
                  "temp_bytes": int(c.memory_analysis().temp_size_in_bytes)})
-    calls.append(functools.partial(lambda c: jax.block_until_ready([c(*args) for _ in range(
-        iters)][-1]), c))  # blocks on the last call only
+    calls.append(lambda c=c: jax.block_until_ready([c(*args) for _ in range(iters)][-1]))
   secs, ref = interleaved(dict(enumerate(calls)), rounds), rows[0]["grads"]
   for i, row in enumerate(rows):
     row.update(step_ms=1e3 * median(secs[i]) / iters, step_ratio=paired_ratio(secs[i], secs[0]),
@@ -181,15 +173,15 @@ def compare(fns: Sequence[tuple[str, Callable[..., Any]]], args: Sequence[Any], 
 
 
 def compare_table(rows: Sequence[dict[str, Any]],
-                  extra: tuple[str, Callable[[dict[str, Any]], str]] | None = None) -> list[str]:
+                  extra: tuple[str, Callable[[dict[str, Any]], str]]) -> list[str]:
   """:func:`compare`'s rows as a markdown :func:`table`; ``extra``: a column (header, cell)."""
-  head, cell = extra or ("", lambda r: "")
+  head, cell = extra
   return table(
-      "config | temporaries (MiB) | vs full" + f" | {head}" * bool(extra) + " | step (ms)"
-      " | step vs full | max rel. grad diff vs full", "lrr" + "r" * bool(extra) + "rrr",
-      [[r["config"], mib(r["temp_bytes"]), f"{r['temp_ratio_vs_full']:.2f}x",
-        *[cell(r)] * bool(extra), f"{r['step_ms']:.1f}", f"{r['step_ratio']:.2f}x",
-        f"{r['grad_rel_diff_vs_full']:.1e}"] for r in rows])
+      f"config | temporaries (MiB) | vs full | {head} | step (ms) | step vs full"
+      " | max rel. grad diff vs full", "lrrrrrr",
+      [[r["config"], mib(r["temp_bytes"]), f"{r['temp_ratio_vs_full']:.2f}x", cell(r),
+        f"{r['step_ms']:.1f}", f"{r['step_ratio']:.2f}x", f"{r['grad_rel_diff_vs_full']:.1e}"]
+       for r in rows])
 
 
 def bars(rows: Sequence[dict[str, Any]]) -> Any:
