@@ -355,28 +355,11 @@ def _raise_tree_mismatch(g_paths: list[str], b_paths: list[str], g_def: Any, b_d
 def _check_placement(layout: _arrays.Layout, g_leaves: list[Any]) -> None:
   """Raises unless the gradients live where ``layout`` expects them: their types say it.
 
-  Without ``axis_name`` no gradient is a per-device partial sum. Inside a checked
-  ``shard_map`` none is already reduced: ``jax.grad`` with respect to replicated params
-  there sums the gradient over the mesh axis on every call; accumulating that and reducing
-  again would scale it by the axis size. Where the types carry no manual-axis information
-  (pmap, ``check_vma=False``) nothing can be checked. (Plain jit: :func:`_check_stacked`.)
+  Without ``axis_name`` no gradient is a per-device partial sum; inside ``shard_map``
+  each is device-local (:func:`_check_local`). (Plain jit: :func:`_check_stacked`.)
   """
   if layout.manual:  # shard_map / pmap
-    names = set(_arrays.axis_names(layout.axis_name))
-    probe = _arrays.axis_indices(tuple(names))
-    if probe is None or not all(names & _arrays.array_type(p).varying for p in probe):
-      return  # no manual-axis types here: nothing to check
-    for path, g in g_leaves:
-      if not names <= _arrays.array_type(g).varying:
-        raise ValueError(
-            f"The gradient at {_path_str(path)} is already reduced over"
-            f" {layout.axis_name!r} (it is the same on every device): inside shard_map,"
-            " jax.grad with respect to replicated params sums over the devices on"
-            " every micro-step, and `accumulate(..., axis_name=...)` would reduce"
-            " it again. Differentiate with respect to"
-            f" `jax.lax.pcast(params, {layout.axis_name!r}, to='varying')` so each device"
-            " accumulates its local gradient and the all-reduce runs once per window."
-        )
+    _check_local(g_leaves, layout.axis_name)
   if layout.axis_name is not None:
     return
   for path, g in g_leaves:
@@ -389,6 +372,31 @@ def _check_placement(layout: _arrays.Layout, g_leaves: list[Any]) -> None:
           f" `axis_name`: build it with `accumulate(..., axis_name="
           f"{names[0] if len(names) == 1 else tuple(names)!r})` so the window is"
           " reduced once when it closes."
+      )
+
+
+def _check_local(g_leaves: list[Any], axis_name: Any) -> None:
+  """Raises if, inside a checked ``shard_map``, the gradients are already reduced.
+
+  ``jax.grad`` with respect to replicated params there sums the gradient over the mesh
+  axis on every call; accumulating that and reducing again would scale it by the axis
+  size. Where the types carry no manual-axis information (pmap, ``check_vma=False``)
+  nothing can be checked.
+  """
+  names = set(_arrays.axis_names(axis_name))
+  probe = _arrays.axis_indices(tuple(names))
+  if probe is None or not all(names & _arrays.array_type(p).varying for p in probe):
+    return  # no manual-axis types here: nothing to check
+  for path, g in g_leaves:
+    if not names <= _arrays.array_type(g).varying:
+      raise ValueError(
+          f"The gradient at {_path_str(path)} is already reduced over"
+          f" {axis_name!r} (it is the same on every device): inside shard_map,"
+          " jax.grad with respect to replicated params sums over the devices on"
+          " every micro-step, and `accumulate(..., axis_name=...)` would reduce"
+          " it again. Differentiate with respect to"
+          f" `jax.lax.pcast(params, {axis_name!r}, to='varying')` so each device"
+          " accumulates its local gradient and the all-reduce runs once per window."
       )
 
 
