@@ -104,6 +104,13 @@ def test_flush_closes_a_partial_window_and_has_updated_reads_the_state():
   assert_trees_close(optax.apply_updates(params, updates), ref)
 
 
+@pytest.mark.parametrize("skip", [jnp.float32(1.0), jnp.array([True, False])])
+def test_a_skip_function_returning_no_boolean_scalar_is_an_error(skip):
+  ms = oa.MultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=lambda u, step, p: (skip, {}))
+  params = {"w": jnp.zeros(2)}
+  with pytest.raises(ValueError, match="`should_skip_update_fn` must return a boolean scalar"):
+    ms.update({"w": jnp.ones(2)}, ms.init(params), params)
+
 def test_skip_large_updates_and_nan_safety():
   skip = functools.partial(optax.skip_large_updates, max_squared_norm=50.0)
   ms = oa.MultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=skip)
