@@ -176,12 +176,12 @@ def _cached(embed_fn: Callable[..., Any], loss_fn: Callable[..., Any], k: int, h
   steps = (jnp.arange(k), {i: _batch.split(args[i], k) for i in batch.positions})
   rows = batch.per_device_rows // k
 
-  def embed(p: Any, i: Any, micro: dict[int, Any], rows: int = rows) -> Any:
+  def embed(p: Any, i: Any, micro: dict[int, Any], rows: int) -> Any:
     """``embed_fn`` on micro-batch ``i`` (its ``rows`` rows ``micro``, its keys), checked."""
     micro_keys = {j: _batch.microbatch_key(key, i) for j, key in keys.items()}
     return _check_rows(embed_fn(*_batch.micro_args([p, *args[1:]], micro, micro_keys)), rows)
 
-  _, stacked = lax.scan(lambda _, xs: (None, embed(params, *xs)), None, steps)
+  _, stacked = lax.scan(lambda _, xs: (None, embed(params, *xs, rows)), None, steps)
   # Shapes only, at twice the rows: an output that merely happens to have `rows` rows (a
   # mean over the micro-batch of that width) does not follow them.
   doubled = {j: jax.tree.map(lambda x: jnp.concatenate([x[0], x[0]]), tree)
@@ -202,7 +202,7 @@ def _cached(embed_fn: Callable[..., Any], loss_fn: Callable[..., Any], k: int, h
 
   def pull_back(acc: Any, xs: tuple[jax.Array, dict[int, Any], Any]) -> tuple[Any, None]:
     i, micro, g_micro = xs
-    _, vjp = jax.vjp(lambda p: embed(p, i, micro), params)
+    _, vjp = jax.vjp(lambda p: embed(p, i, micro, rows), params)
     return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, vjp(g_micro)[0]), None
 
   # The loss's own gradient starts the sum; each device holds it whole, so 1/devices of it

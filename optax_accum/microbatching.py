@@ -641,12 +641,12 @@ def _program(config: _Config, rule: str | AuxRule, shapes: Any, where: str) -> A
   """
   if isinstance(rule, AuxRule):
     return rule
-  for path, s in jax.tree_util.tree_flatten_with_path(shapes)[0]:
-    if rule == "concat" and not s.shape:
-      raise ValueError(
-          "aux_rules='concat' needs per-example outputs with a leading batch dimension, but"
-          f" the aux leaf at {where}{jax.tree_util.keystr(path)} has shape {s.shape}. Use"
-          " 'stack' to collect one value per micro-batch.")
+  scalars = [p for p, s in jax.tree_util.tree_flatten_with_path(shapes)[0] if not s.shape]
+  if rule == "concat" and scalars:
+    raise ValueError(
+        "aux_rules='concat' needs per-example outputs with a leading batch dimension, but"
+        f" the aux leaf at {where}{jax.tree_util.keystr(scalars[0])} has shape (). Use"
+        " 'stack' to collect one value per micro-batch.")
 
   def init(shapes: Any) -> Any:
     return jax.tree.map(lambda s: _leaf_init(config, rule, s), shapes)

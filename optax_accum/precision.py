@@ -383,9 +383,11 @@ def scaled_value_and_grad(
     out = loss_fn(*args, **kwargs)
     return scaler.scale(out[0] if has_aux else out, state), out
 
+  grad_fn = jax.grad(scaled, has_aux=True)
+
   @functools.wraps(loss_fn)
   def value_and_grad(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    grads, value = jax.grad(scaled, has_aux=True)(*args, **kwargs)
+    grads, value = grad_fn(*args, **kwargs)
     return value, scaler.unscale(grads, state)
 
   return value_and_grad
