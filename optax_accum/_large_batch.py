@@ -1,9 +1,10 @@
 """Is accumulating ``k`` micro-batches of my loss the large batch? (``debug.check_large_batch``)
 
 The check compares the gradient :func:`~optax_accum.microbatched` accumulates
-with ``fn`` on the whole batch, leaf by leaf, against a tolerance that only
-floating point can explain, and when they differ it says why. It runs on the
-host, once, streaming the micro-batches: a debugging tool, not a training step.
+with ``fn`` on the whole batch, leaf by leaf, both evaluated in float64 (the
+float64 shadow of ``_float64``), and when they differ it says why. It runs
+once, streaming the micro-batches to the host: a debugging tool, not a
+training step.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
-from optax_accum import _arrays, _batch, _validation, microbatching
+from optax_accum import _arrays, _batch, _float64, _validation, microbatching
 
 
 class LeafError(NamedTuple):
@@ -26,14 +27,21 @@ class LeafError(NamedTuple):
     path: the leaf's path in the gradient tree, e.g. ``"['dense']['w']"``.
     shape: its shape.
     relative_error: the norm of its accumulated-minus-whole difference over
-      the norm of the whole batch's gradient of this leaf.
-    tolerance: the rounding this leaf's difference may hold, relative likewise.
+      the norm of the whole batch's gradient of this leaf, both evaluated in
+      float64: what decides.
+    tolerance: what float64 rounding may leave of a difference, relative
+      likewise: ``1e-9`` of the larger of the leaf's gradient and the
+      micro-batch gradients it sums (these are larger where they cancel).
+    native_error: the same difference as ``fn`` and ``microbatched`` compute
+      it in their own dtypes: what training sees (for information; it
+      decides nothing, its rounding is the dtypes').
   """
 
   path: str
   shape: tuple[int, ...]
   relative_error: float
   tolerance: float
+  native_error: float
 
 
 class LargeBatchReport(NamedTuple):
@@ -41,16 +49,16 @@ class LargeBatchReport(NamedTuple):
 
   Attributes:
     equal: whether every leaf of the accumulated gradient is the whole batch's
-      within its tolerance.
-    cause: ``"equal"``; ``"order"`` (the loss depends on the order of the rows:
-      pairs or sequences laid along the batch axis, which the micro-batches
-      split apart); ``"scale"`` (a positive multiple: the normalisation depends
-      on the batch size); ``"weights"`` (the whole batch weighs the
-      micro-batches unequally: per-micro-batch normalisation); ``"coupling"``
-      (no non-negative combination of micro-batch gradients gives it: the loss
-      or the model couples the examples of a batch); ``"accumulation"`` (the
-      micro-batch gradients combine into the whole batch's but
-      ``microbatched`` returned something else: a bug in optax_accum).
+      within its tolerance, in float64.
+    cause: ``"equal"``; ``"accumulation"`` (the micro-batch gradients combine
+      into the whole batch's but ``microbatched`` returned something else: a
+      bug in optax_accum); ``"order"`` (the loss depends on the order of the
+      rows: pairs or sequences laid along the batch axis, which the
+      micro-batches split apart); ``"scale"`` (a positive multiple: the
+      normalisation depends on the batch size); ``"weights"`` (the whole batch
+      weighs the micro-batches unequally: per-micro-batch normalisation);
+      ``"coupling"`` (no non-negative combination of micro-batch gradients
+      gives it: the loss or the model couples the examples of a batch).
     max_relative_error: the ``relative_error`` of the leaf furthest above its
       tolerance (of the largest error-to-tolerance ratio).
     tolerance: that leaf's tolerance: ``equal`` is ``max_relative_error <=
@@ -61,8 +69,6 @@ class LargeBatchReport(NamedTuple):
     fix: what to write instead, naming the API.
     leaves: one :class:`LeafError` per gradient leaf.
     num_microbatches: ``k``.
-    rounding: the precision the tolerance assumes, e.g. ``"bfloat16 results,
-      float32 sums over 32 rows"``.
   """
 
   equal: bool
@@ -73,17 +79,17 @@ class LargeBatchReport(NamedTuple):
   fix: str
   leaves: tuple[LeafError, ...]
   num_microbatches: int
-  rounding: str
 
   def __str__(self) -> str:
     width = max([4, *(len(leaf.path) for leaf in self.leaves)])
-    rows = [f"{'leaf':<{width}}  {'shape':<14}  relative error  tolerance"]
-    rows += [f"{leaf.path:<{width}}  {leaf.shape!s:<14}  {leaf.relative_error:<14.2e}"
-             f"  {leaf.tolerance:.2e}{'' if leaf.relative_error <= leaf.tolerance else '  <--'}"
+    rows = [f"{'leaf':<{width}}  {'shape':<14}  float64 error  tolerance  in its dtypes"]
+    rows += [f"{leaf.path:<{width}}  {leaf.shape!s:<14}  {leaf.relative_error:<13.2e}"
+             f"  {leaf.tolerance:<9.2e}  {leaf.native_error:.2e}"
+             f"{'' if leaf.relative_error <= leaf.tolerance else '  <--'}"
              for leaf in self.leaves]
     sign = "<=" if self.equal else ">"
     rows.append(f"k={self.num_microbatches}: relative error {self.max_relative_error:.2e}"
-                f" {sign} tolerance {self.tolerance:.2e} ({self.rounding}): {self.cause}")
+                f" {sign} tolerance {self.tolerance:.2e} (float64): {self.cause}")
     if self.weights is not None:
       rows.append("weights per micro-batch: " + " ".join(f"{w:.4g}" for w in self.weights))
     rows.append(self.fix)
@@ -115,7 +121,7 @@ def check_large_batch(
   accumulates over its ``k`` micro-batches (strided rows) with ``fn``'s on
   the whole batch, :math:`G` (for ``"weighted"``, the gradient over the
   denominator). To explain a difference it calls ``fn`` on each micro-batch,
-  combines their gradients :math:`g_i` in float64 as ``microbatched`` does,
+  combines their gradients :math:`g_i` as ``microbatched`` does,
   :math:`C = \sum_i c_i g_i` (:math:`c_i = 1/k` for ``"mean"``, 1 for
   ``"sum"``, the micro-batch's share of the denominator for ``"weighted"``),
   and calls ``fn`` on the batch's rows permuted:
@@ -133,49 +139,57 @@ def check_large_batch(
     non-negative weights, e.g. a loss normalised per micro-batch over its own
     real tokens (the weights are then the micro-batches' shares of them).
   * ``"coupling"``: no such combination fits: the loss or the model couples
-    the examples of a batch (a contrastive loss, BatchNorm in training mode).
-    Telling it from ``"weights"`` needs more gradient entries than
-    micro-batches: with fewer, a gradient that is not the whole batch's
-    raises ``ValueError``.
+    the examples of a batch (a contrastive loss, BatchNorm in training mode,
+    hard-example mining, a batch-level balancing loss). Telling it from
+    ``"weights"`` needs more gradient entries than micro-batches: with fewer,
+    a gradient that is not the whole batch's raises ``ValueError``.
 
-  **The tolerance is what rounding can explain, never a difference between
-  the two sides.** Per leaf it is 4 times (a safety factor) the sum of two
-  terms. The sums over the :math:`B` rows: :math:`u_s \sqrt{B}\, |G|`, their
-  error growing with the square root of their length, :math:`u_s` the unit
-  roundoff they accumulate in (float32 for 16-bit results: XLA and
-  ``jnp.sum`` accumulate those in float32). And one rounding of every input,
-  through the gradient's conditioning: how far ``fn``'s whole-batch gradient
-  moves when every input is nudged by one unit roundoff :math:`u_r` of the
-  coarsest dtype that ``fn``'s reductions over the rows (matmuls, sums) or
-  its gradients come out in (the root mean square of two such calls). A
-  residual near zero or rows that cancel amplify it as they amplify the
-  computation's own roundings. :math:`u_r` is read from ``fn``'s jaxpr: the
-  inputs' dtypes, elementwise casts and reductions over the params alone do
-  not count. Neither a coupling nor the row order can produce any of it.
-  Each leaf is held to its own tolerance, so a small leaf that is wholly
-  wrong is found whatever its share of the whole. A float32 loss finds a
-  defect of 0.01%, a bfloat16 one of a few percent.
+  **Every gradient is evaluated in float64**, whatever dtypes ``fn``
+  computes in: ``fn`` is traced as it runs (your ``jax_enable_x64`` setting
+  untouched), then its jaxpr is evaluated with every floating value,
+  operation and dtype parameter in float64 (bfloat16 policies, a bfloat16
+  embedding's scatter-add, ``preferred_element_type``, fp8 casts), through
+  ``jax.jit``, ``jax.checkpoint``, custom derivative rules, ``lax.cond``,
+  ``lax.scan``, ``lax.while_loop`` and ``shard_map``; integer values and the
+  bits of random numbers stay what they are. ``microbatched`` itself is
+  evaluated the same way. A loss that is a sum over its examples then gives
+  micro-batches and whole batch within about ``1e-15`` of each other, so no
+  model of rounding is needed: each leaf's tolerance is ``1e-9`` of the
+  larger of its gradient and the micro-batch gradients it sums, and any
+  difference the algebra makes (a loss normalised per micro-batch, a
+  statistic of the batch, labels stored as floats and cast to int, a mask
+  compared with ``== 1.0``) stands out by orders of magnitude. The report
+  also shows each leaf's difference in your own dtypes, what training will
+  see; it decides nothing. What cannot be evaluated in float64 (a
+  ``pure_callback``, an FFI call, a Pallas kernel) raises ``ValueError``
+  naming it and where it is: check the loss with its reference
+  implementation (e.g. ``jax.nn.dot_product_attention(...,
+  implementation="xla")``).
 
   **What "equal" proves**: on these arguments, accumulating the ``k``
-  micro-batches gives the large batch's gradient up to rounding. Not that it
-  does on every batch: a loss equal here by coincidence (a mask that happens
-  to give every micro-batch the same count of real rows) can differ on the
-  next; check a batch like the ones you train on, for every ``k`` you train
-  with. Randomness must be deterministic per example: ``fn`` drawing random
-  numbers from a key that is not part of a batch argument (a key argument, a
-  key captured by a closure, ``jax.random.key(0)`` inside the loss) draws
-  other masks on the whole batch and on each micro-batch and is refused
-  (``ValueError``) before anything runs; per-example keys inside a batch
-  argument are split with it and fine.
+  micro-batches gives the large batch's gradient, exactly up to float64
+  rounding. Not that it does on every batch: a loss equal here by
+  coincidence (a mask that happens to give every micro-batch the same count
+  of real rows) can differ on the next; check a batch like the ones you
+  train on, for every ``k`` you train with. Randomness must be deterministic
+  per example: ``fn`` drawing random numbers from a key that is not part of
+  a batch argument (a key argument, a key captured by a closure,
+  ``jax.random.key(0)`` inside the loss) draws other masks on the whole
+  batch and on each micro-batch and is refused (``ValueError``) before
+  anything runs; per-example keys inside a batch argument are split with it
+  and fine.
 
-  **Cost**: ``k + 4`` calls of ``fn`` (the whole batch, twice nudged, once
-  permuted, each micro-batch, streamed) and one of ``microbatched(fn, k)``;
-  ``k`` more for a ``"weights"`` or ``"coupling"`` verdict; one trace of
-  ``fn``. Pass ``fn`` jitted to compile it once per shape. The host holds
+  **Cost**: ``fn`` and ``microbatched(fn, k)`` once each as they are, and in
+  float64 ``fn`` on the whole batch, permuted, and on each micro-batch, and
+  ``microbatched`` once; ``k`` more micro-batch calls for a ``"weights"`` or
+  ``"coupling"`` verdict. Three float64 programs are compiled (the whole
+  batch, a micro-batch, ``microbatched``), on the devices the arguments are
+  on, laid out as they are. The devices hold the float64 gradients (8 bytes
+  per parameter each: the whole batch's, ``microbatched``'s, one
+  micro-batch's at a time) and a float64 step's activations; the host holds
   about 8 bytes per parameter whatever ``k``, the float64 :math:`C`, and one
-  leaf at a time (``benchmarks/bench_large_batch.py`` measures it): under 1 GiB
-  at 1e8 parameters. Parameters and batches may be sharded over the devices
-  of one process.
+  leaf at a time (``benchmarks/bench_large_batch.py`` measures both).
+  Parameters and batches may be sharded over the devices of one process.
 
   Args:
     fn: ``(*args) -> (value, grads)`` like ``jax.value_and_grad(loss_fn)``
@@ -194,9 +208,9 @@ def check_large_batch(
 
   Raises:
     ValueError: (when called) for a batch ``k`` does not divide; ``fn``
-      drawing random numbers from a key that is not in a batch argument; a
-      gradient with NaN or Inf; a difference that too few gradient entries
-      cannot explain.
+      drawing random numbers from a key that is not in a batch argument; an
+      operation that cannot be evaluated in float64; a gradient with NaN or
+      Inf; a difference that too few gradient entries cannot explain.
     TypeError: (when called) when ``fn`` does not return ``(value, grads)``
       with a scalar value.
 
@@ -224,16 +238,15 @@ def check_large_batch(
       fn, num_microbatches, batch_argnums=batch_argnums, has_aux=has_aux, normalize=normalize))
   k = int(num_microbatches)
   nums = _validation.check_argnums(batch_argnums, "batch_argnums")
+  programs: dict[Any, Any] = {}  # the float64 programs, by the types of their arguments
 
   def check(*args: Any, **kwargs: Any) -> LargeBatchReport:
     batch = _batch.of(args, nums)  # the rules every entry point shares
     batch.check_divides(k)
     b_nums, rows = batch.positions, batch.rows
     splits = {i: _batch.split(args[i], k) for i in b_nums}
-    rounding = _rounding(fn, args, kwargs, b_nums, rows)  # refuses hidden randomness
 
-    def grads(what: str, rows_at: dict[int, Any]) -> _Grads:
-      out = fn(*[rows_at.get(i, a) for i, a in enumerate(args)], **kwargs)
+    def grads(out: Any, what: str) -> _Grads:
       value, den, _, tree = _batch.unpack(out, normalize, has_aux)
       if jnp.ndim(value) != 0:
         raise TypeError(
@@ -241,28 +254,53 @@ def check_large_batch(
             " `jax.value_and_grad(loss_fn)` of a scalar loss_fn (has_aux=True for (loss, aux)).")
       return _Grads.of(tree, what, den)
 
+    def micro(j: int) -> tuple[Any, ...]:
+      return tuple(jax.tree.map(lambda x: x[j], splits[i]) if i in b_nums else a
+                   for i, a in enumerate(args))
+
     def micro_batches() -> Iterator[_Grads]:
       for j in range(k):
-        yield grads(f"micro-batch {j}",
-                    {i: jax.tree.map(lambda x, j=j: x[j], splits[i]) for i in b_nums})
+        yield grads(on_micro(micro(j)), f"micro-batch {j}")
 
-    whole = grads("the whole batch", {})
-    nudged = [whole.distance(grads("the nudged batch", {
-        i: _nudge(a, rounding.result, seed) for i, a in enumerate(args)}))
-        for seed in range(_NUDGES)]
+    native = grads(fn(*args, **kwargs), "the whole batch")  # fn as it runs: what training sees
+    on_whole = _in_float64(fn, args, kwargs, b_nums, programs)  # refuses hidden randomness
+    on_micro = _in_float64(fn, micro(0), kwargs, b_nums, programs)
+    whole = grads(on_whole(args), "the whole batch")
     order = np.random.default_rng(0).permutation(rows)
-    permuted = whole.distance(grads("the permuted batch", {
-        i: jax.tree.map(lambda x: _rows(x, order), args[i]) for i in b_nums}))
+    permuted = whole.distance(grads(on_whole(tuple(
+        jax.tree.map(lambda x: _rows(x, order), a) if i in b_nums else a
+        for i, a in enumerate(args))), "the permuted batch"))
     stats = _Stats.of(whole, micro_batches(), normalize, k)
-    acc = _Grads.of(accumulated(*args, **kwargs)[1], "microbatched")
-    # The tolerance: the sums over the rows, whose error grows with the square root of
-    # their length, and what the gradient's conditioning does to one rounding of every input.
-    sums = rounding.sums * np.sqrt(rows) * np.array([np.linalg.norm(whole.host(n))
-                                                     for n in range(len(whole.leaves))])
-    tol = _SAFETY * (sums + np.sqrt(np.mean(np.square(nudged), axis=0)))
-    return _classify(k, normalize, whole, permuted, acc, stats, tol, rounding, micro_batches)
+    on_accumulated = _in_float64(accumulated, args, kwargs, b_nums, programs)
+    acc = _Grads.of(on_accumulated(args)[1], "microbatched")
+    native_errors = _Grads.of(accumulated(*args, **kwargs)[1], "microbatched").distance(native)
+    return _classify(k, normalize, whole, permuted, acc, stats, micro_batches,
+                     native_errors / np.maximum(native.norms(), np.finfo(np.float64).tiny))
 
   return check
+
+
+def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                b_nums: tuple[int, ...], programs: dict[Any, Any]) -> Callable[..., Any]:
+  """``f``'s outputs in float64 on arguments shaped like ``args`` (``_float64.evaluate``).
+
+  ``f`` is traced on ``args`` as they are (raising where it draws random numbers from a
+  key no batch argument feeds), once per types of its arguments: ``programs`` keeps the
+  float64 program of each, so a check called again on new batches compiles nothing.
+  """
+  inputs = _arrays.ArrayLeaves.of((args, kwargs))
+  static = tuple(x for x in inputs.leaves if not isinstance(x, (jax.Array, np.ndarray)))
+  key = (f, b_nums, inputs.treedef, tuple(map(jax.typeof, inputs.arrays)), static)
+  if key not in programs:
+    def traced(*values: Any) -> Any:
+      a, kw = inputs.rebuild(values)
+      return f(*a, **kw)
+
+    closed, shape = jax.make_jaxpr(traced, return_shape=True)(*inputs.arrays)
+    _walk(closed.jaxpr, [frozenset({_source(path, b_nums)}) for path in inputs.paths])
+    programs[key] = _float64.evaluate(closed), jax.tree.structure(shape)
+  run, out = programs[key]
+  return lambda new: jax.tree.unflatten(out, run(*_arrays.ArrayLeaves.of((new, kwargs)).arrays))
 
 
 def _rows(x: Any, order: np.ndarray) -> jax.Array:
@@ -305,6 +343,10 @@ class _Grads(NamedTuple):
       x *= 1.0 / self.den if self.den else 0.0
     return x
 
+  def norms(self) -> np.ndarray:
+    """Each leaf's norm."""
+    return np.array([np.linalg.norm(self.host(n)) for n in range(len(self.leaves))])
+
   def distance(self, other: _Grads) -> np.ndarray:
     """Each leaf's norm of ``self - other``."""
     out = []
@@ -346,17 +388,20 @@ class _Stats(NamedTuple):
 
   ``combined`` is ``C = sum c_i g_i`` leaf by leaf, ``weights`` the ``c_i``: how
   ``microbatched`` combines the micro-batch gradients (``1/k``, 1, or each micro-batch's
-  share of the denominators); one sketch per micro-batch.
+  share of the denominators); ``sizes`` the ``sum c_i |g_i|`` of each leaf, the size of
+  the terms ``C`` sums (larger than ``C``'s where they cancel); one sketch per micro-batch.
   """
 
   combined: list[np.ndarray]
   weights: np.ndarray
+  sizes: np.ndarray
   sketches: np.ndarray  # [k, _SKETCH_ROWS]
 
   @classmethod
   def of(cls, whole: _Grads, micro: Iterator[_Grads], normalize: str, k: int) -> _Stats:
     combined = [np.zeros(np.size(g) * (2 if jnp.iscomplexobj(g) else 1)) for g in whole.leaves]
     weights, sketches = np.zeros(k), np.zeros((k, _SKETCH_ROWS))
+    sizes = np.zeros(len(combined))
     for j, g in enumerate(micro):
       weights[j] = g.den if normalize == "weighted" else (1.0 / k if normalize == "mean" else 1.0)
       for n, total in enumerate(combined):
@@ -364,75 +409,19 @@ class _Stats(NamedTuple):
         _sketch_leaf(n, x, sketches[j])
         x *= weights[j]
         total += x
+        sizes[n] += np.linalg.norm(x)
     if normalize == "weighted":  # over the sum of the denominators
       norm = float(weights.sum()) or 1.0  # no weight at all: C is 0
       for total in combined:
         total /= norm
       weights /= norm
-    return cls(combined, weights, sketches)
+      sizes /= norm
+    return cls(combined, weights, sizes, sketches)
 
 
-# --------------------------------------------------------------- rounding and keys
-_SAFETY = 4.0
-_NUDGES = 2  # calls on nudged inputs: how much rounding the gradient's conditioning amplifies
-
-
-def _nudge(tree: Any, unit: float, seed: int) -> Any:
-  """Each float leaf times ``1 + unit * e``, ``e`` uniform in [-1, 1] per element.
-
-  The whole batch's gradient at such inputs differs from its own by what rounding at
-  ``unit`` can do to this computation: cancellation (a residual near zero, a gradient
-  whose rows cancel) amplifies it, and neither a coupling nor the row order can cause it.
-  """
-  leaves, treedef = jax.tree.flatten(tree)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-
-  def one(x: Any, key: jax.Array) -> Any:
-    if not (isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)):
-      return x
-    noise = jax.random.uniform(key, jnp.shape(x), jnp.float32, -1.0, 1.0)
-    return (x * (1 + unit * noise)).astype(x.dtype)
-
-  return jax.tree.unflatten(treedef, [one(x, key) for x, key in zip(leaves, keys, strict=True)])
-
-
+# ------------------------------------------------------------------------------ keys
 _RANDOM = ("random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform")
-_REDUCTIONS = ("dot_general", "reduce_sum", "conv_general_dilated", "cumsum", "psum")
 _BATCH, _CAPTURED = "a batch argument", "captured"
-
-
-class _Rounding(NamedTuple):
-  """The unit roundoffs the tolerance assumes: of each result, and of the sums over rows."""
-
-  result: float
-  sums: float
-  text: str
-
-
-def _rounding(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-              b_nums: tuple[int, ...], rows: int) -> _Rounding:
-  """What ``fn``'s batch-dependent reductions round to, from its jaxpr; raises on hidden keys.
-
-  Each variable of the jaxpr carries the inputs it comes from (a batch argument, another
-  argument, a captured constant; none for a constant made inside), so the check knows
-  which reductions sum over data and which keys random numbers are drawn from.
-  """
-  inputs = _arrays.ArrayLeaves.of((args, kwargs))
-
-  def traced(*values: Any) -> Any:
-    a, kw = inputs.rebuild(values)
-    return fn(*a, **kw)
-
-  labels = [frozenset({_source(path, b_nums)}) for path in inputs.paths]
-  closed = jax.make_jaxpr(traced)(*inputs.arrays)
-  dtypes = {np.dtype(v.aval.dtype) for v in closed.jaxpr.outvars}  # the gradients' own
-  _walk(closed.jaxpr, labels, dtypes)
-  floats = [d for d in dtypes if jnp.issubdtype(d, jnp.inexact)] or [np.dtype(np.float32)]
-  coarse = max(floats, key=lambda d: float(jnp.finfo(d).eps))
-  sums = min(float(jnp.finfo(coarse).eps), float(jnp.finfo(np.float32).eps))
-  text = (f"{coarse.name} sums over {rows} rows" if sums == jnp.finfo(coarse).eps else
-          f"{coarse.name} results, float32 sums over {rows} rows")
-  return _Rounding(float(jnp.finfo(coarse).eps) / 2, sums / 2, text)
 
 
 def _source(path: Any, b_nums: tuple[int, ...]) -> str:
@@ -445,11 +434,12 @@ def _source(path: Any, b_nums: tuple[int, ...]) -> str:
   return f"keyword `{rest[0].key}`{at}"
 
 
-def _walk(jaxpr: jax_core.Jaxpr, labels: list[frozenset], dtypes: set[Any]) -> list[frozenset]:
+def _walk(jaxpr: jax_core.Jaxpr, labels: list[frozenset]) -> list[frozenset]:
   """Propagates the input labels through ``jaxpr``; returns its outputs' labels.
 
-  Adds to ``dtypes`` the dtypes of reductions over data a batch argument feeds, and
-  raises where random bits are drawn from a key no batch argument feeds.
+  Each variable carries the inputs it comes from (a batch argument, another argument, a
+  captured constant; none for a constant made inside); raises where random bits are
+  drawn from a key no batch argument feeds.
   """
   env = dict(zip(jaxpr.invars, labels, strict=True))
   env.update((v, frozenset({_CAPTURED})) for v in jaxpr.constvars)
@@ -463,15 +453,12 @@ def _walk(jaxpr: jax_core.Jaxpr, labels: list[frozenset], dtypes: set[Any]) -> l
     name = eqn.primitive.name
     if name in _RANDOM:
       _check_key(ins[0] if ins and name != "rng_uniform" else frozenset())
-    if name in _REDUCTIONS and _BATCH in every:
-      dtypes.update(np.dtype(v.aval.dtype) for v in eqn.outvars)
-    outs = _walk_inner(eqn, ins, every, dtypes)
+    outs = _walk_inner(eqn, ins, every)
     env.update(zip(eqn.outvars, outs or [every] * len(eqn.outvars), strict=True))
   return [read(v) for v in jaxpr.outvars]
 
 
-def _walk_inner(eqn: Any, ins: list[frozenset], every: frozenset,
-                dtypes: set[Any]) -> list[frozenset] | None:
+def _walk_inner(eqn: Any, ins: list[frozenset], every: frozenset) -> list[frozenset] | None:
   """The labels of an equation's outputs, from its inner jaxprs (None: ``every`` on each).
 
   A call (jit, checkpoint, custom rules, shard_map, a scan's body) maps its operands one
@@ -484,22 +471,22 @@ def _walk_inner(eqn: Any, ins: list[frozenset], every: frozenset,
   subs = list(jax_core.jaxprs_in_params(eqn.params))
   name = eqn.primitive.name
   if name == "cond":
-    outs = [_walk(s, ins[1:], dtypes) for s in subs]
+    outs = [_walk(s, ins[1:]) for s in subs]
     # Not the branch index's labels: a value the batch only chooses carries no rows, and a
     # key it chooses is drawn the same for every micro-batch (refused).
     return [frozenset().union(*o) for o in zip(*outs, strict=True)]
   if name == "while":
     c, b = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
     carry = ins[c + b:]
-    _walk(eqn.params["cond_jaxpr"].jaxpr, ins[:c] + carry, dtypes)
-    outs = _walk(eqn.params["body_jaxpr"].jaxpr, ins[c:c + b] + carry, dtypes)
+    _walk(eqn.params["cond_jaxpr"].jaxpr, ins[:c] + carry)
+    outs = _walk(eqn.params["body_jaxpr"].jaxpr, ins[c:c + b] + carry)
     return [a | b for a, b in zip(outs, carry, strict=True)]
   if len(subs) == 1 and len(subs[0].invars) == len(ins):
-    outs = _walk(subs[0], ins, dtypes)
+    outs = _walk(subs[0], ins)
     if len(outs) == len(eqn.outvars):
       return outs
   for s in subs:
-    _walk(s, [every] * len(s.invars), dtypes)
+    _walk(s, [every] * len(s.invars))
   return None
 
 
@@ -525,27 +512,36 @@ def _check_key(labels: frozenset) -> None:
 
 
 # ---------------------------------------------------------------------- the verdict
+_TOLERANCE = 1e-9  # of a leaf's size: float64 leaves about 1e-15 of it, the algebra >= 1e-4
+
+
 def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: _Grads,
-              stats: _Stats, tol: np.ndarray, rounding: _Rounding,
-              micro_batches: Callable[[], Iterator[_Grads]]) -> LargeBatchReport:
+              stats: _Stats, micro_batches: Callable[[], Iterator[_Grads]],
+              native: np.ndarray) -> LargeBatchReport:
   """The cause: equal, accumulation, order, scale, weights or coupling, in that order.
 
-  ``permuted``: each leaf's distance of the permuted batch's gradient from the whole's.
+  ``permuted``: each leaf's distance of the permuted batch's gradient from the whole's;
+  ``native``: each leaf's relative error in ``fn``'s own dtypes (shown, not decisive).
   """
   leaves = range(len(whole.leaves))
   combined = stats.combined
-  scale = np.array([np.linalg.norm(whole.host(n)) for n in leaves])
-  scale = np.where(scale > 0, scale, tol / _SAFETY + (tol == 0))  # a zero leaf: its rounding
+  norms = whole.norms()
+  # A leaf's size: its gradient's or its terms', and at least 1e-3 of the whole tree's (a
+  # gradient that is zero in exact arithmetic, a bias before BatchNorm, is float64 noise).
+  size = np.maximum(norms, stats.sizes)
+  tol = _TOLERANCE * np.maximum(size, 1e-3 * np.linalg.norm(size))
+  scale = np.where(norms > 0, norms, np.where(tol > 0, tol / _TOLERANCE, 1.0))  # a zero leaf
   errors = acc.distance(whole)
   ratio = np.divide(errors, tol, out=np.where(errors > 0, np.inf, 0.0), where=tol > 0)
   worst = int(np.argmax(ratio))
-  table = tuple(LeafError(path, shape, float(e / s), float(t / s))
-                for (path, shape), e, t, s in zip(whole.paths, errors, tol, scale, strict=True))
+  table = tuple(LeafError(path, shape, float(e / s), float(t / s), float(n))
+                for (path, shape), e, t, s, n in zip(whole.paths, errors, tol, scale, native,
+                                                     strict=True))
 
   def report(cause: str, weights: np.ndarray | None, fix: str) -> LargeBatchReport:
     w = None if weights is None else tuple(float(x) for x in weights)
     return LargeBatchReport(cause == "equal", cause, table[worst].relative_error,
-                            table[worst].tolerance, w, fix, table, k, rounding.text)
+                            table[worst].tolerance, w, fix, table, k)
 
   def off(fit: list[np.ndarray], factor: float = 1.0) -> np.ndarray:
     """Each leaf's distance of ``factor`` times ``fit`` from the whole batch's gradient."""
@@ -553,7 +549,7 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
 
   if np.all(errors <= tol):
     return report("equal", None, "Nothing to fix: accumulating these micro-batches gives the"
-                  " whole batch's gradient, up to rounding.")
+                  " whole batch's gradient, exactly up to float64 rounding.")
   if np.all(off(combined) <= tol):
     return report("accumulation", None, _ACCUMULATION_FIX)
   if np.any(permuted > tol):

@@ -17,10 +17,11 @@ import tracemalloc
 
 import flax.linen as nn
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -88,18 +89,16 @@ def micro_mean_grad(loss, *args, k=K):
 def test_separable_mean_loss_is_equal_and_bf16_raises_no_false_alarm():
   f32 = checked(mean_loss, PARAMS, X, Y)
   assert f32.equal and f32.cause == "equal" and f32.weights is None, str(f32)
-  assert f32.max_relative_error <= f32.tolerance < 1e-5
-  assert f32.rounding == "float32 sums over 32 rows"
+  assert f32.max_relative_error <= 1e-13 and f32.tolerance < 1e-8
   assert f32.raise_if_different() is None
   for k in (4, 8):
     bf16 = checked(mean_loss_bf16, PARAMS, X, Y, k=k)
     assert bf16.cause == "equal", str(bf16)
-    assert bf16.rounding == "bfloat16 results, float32 sums over 32 rows"
-    # bfloat16's rounding is far above float32's tolerance: that one would be a false alarm.
-    assert bf16.max_relative_error > 10 * f32.tolerance
-  # Percents, not a blanket pass: the bias's gradient cancels over the rows (its tolerance
-  # is the largest), and a loss 10% off in bfloat16 is found.
-  assert max(leaf.tolerance for leaf in bf16.leaves) < 0.3
+    # In float64 the bfloat16 loss agrees as closely as the float32 one; in its own dtypes
+    # it differs by bfloat16's rounding, which the report shows and which decides nothing.
+    assert bf16.max_relative_error <= 1e-13 and bf16.tolerance < 1e-8
+    assert max(leaf.native_error for leaf in bf16.leaves) > 1e-4, str(bf16)
+  assert "float64 error" in str(bf16) and "in its dtypes" in str(bf16)
 
   def off(p, x, y):
     return (1.1 if x.shape[0] == B else 1.0) * mean_loss_bf16(p, x, y)
@@ -113,7 +112,7 @@ def test_a_large_float32_batch_raises_no_false_alarm_and_finds_a_tenth_of_a_perc
   x, y = (jnp.asarray(rng.normal(size=(16384, d)), jnp.float32) for d in (6, 1))
   report = checked(mean_loss, PARAMS, x, y, k=8)
   assert report.cause == "equal", str(report)
-  assert report.tolerance < 1e-4
+  assert report.max_relative_error < 1e-12 and report.tolerance < 1e-8
 
   def off(p, x, y):  # a mean over n - 8 rows: 0.05% too large on the whole batch
     return jnp.sum(per_example(p, x, y)) / (x.shape[0] - 8)
@@ -121,14 +120,20 @@ def test_a_large_float32_batch_raises_no_false_alarm_and_finds_a_tenth_of_a_perc
   assert checked(off, PARAMS, x, y, k=8).cause == "scale"
 
 
-def test_the_tolerance_of_a_linear_float32_loss_is_its_sums_rounding():
-  """A loss linear in the params: the nudged inputs barely move its gradient, the mean of
-  the rows, and the tolerance is the sums' term alone, 4 u sqrt(B) |G| with float32's
-  unit u = 2**-24."""
-  x = jnp.asarray(np.random.default_rng(2).normal(1.0, 1.0, size=(16384, 6)), jnp.float32)
-  report = checked(lambda w, x: jnp.mean(x @ w), jnp.ones(6), x, k=8)
-  assert report.cause == "equal", str(report)
-  np.testing.assert_allclose(report.tolerance, 4 * 2**-24 * np.sqrt(16384), rtol=0.05)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_tolerance_of_a_linear_loss_is_a_billionth_of_its_gradient(dtype):
+  """A loss linear in the params, whose gradient is the mean of the rows: the micro-batch
+  gradients do not cancel, so the tolerance is 1e-9 of the gradient itself, and float64
+  leaves about 1e-16 of it whatever the dtype of the loss (bfloat16 here on 16384 rows:
+  the released rounding model's false alarm)."""
+  for seed in range(4):
+    x = jnp.asarray(np.random.default_rng(seed).normal(1.0, 1.0, size=(16384, 6)), dtype)
+    for k in (2, 8):
+      report = checked(lambda w, x: jnp.mean(x @ w.astype(x.dtype)).astype(jnp.float32),
+                       jnp.ones(6), x, k=k)
+      assert report.cause == "equal", str(report)
+      np.testing.assert_allclose(report.tolerance, 1e-9, rtol=1e-3)
+      assert report.max_relative_error < 1e-14
 
 
 def test_at_the_optimum_rows_that_cancel_raise_no_false_alarm():
@@ -157,6 +162,9 @@ def _separable(dtype, depth):
 
 
 @settings(max_examples=10, deadline=None)
+# The draw that read "order" under the released rounding model on jax 0.12 (leaf b1).
+@example(seed=8674, dtype="float16", k=8, rows=2, normalize="mean", at_optimum=False)
+@example(seed=8674, dtype="float16", k=8, rows=2, normalize="mean", at_optimum=True)
 @given(seed=st.integers(0, 2**16), dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
        k=st.sampled_from([2, 4, 8]), rows=st.integers(1, 12),
        normalize=st.sampled_from(["mean", "sum", "weighted"]), at_optimum=st.booleans())
@@ -230,8 +238,7 @@ def test_the_same_loss_token_weighted_is_equal():
   assert report.cause == "equal", str(report)
   # A micro-batch of only padding (rows 0, 4, 8, ...): weight 0, not a NaN gradient.
   report = check(PARAMS, X, Y, MASK.at[0::K].set(0.0))
-  assert report.cause == "equal" and np.isfinite(report.max_relative_error), str(report)
-  assert report.tolerance >= 2 * float(jnp.finfo(jnp.float32).eps)
+  assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
 
 
 def test_a_token_weighted_loss_off_on_the_whole_batch_is_a_scale_of_its_own_size():
@@ -295,8 +302,7 @@ def test_a_defect_of_one_percent_is_found(data):
   scale = (b - 1) / (b - K) - 1  # 0.95%
   assert not report.equal and report.cause == "scale"
   np.testing.assert_allclose([leaf.relative_error for leaf in report.leaves], scale, rtol=1e-3)
-  assert report.tolerance < scale / 100
-  assert report.rounding.startswith("float32 sums")
+  assert report.tolerance < scale * 1e-6
 
 
 @pytest.mark.parametrize("called", [False, True])
@@ -316,8 +322,7 @@ def test_narrow_ops_off_the_rows_do_not_loosen_the_tolerance(called):
     return mean_loss(p, x, targets) + decay(p)
 
   report = checked(narrow_ops, PARAMS, X, Y)
-  assert report.cause == "equal" and report.tolerance < 1e-5, str(report)
-  assert report.rounding == "float32 sums over 32 rows"
+  assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
 
 
 def test_bfloat16_params_computed_in_float32_raise_no_false_alarm():
@@ -327,8 +332,7 @@ def test_bfloat16_params_computed_in_float32_raise_no_false_alarm():
     return mean_loss(jax.tree.map(lambda a: a.astype(jnp.float32), p), x, y)
 
   report = checked(loss, jax.tree.map(lambda a: a.astype(jnp.bfloat16), PARAMS), X, Y)
-  assert report.cause == "equal", str(report)
-  assert report.rounding == "bfloat16 results, float32 sums over 32 rows"
+  assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
 
 
 def test_a_negative_multiple_is_no_scale():
@@ -425,8 +429,9 @@ def test_row_order_is_its_own_cause_and_the_layout_fix_is_equal():
 
 
 def test_one_small_leaf_wholly_wrong_is_found_in_bfloat16():
-  """A gate on a batch statistic that grows with the batch: a tenth of a percent of the
-  gradient's norm, 75% wrong; every other leaf within its bfloat16 tolerance."""
+  """A gate on a batch statistic that grows with the batch: a small share of the gradient's
+  norm, 75% wrong; through the gate the other leaves are off by 0.3% to 5%, far below
+  bfloat16's own rounding of them but not below float64's."""
   def gated(p, x, y):
     main = mean_loss_bf16(p, x, y)
     return main + 1e-4 * p["gate"] * jnp.sum(hidden(p, x, jnp.bfloat16)).astype(jnp.float32)
@@ -441,7 +446,10 @@ def test_one_small_leaf_wholly_wrong_is_found_in_bfloat16():
   share = float(abs(jax.grad(gated)(params, X, Y)["gate"])) / np.linalg.norm(
       [np.linalg.norm(g) for g in jax.tree.leaves(jax.grad(gated)(params, X, Y))])
   assert share < 0.05 < gate.relative_error  # hidden by the whole tree's norm
-  assert "<--" in str(report) and str(report).count("<--") <= 2
+  reached = [leaf for leaf in report.leaves if leaf.path != "['w2']"]  # all the gate sees
+  assert str(report).count("<--") == len(reached)
+  assert min(leaf.relative_error for leaf in reached) > 1e-3
+  assert rows["['w2']"].relative_error < 1e-13
 
 
 def test_a_defect_of_microbatched_itself_is_the_accumulation_cause(monkeypatch):
@@ -524,6 +532,118 @@ def test_per_example_keys_in_a_batch_argument_and_innocent_uint32_pairs_are_fine
   shape = jnp.asarray([3, 2], jnp.uint32)  # a uint32[2] that is no key
   report = check_large_batch(fn, K, batch_argnums=(1, 2, 3))(PARAMS, X, Y, keys, shape)
   assert report.cause == "equal", str(report)
+
+
+# ------------------------------ what a model of rounding got wrong, both ways (issue 56)
+def test_a_bfloat16_embedding_lookup_is_equal_on_every_seed():
+  """``emb.astype(bf16)[tokens]``: the backward is a bfloat16 scatter-add into the table,
+  many tokens to a row, which the released rounding model did not know ("order")."""
+  def loss(p, tokens, y):
+    h = jnp.mean(p["emb"].astype(jnp.bfloat16)[tokens], axis=1)
+    return jnp.mean(((h @ p["out"].astype(jnp.bfloat16)).astype(jnp.float32) - y) ** 2)
+
+  for seed in range(4):
+    rng = np.random.default_rng(seed)
+    params = {"emb": jnp.asarray(rng.normal(size=(50, 8)), jnp.float32),
+              "out": jnp.asarray(rng.normal(size=(8, 1)), jnp.float32)}
+    tokens = jnp.asarray(rng.integers(0, 50, size=(64, 12)), jnp.int32)
+    y = jnp.asarray(rng.normal(size=(64, 1)), jnp.float32)
+    report = checked(loss, params, tokens, y, k=4)
+    assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
+
+
+def float_labels(p, x, labels):  # labels stored as floats, -1 for padding, cast to int
+  logits = hidden(p, x) @ p["cls"]
+  real = (labels >= 0).astype(jnp.float32)
+  picked = jnp.take_along_axis(jax.nn.log_softmax(logits),
+                               jnp.maximum(labels, 0).astype(jnp.int32)[:, None], 1)[:, 0]
+  return -jnp.sum(picked * real) / jnp.sum(real)  # over the real rows of the batch it sees
+
+
+def padding_flag(p, x, y, flag):  # a float flag compared with == 1.0
+  real = (flag == 1.0).astype(jnp.float32)
+  return jnp.sum(per_example(p, x, y) * real) / jnp.sum(real)
+
+
+@pytest.mark.parametrize("case", ["float labels", "padding flag"])
+def test_integer_valued_floats_normalised_per_micro_batch_are_weights(case):
+  """Inputs whose float values are used as integers or compared for equality: a nudge of
+  one unit moved their gradient by O(1), and the released tolerance took all of it."""
+  real = np.asarray(MASK) > 0
+  if case == "float labels":
+    labels = jnp.asarray(np.where(real, _rng.integers(0, 5, B), -1), jnp.float32)
+    params = {**PARAMS, "cls": jnp.asarray(_rng.normal(size=(16, 5)), jnp.float32)}
+    report = checked(float_labels, params, X, labels)
+  else:
+    report = checked(padding_flag, PARAMS, X, Y, jnp.asarray(real, jnp.float32))
+  counts = real.reshape(B // K, K).sum(axis=0)
+  assert report.cause == "weights", str(report)
+  np.testing.assert_allclose(report.weights, counts / counts.sum(), atol=1e-9)
+  assert report.max_relative_error > 1e-2
+
+
+def test_bfloat16_outputs_of_a_float32_model_keep_a_defect_visible():
+  """A float32 model whose value is cast to bfloat16 and whose aux holds bfloat16 metrics,
+  divided by ``n - 1``: off by (B - 1) / (B - k) - 1 = 7e-4 at 4096 rows."""
+  def loss(p, x, y):
+    per = per_example(p, x, y)
+    value = (jnp.sum(per) / (x.shape[0] - 1)).astype(jnp.bfloat16)
+    return value, {"max": jnp.max(per).astype(jnp.bfloat16)}
+
+  b = 4096
+  x, y = (jnp.asarray(_rng.normal(size=(b, d)), jnp.float32) for d in (6, 1))
+  report = checked(loss, PARAMS, x, y, has_aux=True)
+  assert report.cause == "scale", str(report)
+  np.testing.assert_allclose([leaf.relative_error for leaf in report.leaves],
+                             (b - 1) / (b - K) - 1, rtol=1e-6)
+
+
+def test_hard_example_mining_in_bfloat16_is_coupling():
+  """The mean of the hardest half of the batch: each micro-batch picks its own half."""
+  def hardest_half(p, x, y):
+    per = per_example(p, x, y, jnp.bfloat16)
+    return jnp.mean(jax.lax.top_k(per, x.shape[0] // 2)[0]).astype(jnp.float32)
+
+  report = checked(hardest_half, PARAMS, X, Y)
+  assert report.cause == "coupling" and report.max_relative_error > 1e-2, str(report)
+
+
+_NUMPY_RNG = np.random.default_rng(5)
+
+
+def test_dropout_drawn_with_numpy_in_an_unjitted_loss_is_not_equal():
+  """numpy draws when the loss is traced: another mask for the whole batch than for the
+  micro-batches, constants of the traced program the float64 evaluation keeps."""
+  def numpy_dropout(p, x, y):
+    keep = jnp.asarray(_NUMPY_RNG.uniform(size=x.shape) > 0.5, jnp.float32)
+    return mean_loss(p, x * keep / 0.5, y)
+
+  fn = jax.value_and_grad(numpy_dropout)  # not jitted: drawn at every call and trace
+  report = check_large_batch(fn, K, batch_argnums=(1, 2))(PARAMS, X, Y)
+  assert not report.equal and report.max_relative_error > 1e-2, str(report)
+
+
+def test_the_users_x64_setting_is_untouched_and_fn_is_traced_under_it():
+  def loss(p, x, y):
+    assert jnp.ones(()).dtype == jnp.float32  # traced as the user's code runs
+    return mean_loss(p, x, y) + jnp.mean(x * jnp.arange(x.shape[1]))
+
+  assert checked(loss, PARAMS, X, Y).cause == "equal"
+  assert not jax.config.jax_enable_x64 and jnp.ones(()).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("callback", ["pure", "io"])
+def test_what_cannot_be_evaluated_in_float64_is_named_with_its_line(callback):
+  def loss(p, x, y):  # on the targets, which need no derivative
+    if callback == "pure":
+      y = jax.pure_callback(np.tanh, jax.ShapeDtypeStruct(y.shape, y.dtype), y)
+    else:
+      jax.experimental.io_callback(lambda v: None, None, y)
+    return mean_loss(p, x, y)
+
+  with pytest.raises(ValueError, match=rf"`{callback}_callback` \(at .*test_large_batch_check"
+                     r"\.py:\d+.*cannot be evaluated in float64.*implementation='xla'"):
+    check_large_batch(jax.value_and_grad(loss), K, batch_argnums=(1, 2))(PARAMS, X, Y)
 
 
 # ---------------------------------------------------------- scale, devices, input

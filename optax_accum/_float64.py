@@ -1,0 +1,171 @@
+"""A function's jaxpr evaluated with every floating value in float64: the float64 shadow.
+
+``check_large_batch`` compares micro-batches with the whole batch in float64,
+whatever dtypes the user's code computes in: a bfloat16 policy, a bfloat16
+embedding's scatter-add, ``preferred_element_type``, an fp8 cast. Each
+equation of the jaxpr is bound again with its floating operands, results and
+dtype parameters widened to float64 (complex to complex128), through calls,
+custom rules, ``jax.checkpoint``, ``cond``, ``scan``, ``while`` and
+``shard_map``. Integer values (and ``bitcast_convert_type``'s bits: random
+numbers stay bit for bit the draws the user's code makes) keep their dtype,
+constants the values the program holds (a bfloat16 literal was rounded when
+traced), and the program its structure: shardings, collectives, control flow.
+What cannot be widened (callbacks, foreign calls, kernels) raises a
+``ValueError`` that names the primitive and the line that made it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jax_core
+from jax.extend import source_info_util
+
+# Calls (jit, jax.checkpoint, custom_jvp/custom_vjp functions), and where their callee is.
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+          "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
+          "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
+_OPAQUE = ("pure_callback", "io_callback", "ffi_call", "pallas_call", "triton_kernel_call",
+           "custom_call")
+_DROPPED = ("debug_callback", "debug_print")  # prints the user's values: once is enough
+
+
+def wide(dtype: Any) -> Any:
+  """float64 for a floating dtype, complex128 for a complex one, ``dtype`` otherwise."""
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return np.dtype(np.complex128)
+  return np.dtype(np.float64) if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def _up(x: Any) -> Any:
+  x = jnp.asarray(x)
+  return x if wide(x.dtype) == x.dtype else lax.convert_element_type(x, wide(x.dtype))
+
+
+def evaluate(closed: jax_core.ClosedJaxpr) -> Callable[..., list[jax.Array]]:
+  """``closed``'s outputs in float64, from its inputs in their own dtypes: one jitted program.
+
+  The program is compiled once per ``closed`` and runs where its inputs are, laid
+  out as they are; 64-bit types are enabled for it alone (the user's setting, and
+  ``closed``, which was traced under it, are left as they are).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> def mean(x):  # a bfloat16 sum: 256 rounds to 256 + 2 = 258
+    ...   return jnp.sum(x.astype(jnp.bfloat16), dtype=jnp.bfloat16) / 1024
+    >>> x = jnp.full(1024, 1.0 + 1 / 256, jnp.float32)
+    >>> closed = jax.make_jaxpr(mean)(x)
+    >>> float(mean(x)), float(evaluate(closed)(x)[0])
+    (1.0, 1.00390625)
+  """
+  @jax.jit
+  def run(consts: Sequence[Any], *args: Any) -> list[jax.Array]:
+    return _eval(closed.jaxpr, consts, args)
+
+  def call(*args: Any) -> list[jax.Array]:
+    with jax.enable_x64(True):
+      return run(list(closed.consts), *args)
+
+  return call
+
+
+def _eval(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+  env: dict[Any, Any] = {}
+
+  def read(v: Any) -> Any:
+    if isinstance(v, jax_core.Literal):
+      return _up(np.asarray(v.val, v.aval.dtype))
+    return env[v]
+
+  env.update(zip(jaxpr.constvars, map(_up, consts), strict=True))
+  env.update(zip(jaxpr.invars, map(_up, args), strict=True))
+  for eqn in jaxpr.eqns:
+    env.update(zip(eqn.outvars, _apply(eqn, [read(v) for v in eqn.invars]), strict=True))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _closed(j: Any) -> jax_core.ClosedJaxpr:
+  return j if isinstance(j, jax_core.ClosedJaxpr) else jax_core.ClosedJaxpr(j, ())
+
+
+def _run(j: Any) -> Callable[..., list[Any]]:
+  closed = _closed(j)
+  return lambda *a: _eval(closed.jaxpr, closed.consts, a)
+
+
+def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
+  """One equation, its floating values in float64."""
+  name, p = eqn.primitive.name, eqn.params
+  if name in _DROPPED:
+    return []
+  if name == "reduce_precision":  # a rounding to a narrower format: not in the shadow
+    return ins
+  if name == "bitcast_convert_type":  # the bits of the value in its own dtype
+    out = lax.bitcast_convert_type(ins[0].astype(eqn.invars[0].aval.dtype), p["new_dtype"])
+    return [_up(out)]
+  if name == "cond":
+    return list(lax.switch(ins[0], [_run(b) for b in p["branches"]], *ins[1:]))
+  if name == "while":
+    c, b = p["cond_nconsts"], p["body_nconsts"]
+    cond, body = _run(p["cond_jaxpr"]), _run(p["body_jaxpr"])
+    return list(lax.while_loop(lambda carry: cond(*ins[:c], *carry)[0],
+                               lambda carry: body(*ins[c:c + b], *carry), ins[c + b:]))
+  if name == "scan":
+    if "ft_in" in p:  # jax >= 0.11: the operands' groups as a flat tree
+      consts, init, xs = map(list, p["ft_in"].update(ins).unpack())
+    else:
+      c, n = p["num_consts"], p["num_carry"]
+      consts, init, xs = ins[:c], ins[c:c + n], ins[c + n:]
+    body = _run(p["jaxpr"])
+
+    def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+      out = body(*consts, *carry, *x)
+      return out[:len(init)], out[len(init):]
+
+    carry, ys = lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"])
+    return [*carry, *ys]
+  if name == "shard_map":
+    body = _run(p["jaxpr"])
+    return list(jax.shard_map(lambda *a: tuple(body(*a)), mesh=p["mesh"],
+                              in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]),
+                              axis_names=p["newly_manual_axes"], check_vma=p["check_vma"])(*ins))
+  if name in _CALLS:
+    return _run(p[_CALLS[name]])(*ins)  # a custom rule's function itself: no derivative taken
+  if name in _OPAQUE:
+    raise _cannot(eqn)
+  out = eqn.primitive.bind(*ins, **{k: _param(k, v, eqn) for k, v in p.items()})
+  outs = list(out) if eqn.primitive.multiple_results else [out]
+  if any(wide(o.dtype) != o.dtype for o in outs):
+    raise _cannot(eqn)
+  return outs
+
+
+def _param(key: str, value: Any, eqn: Any) -> Any:
+  """A parameter of ``eqn`` for float64 operands: dtypes widened, scalar computations too."""
+  if key == "precision":
+    return None  # a dot algorithm names its operands' types; float64 has one algorithm
+  if isinstance(value, (jax_core.Jaxpr, jax_core.ClosedJaxpr)):
+    closed = _closed(value)  # a reduction's or scatter's scalar computation
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, wide(v.aval.dtype)) for v in closed.jaxpr.invars]
+    new = jax.make_jaxpr(_run(closed))(*avals)
+    if new.consts and isinstance(value, jax_core.Jaxpr):
+      raise _cannot(eqn)
+    return new if isinstance(value, jax_core.ClosedJaxpr) else new.jaxpr
+  if isinstance(value, type) and issubclass(value, np.generic):
+    value = np.dtype(value)
+  return wide(value) if isinstance(value, np.dtype) else value
+
+
+def _cannot(eqn: Any) -> ValueError:
+  where = source_info_util.summarize(eqn.source_info)
+  return ValueError(
+      f"`{eqn.primitive.name}` (at {where}) cannot be evaluated in float64: check_large_batch"
+      " compares the micro-batches with the whole batch in float64, and a callback, a foreign"
+      " function or a hand-written kernel computes in its own types. Check the loss with its"
+      " reference implementation (e.g. jax.nn.dot_product_attention(...,"
+      " implementation='xla'), the pure-JAX version of a Pallas kernel) in place of this call.")

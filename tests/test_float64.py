@@ -1,0 +1,148 @@
+"""The float64 shadow (``optax_accum._float64``) against numpy's float64, op by op.
+
+Each program computes in a narrow dtype on purpose (bfloat16 sums, a bfloat16
+scatter-add, float16 loops, an fp8 round trip); its float64 evaluation must
+equal the same arithmetic done by numpy in float64 on the same inputs, which
+the narrow program itself misses by its rounding. Random bits stay the
+program's own, and what cannot be widened is refused with its line.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from optax_accum import _float64
+
+_rng = np.random.default_rng(0)
+X = jnp.asarray(_rng.normal(size=(64, 8)), jnp.float32)
+W = jnp.asarray(_rng.normal(size=(8, 4)), jnp.float32)
+BF16 = jnp.bfloat16
+
+
+def in_float64(fn, *args):
+  outs = _float64.evaluate(jax.make_jaxpr(fn)(*args))(*args)
+  assert all(o.dtype in (np.float64, np.complex128) or not jnp.issubdtype(o.dtype, jnp.inexact)
+             for o in outs)
+  return [np.asarray(o) for o in outs]
+
+
+def f64(x):
+  return np.asarray(x, np.float64)
+
+
+def test_narrow_sums_dots_and_casts_are_float64():
+  def fn(x, w):
+    h = jnp.dot(x.astype(BF16), w.astype(BF16), preferred_element_type=BF16)
+    s = jnp.sum(jnp.tanh(h), dtype=BF16)
+    q = x.astype(jnp.float8_e4m3fn).astype(jnp.float32)  # an fp8 round trip
+    r = jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=2)
+    return s, jnp.sum(q), jnp.sum(r), jnp.arange(4, dtype=jnp.float16) / 3
+  s, q, r, a = in_float64(fn, X, W)
+  np.testing.assert_allclose(s, np.tanh(f64(X) @ f64(W)).sum(), rtol=1e-13)
+  np.testing.assert_allclose([q, r], [f64(X).sum()] * 2, rtol=1e-13)
+  np.testing.assert_allclose(a, np.arange(4) / 3, rtol=1e-15)
+  assert abs(float(fn(X, W)[0]) - s) > 1e-3 * abs(s)  # what bfloat16 itself gives
+
+
+def test_a_bfloat16_embedding_gradient_is_a_float64_scatter_add():
+  tokens = jnp.asarray(_rng.integers(0, 6, size=(64, 5)), jnp.int32)
+  emb = jnp.asarray(_rng.normal(size=(6, 3)) + 1.0, jnp.float32)
+
+  def loss(e):
+    return jnp.sum(e.astype(BF16)[tokens] * jnp.asarray(X[:, :3, None].transpose(0, 2, 1),
+                                                          BF16)).astype(jnp.float32)
+
+  (grad,) = in_float64(jax.grad(loss), emb)
+  expected = np.zeros((6, 3))
+  np.add.at(expected, np.asarray(tokens).ravel(), np.repeat(f64(X[:, :3]), 5, axis=0))
+  np.testing.assert_allclose(grad, expected, rtol=1e-13)
+
+
+def test_control_flow_calls_and_custom_rules():
+  x = X[:, 0]
+
+  @jax.custom_vjp
+  def twice(v):
+    return (v * 2).astype(jnp.float16)
+
+  # A backward rule that is not the derivative (3, not 2): the program's own rule is kept.
+  twice.defvjp(lambda v: (twice(v), None), lambda _, ct: (ct.astype(jnp.float32) * 3,))
+
+  def fn(x):
+    c, ys = jax.lax.scan(lambda c, r: (c + r.astype(BF16), c), jnp.asarray(0, BF16), x)
+    _, p = jax.lax.while_loop(lambda s: s[0] < 5, lambda s: (s[0] + 1, s[1] * 1.1),
+                              (0, x[0].astype(jnp.float16)))
+    narrow = x.astype(BF16)
+    branch = jax.lax.cond(x[1] > 0, lambda: jnp.sum(narrow), lambda: -jnp.sum(narrow))
+    remat = jax.checkpoint(lambda v: jnp.sum(jnp.sin(v.astype(jnp.float16))))(x)
+    called = jax.jit(lambda v: jnp.mean(v.astype(BF16)))(x)
+    grad = jax.grad(lambda v: jnp.sum(twice(v)).astype(jnp.float32))(x)
+    return c, ys, p, branch, remat, called, grad
+
+  c, ys, p, branch, remat, called, grad = in_float64(fn, x)
+  np.testing.assert_allclose(c, f64(x).sum(), rtol=1e-13)
+  np.testing.assert_allclose(ys, np.concatenate([[0.0], np.cumsum(f64(x))[:-1]]), atol=1e-12)
+  # Constants are what the program holds: the float16 literal 1.1 was rounded when traced.
+  np.testing.assert_allclose(p, f64(x[0]) * float(np.float16(1.1)) ** 5, rtol=1e-13)
+  np.testing.assert_allclose(branch, f64(x).sum() if x[1] > 0 else -f64(x).sum(), rtol=1e-13)
+  np.testing.assert_allclose([remat, called], [np.sin(f64(x)).sum(), f64(x).mean()], rtol=1e-13)
+  np.testing.assert_array_equal(grad, np.full(64, 3.0))
+
+
+def test_random_bits_are_the_programs_own():
+  def fn(x):
+    return jax.random.uniform(jax.random.key(3), x.shape, BF16) * x, jax.random.randint(
+        jax.random.key(4), (5,), 0, 100)
+
+  draws, ints = in_float64(fn, X)
+  uniform = jax.random.uniform(jax.random.key(3), X.shape, BF16)  # bfloat16 draws, exact
+  np.testing.assert_array_equal(draws, f64(uniform) * f64(X))
+  np.testing.assert_array_equal(ints, fn(X)[1])
+
+
+def test_complex_values_widen_to_complex128():
+  z = (X[:, 0] + 1j * X[:, 1]).astype(jnp.complex64)
+  (out,) = in_float64(lambda z: jnp.sum(z * z), z)
+  assert out.dtype == np.complex128
+  np.testing.assert_allclose(out, np.sum(np.asarray(z, np.complex128) ** 2), rtol=1e-13)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (tests/conftest.py)")
+def test_shard_map_and_shardings_stay_as_they_are():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+
+  def fn(x):
+    local = jax.shard_map(lambda b: jax.lax.psum(jnp.sum(b.astype(BF16)), "data"),
+                          mesh=mesh, in_specs=P("data"), out_specs=P())
+    return local(x), x.astype(jnp.float16) * 2
+
+  with jax.set_mesh(mesh):
+    x = jax.device_put(X, P("data"))
+    closed = jax.make_jaxpr(fn)(x)
+    total, doubled = _float64.evaluate(closed)(x)
+  np.testing.assert_allclose(float(total), f64(X).sum(), rtol=1e-13)
+  assert doubled.dtype == np.float64 and doubled.sharding.is_equivalent_to(x.sharding, 2)
+  np.testing.assert_array_equal(np.asarray(doubled), 2 * f64(X))
+
+
+@pytest.mark.parametrize("kind", ["pure_callback", "io_callback"])
+def test_callbacks_are_refused_with_their_line(kind):
+  def fn(x):
+    if kind == "pure_callback":
+      return jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    jax.experimental.io_callback(lambda v: None, None, x)
+    return x
+
+  with pytest.raises(ValueError, match=rf"`{kind}` \(at .*test_float64\.py:\d+"):
+    in_float64(fn, X)
+
+
+def test_64_bit_types_are_enabled_for_the_evaluation_alone():
+  in_float64(lambda x: jnp.sum(x), X)
+  assert not jax.config.jax_enable_x64 and jnp.ones(()).dtype == jnp.float32
