@@ -64,7 +64,8 @@ def clip_loss(x: jax.Array, y: jax.Array, temperature: Any, *, block_size: int |
   summed in float32 (float64 inputs: float64); the loss is in that dtype,
   the gradients in the inputs'.
 
-  Many devices: inside ``jax.shard_map`` (or ``pmap``) over ``axis_name``,
+  Many devices: inside ``jax.shard_map`` over ``axis_name`` (with its default
+  ``check_vma=True``: ``pmap`` and ``check_vma=False`` are refused),
   ``x`` and ``y`` are this device's rows of the global batch (device ``d``
   holds rows ``d * B/n`` onwards) and the loss is the global batch's, the
   same on every device. The blocks of ``y`` travel a ring of ``n - 1``
@@ -83,8 +84,8 @@ def clip_loss(x: jax.Array, y: jax.Array, temperature: Any, *, block_size: int |
     block_size: the columns of one tile (default 512, at most the rows on
       this device). One that does not divide the rows is fine: the last tile
       is padded, and its padded columns are masked out of every sum.
-    axis_name: the ``shard_map``/``pmap`` axis (or axes) the rows are split
-      over; None on one device, or under plain ``jit`` on a mesh whose
+    axis_name: the ``shard_map`` axis (or axes) the rows are split over;
+      None on one device, or under plain ``jit`` on a mesh whose
       Explicit axes the rows' type names.
 
   Returns:
@@ -94,9 +95,10 @@ def clip_loss(x: jax.Array, y: jax.Array, temperature: Any, *, block_size: int |
     TypeError: for a ``block_size`` that is not an int (a float, a bool).
     ValueError: for ``x`` and ``y`` that are not ``[B, D]`` floating arrays
       of one shape, a ``temperature`` that is not a real scalar, a
-      ``block_size`` below 1, an ``axis_name`` that no ``shard_map``/``pmap``
-      binds and no mesh holds, or rows of ``x`` and ``y`` sharded
-      differently.
+      ``block_size`` below 1, an ``axis_name`` that no ``shard_map`` binds
+      and no mesh holds, one bound by ``pmap`` or ``shard_map(...,
+      check_vma=False)`` (whose types cannot carry the gradients' sum over
+      the devices), or rows of ``x`` and ``y`` sharded differently.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -152,7 +154,7 @@ def siglip_loss(x: jax.Array, y: jax.Array, temperature: Any, bias: Any, *,
     temperature: a positive scalar dividing the logits; differentiable.
     bias: a scalar added to the logits; differentiable.
     block_size: the columns of one tile, as in :func:`clip_loss`.
-    axis_name: the ``shard_map``/``pmap`` axis the rows are split over, as in
+    axis_name: the ``shard_map`` axis the rows are split over, as in
       :func:`clip_loss`.
 
   Returns:
@@ -442,7 +444,7 @@ def _run(loss: Any, x: Any, y: Any, scalars: dict[str, Any], block_size: Any,
 
 
 def _devices(axis_name: Any, x: Any, y: Any) -> tuple[tuple[Any, ...] | None, Any]:
-  """``(manual axes, None)`` inside shard_map/pmap, ``(None, data axes)`` for plain jit on a
+  """``(manual axes, None)`` inside shard_map, ``(None, data axes)`` for plain jit on a
   mesh, ``(None, None)`` on one device."""
   split = [_arrays.leading_axes(v) for v in (x, y)]
   if split[0] != split[1]:
@@ -456,10 +458,18 @@ def _devices(axis_name: Any, x: Any, y: Any) -> tuple[tuple[Any, ...] | None, An
   if _arrays.axis_kind(axis_name, check=False) is None:  # manual axes, or none bound
     if _arrays.axis_indices(axes) is None:
       raise ValueError(
-          f"`axis_name={axis_name!r}` is not bound: call the loss inside `jax.shard_map` (or"
-          " `pmap`) over that axis, with each device's rows of `x` and `y`; or under plain"
+          f"`axis_name={axis_name!r}` is not bound: call the loss inside `jax.shard_map`"
+          " over that axis, with each device's rows of `x` and `y`; or under plain"
           " `jit` with the rows sharded over a mesh's axes (their type names them: drop"
           " `axis_name`); or drop `axis_name` on one device.")
+    if not all(set(axes) <= _arrays.array_type(v).varying for v in (x, y)):
+      raise ValueError(
+          f"`axis_name={axis_name!r}` is bound, but `x` and `y` are not typed as varying over"
+          " it: `jax.shard_map(..., check_vma=False)` and `pmap` type no value so, and JAX then"
+          " cannot give the loss's gradients their sum over the devices (differentiated"
+          " outside, each comes out 1/n of the truth). Use `jax.shard_map` with"
+          " `check_vma=True` (the default) and the rows split over the axis (`in_specs="
+          f"P({axis_name!r})`), or plain `jit` with the rows sharded over a mesh.")
     return axes, None
   if split[0] and set(split[0]) != set(axes):
     raise ValueError(
