@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from optax_accum import _batch, _validation
 
@@ -285,16 +286,17 @@ def _check_candidates(candidates: Any, batch: _batch.Batch) -> tuple[int, ...]:
     raise ValueError("`candidates` is empty; pass the k to consider, or None for every k that"
                      " divides the batch on each device.")
   for k in ks:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
       raise ValueError(f"`candidates` must be positive ints; got {k!r}.")
-    batch.check_divides(k, "a k in `candidates`")
-  return tuple(sorted(set(ks)))
+    batch.check_divides(int(k), "a k in `candidates`")
+  return tuple(sorted({int(k) for k in ks}))
 
 
 def _resolve_limit(memory_limit: Any) -> int:
   if memory_limit is None:
     return _default_limit()
-  if (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))
+  if (isinstance(memory_limit, (bool, np.bool_))
+      or not isinstance(memory_limit, (int, float, np.integer, np.floating))
       or not math.isfinite(memory_limit) or memory_limit <= 0):
     raise ValueError("`memory_limit` must be a positive number of bytes per device (e.g."
                      f" 8 * 2**30 for 8 GiB); got {memory_limit!r}.")

@@ -401,6 +401,18 @@ def test_str_renders_the_table(in_step_peaks, state_types):
   assert isinstance(plan.table[0], PlanRow) and plan.compile_s > 0
 
 
+def test_numpy_integers_are_ints_like_every_other_entry_point(in_step_peaks, state_types):
+  """A limit and candidates read from a numpy array (np.int64) plan like Python ints."""
+  args = (param_types(), state_types, batch_types())
+  ints = oa.plan_k(cached("in_step"), *args, batch_argnums=2, memory_limit=in_step_peaks[16],
+                   candidates=[4, 8, 16])
+  numpy = oa.plan_k(cached("in_step"), *args, batch_argnums=np.int64(2),
+                    memory_limit=np.int64(in_step_peaks[16]),
+                    candidates=np.array([4, 8, 16], np.int64))
+  assert numpy.k == ints.k == 16 and numpy.table == ints.table
+  assert all(type(row.k) is int for row in numpy.table)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def test_nothing_fits_names_the_smallest_peak_and_what_to_try(in_step_peaks, state_types):
