@@ -79,7 +79,8 @@ def test_control_flow_calls_and_custom_rules():
     _, p = jax.lax.while_loop(lambda s: s[0] < 5, lambda s: (s[0] + 1, s[1] * 1.1),
                               (0, x[0].astype(jnp.float16)))
     narrow = x.astype(BF16)
-    branch = jax.lax.cond(x[1] > 0, lambda: jnp.sum(narrow), lambda: -jnp.sum(narrow))
+    branch = jnp.stack([jax.lax.cond(x[i] > 0, lambda: jnp.sum(narrow), lambda: -jnp.sum(narrow))
+                        for i in (0, 1)])  # one true, one false
     remat = jax.checkpoint(lambda v: jnp.sum(jnp.sin(v.astype(jnp.float16))))(x)
     called = jax.jit(lambda v: jnp.mean(v.astype(BF16)))(x)
     grad = jax.grad(lambda v: jnp.sum(twice(v)).astype(jnp.float32))(x)
@@ -90,9 +91,20 @@ def test_control_flow_calls_and_custom_rules():
   np.testing.assert_allclose(ys, np.concatenate([[0.0], np.cumsum(f64(x))[:-1]]), atol=1e-12)
   # Constants are what the program holds: the float16 literal 1.1 was rounded when traced.
   np.testing.assert_allclose(p, f64(x[0]) * float(np.float16(1.1)) ** 5, rtol=1e-13)
-  np.testing.assert_allclose(branch, f64(x).sum() if x[1] > 0 else -f64(x).sum(), rtol=1e-13)
+  assert (x[0] > 0) != (x[1] > 0)
+  np.testing.assert_allclose(branch, np.sign(f64(x[:2])) * f64(x).sum(), rtol=1e-13)
   np.testing.assert_allclose([remat, called], [np.sin(f64(x)).sum(), f64(x).mean()], rtol=1e-13)
   np.testing.assert_array_equal(grad, np.full(64, 3.0))
+
+
+def test_bitcasts_read_the_bits_of_the_value_in_its_own_dtype():
+  """A hash of float values (bits of float32, of bfloat16) gives the program's integers."""
+  def fn(x):
+    return (jax.lax.bitcast_convert_type(x * 3, jnp.uint32),
+            jax.lax.bitcast_convert_type(x.astype(BF16), jnp.uint16))
+
+  for shadow, native in zip(in_float64(fn, X), fn(X), strict=True):
+    np.testing.assert_array_equal(shadow, native)
 
 
 def test_random_bits_are_the_programs_own():
