@@ -75,22 +75,25 @@ def test_control_flow_calls_and_custom_rules():
   twice.defvjp(lambda v: (twice(v), None), lambda _, ct: (ct.astype(jnp.float32) * 3,))
 
   def fn(x):
-    c, ys = jax.lax.scan(lambda c, r: (c + r.astype(BF16), c), jnp.asarray(0, BF16), x)
-    _, p = jax.lax.while_loop(lambda s: s[0] < 5, lambda s: (s[0] + 1, s[1] * 1.1),
-                              (0, x[0].astype(jnp.float16)))
     narrow = x.astype(BF16)
+    c, ys = jax.lax.scan(lambda c, r: (c + r.astype(BF16), c), jnp.asarray(0, BF16), x)
+    _, back = jax.lax.scan(lambda c, r: (c + r, c), jnp.asarray(0, BF16), narrow, reverse=True)
+    limit, factor = jnp.where(x[2] > 0, 5, 5), x[3].astype(jnp.float16)  # traced: consts
+    _, p = jax.lax.while_loop(lambda s: s[0] < limit, lambda s: (s[0] + 1, s[1] * factor),
+                              (0, x[0].astype(jnp.float16)))
     branch = jnp.stack([jax.lax.cond(x[i] > 0, lambda: jnp.sum(narrow), lambda: -jnp.sum(narrow))
                         for i in (0, 1)])  # one true, one false
     remat = jax.checkpoint(lambda v: jnp.sum(jnp.sin(v.astype(jnp.float16))))(x)
     called = jax.jit(lambda v: jnp.mean(v.astype(BF16)))(x)
     grad = jax.grad(lambda v: jnp.sum(twice(v)).astype(jnp.float32))(x)
-    return c, ys, p, branch, remat, called, grad
+    return c, ys, back, p, branch, remat, called, grad
 
-  c, ys, p, branch, remat, called, grad = in_float64(fn, x)
+  c, ys, back, p, branch, remat, called, grad = in_float64(fn, x)
   np.testing.assert_allclose(c, f64(x).sum(), rtol=1e-13)
   np.testing.assert_allclose(ys, np.concatenate([[0.0], np.cumsum(f64(x))[:-1]]), atol=1e-12)
-  # Constants are what the program holds: the float16 literal 1.1 was rounded when traced.
-  np.testing.assert_allclose(p, f64(x[0]) * float(np.float16(1.1)) ** 5, rtol=1e-13)
+  np.testing.assert_allclose(back, np.concatenate([np.cumsum(f64(x)[::-1])[:-1][::-1], [0.0]]),
+                             atol=1e-12)
+  np.testing.assert_allclose(p, f64(x[0]) * f64(x[3]) ** 5, rtol=1e-13)
   assert (x[0] > 0) != (x[1] > 0)
   np.testing.assert_allclose(branch, np.sign(f64(x[:2])) * f64(x).sum(), rtol=1e-13)
   np.testing.assert_allclose([remat, called], [np.sin(f64(x)).sum(), f64(x).mean()], rtol=1e-13)
