@@ -67,9 +67,12 @@ def evaluate(closed: jax_core.ClosedJaxpr) -> Callable[..., list[jax.Array]]:
   def run(consts: Sequence[Any], *args: Any) -> list[jax.Array]:
     return _eval(closed.jaxpr, consts, args)
 
+  consts = [jnp.asarray(c) for c in closed.consts]
+
   def call(*args: Any) -> list[jax.Array]:
+    args = [jnp.asarray(a) for a in args]  # as traced: a numpy int64 is int32 without x64
     with jax.enable_x64(True):
-      return run(list(closed.consts), *args)
+      return run(consts, *args)
 
   return call
 
@@ -134,6 +137,9 @@ def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
     return list(jax.shard_map(lambda *a: tuple(body(*a)), mesh=p["mesh"],
                               in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]),
                               axis_names=p["newly_manual_axes"], check_vma=p["check_vma"])(*ins))
+  if name == "custom_linear_solve":  # its value: the solve, on its consts and the right side
+    n, start = p["const_lengths"], p["const_lengths"].matvec + p["const_lengths"].vecmat
+    return _run(p["jaxprs"].solve)(*ins[start:start + n.solve], *ins[sum(n):])
   if name in _CALLS:
     return _run(p[_CALLS[name]])(*ins)  # a custom rule's function itself: no derivative taken
   if name in _OPAQUE:

@@ -100,6 +100,16 @@ def test_control_flow_calls_and_custom_rules():
   np.testing.assert_array_equal(grad, np.full(64, 3.0))
 
 
+def test_linear_solves_are_their_solve():
+  """``jnp.linalg.solve`` is a ``custom_linear_solve``; its gradient solves the transpose."""
+  a = X[:8] + 4 * jnp.eye(8)
+  value, grad = in_float64(jax.value_and_grad(
+      lambda a: jnp.sum(jnp.linalg.solve(a.astype(BF16).astype(jnp.float32), X[0]))), a)
+  inv = np.linalg.inv(f64(a))
+  np.testing.assert_allclose(value, (inv @ f64(X[0])).sum(), rtol=1e-12)
+  np.testing.assert_allclose(grad, -np.outer(inv.T @ np.ones(8), inv @ f64(X[0])), rtol=1e-11)
+
+
 def test_bitcasts_read_the_bits_of_the_value_in_its_own_dtype():
   """A hash of float values (bits of float32, of bfloat16) gives the program's integers."""
   def fn(x):
