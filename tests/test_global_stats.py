@@ -131,9 +131,10 @@ def float64_whole_batch() -> tuple[Any, Any, Any]:
   return params, batch, whole_batch(params, batch)
 
 
-@pytest.mark.parametrize("devices", [1, pytest.param(8, marks=needs_8)])
-@pytest.mark.parametrize("k", [2, 4, pytest.param(8, marks=pytest.mark.catches(
-    "global_stats_per_microbatch"))])
+@pytest.mark.parametrize(("k", "devices"), [
+    (2, 1), pytest.param(4, 8, marks=needs_8),
+    pytest.param(8, 1, marks=pytest.mark.catches("global_stats_per_microbatch")),
+    pytest.param(8, 8, marks=[needs_8, pytest.mark.catches("global_stats_per_microbatch")])])
 def test_the_exact_mode_is_the_whole_batch_in_float64(k: int, devices: int) -> None:
   with jax.enable_x64(True):
     params, batch, expected = float64_whole_batch()
