@@ -215,11 +215,17 @@ def test_the_statistics_cross_devices_once_before_the_loop(where: str) -> None:
 
 
 def test_a_statistic_kept_per_row_is_pooled_over_its_rows() -> None:
+  """A leaf with an axis of the rows (here the second: ``[T, rows]``) is summed over it."""
   params, batch = init_params(), make_batch()
-  per_row = lambda p, b: {"tokens": b["mask"].sum(1), "counts": stats_fn(p, b)["counts"]}
-  fn = jax.value_and_grad(loss)
-  pooled = oa.microbatched(fn, 4, normalize="sum", global_stats=per_row)(params, batch)
-  assert max_rel(pooled, whole_batch(params, batch)) < 1e-5
+  per_row = lambda p, b: {"at": b["mask"].T, "counts": stats_fn(p, b)["counts"]}
+
+  def fn(p: Any, b: Any, stats: Any) -> tuple[jax.Array, Any]:
+    return loss(p, b, stats={**stats, "tokens": stats["at"].sum()}), stats["at"]
+  (_, at), grads = oa.microbatched(jax.value_and_grad(fn, has_aux=True), 4, normalize="sum",
+                                   has_aux=True, aux_rules="max", global_stats=per_row)(
+                                       params, batch)
+  assert at.tolist() == batch["mask"].sum(0).tolist()  # real tokens at each position
+  assert max_rel(grads, whole_batch(params, batch)[1]) < 1e-5
 
 
 @pytest.mark.parametrize(("bad", "error", "match"), [
