@@ -17,7 +17,7 @@ too), and each gradient given back in its param's layout.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -308,6 +308,21 @@ def unpack(out: Any, normalize: str, has_aux: bool) -> Out:
     value, aux = pair(value, "has_aux=True needs `fn` to return ((value, aux), grads), like"
                              " jax.value_and_grad(loss, has_aux=True)")
   return Out(value, den, aux, grads)
+
+
+def at_rows(f: Callable[..., Any], args: Sequence[Any], positions: tuple[int, ...], rows: int,
+            jaxpr: bool = False) -> Any:
+  """``jax.eval_shape`` (or ``jax.make_jaxpr``) of ``f`` on ``args`` holding ``rows`` rows.
+
+  Every leaf of the arguments at ``positions`` gets ``rows`` rows; only the
+  array leaves are abstract (an Equinox module's functions stay static).
+  """
+  leaves = _arrays.ArrayLeaves.of(tuple(args))
+  shapes = [jax.ShapeDtypeStruct((rows, *jnp.shape(x)[1:]) if path[0].idx in positions
+                                 else jnp.shape(x), jnp.result_type(x))
+            for path, x in zip(leaves.paths, leaves.arrays, strict=True)]
+  g = lambda *v: f(*leaves.rebuild(v))
+  return jax.make_jaxpr(g)(*shapes) if jaxpr else jax.eval_shape(g, *shapes)
 
 
 def param_specs(params: Any, grads: Any) -> list[Any] | None:

@@ -621,7 +621,9 @@ _COUPLING_FIX = (
     "No combination of the micro-batch gradients gives the whole batch's: the loss or the"
     " model couples the examples of a batch, and each micro-batch sees only its own. A loss"
     " that compares embeddings across the batch (CLIP, SigLIP, in-batch negatives): use"
-    " `cached_microbatched(embed_fn, loss_fn, k)`, the whole batch's gradient exactly."
+    " `cached_microbatched(embed_fn, loss_fn, k)`, the whole batch's gradient exactly. A loss"
+    " reading a statistic of the whole batch (a mixture of experts' balancing loss on expert"
+    " counts): `microbatched(fn, k, global_stats=stats_fn)` gives it the whole batch's, exactly."
     " BatchNorm in training mode normalises each micro-batch with its own statistics"
     " (ghost batch norm): that is what accumulation gives in every framework; keep it if"
     " training is fine, or use GroupNorm / LayerNorm where the large batch must be exact.")

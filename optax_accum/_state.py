@@ -14,7 +14,8 @@ from typing import Any
 
 import jax
 
-STATE = ("acc_grads", "acc_weight", "noise_stats.window_sq_norms", "noise_stats.window_count")
+STATE = ("acc_grads", "acc_weight", "noise_stats.window_sq_norms", "noise_stats.window_count",
+         "global_stats.running")
 
 
 def map_state(fn: Callable[[Any], Any], state: Any, *, skip: tuple[str, ...] = ()) -> Any:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _arrays, _copies, _validation, _window
+from optax_accum import _arrays, _copies, _global_stats, _validation, _window
 from optax_accum import gradient_noise as noise_lib
 from optax_accum._window import Applied, KSchedule
 from optax_accum.precision import all_finite
@@ -46,6 +46,12 @@ class AccumulateState(NamedTuple):
     noise_stats: the gradient noise-scale estimate
       (:class:`~optax_accum.gradient_noise.NoiseScaleState`) with
       ``track_noise_scale``; ``()`` otherwise.
+    global_stats: with ``global_stats``, a NamedTuple ``(running, last)``:
+      ``running`` the sum of the open window's micro-batch statistics so far
+      (this device's under ``shard_map``/``pmap``), the causal buffer, zeros
+      when a window opens; ``last`` the last closed window's total over every
+      micro-batch and device, the lagged statistics (zeros until one closes).
+      ``()`` otherwise.
   """
 
   mini_step: jax.Array
@@ -56,6 +62,7 @@ class AccumulateState(NamedTuple):
   emitted: jax.Array
   inner_opt_state: optax.OptState
   noise_stats: Any = ()
+  global_stats: Any = ()
 
 
 class _NoOptimizer:
@@ -77,6 +84,7 @@ def accumulate(
     skip_nonfinite: bool = False,
     axis_name: Any = None,
     track_noise_scale: bool | float = False,
+    global_stats: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates ``k`` micro-batch gradients, then takes one optimizer step.
 
@@ -137,13 +145,24 @@ def accumulate(
       squared norm per micro-batch and a few scalars of state. With
       ``axis_name`` the estimate is global and its unit is one device's
       micro-batch.
+    global_stats: the shapes of one micro-batch's statistics to carry across
+      micro-steps (a pytree of arrays or ``jax.ShapeDtypeStruct`` of
+      numbers, e.g. ``jax.eval_shape(stats_fn, params, micro_batch)``).
+      ``update(..., stats=s)`` then takes this micro-batch's, and
+      ``state.global_stats`` holds ``running``, the open window's so far (the
+      causal buffer: a loss adds its own micro-batch's to it), and ``last``,
+      the last window's total over every micro-batch and device (lagged;
+      under ``shard_map``/``pmap`` one ``psum`` per window, when it closes;
+      under plain jit give global values). The window's own total needs the
+      whole window in hand: ``microbatched(..., global_stats=...)``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
     params=None, *, weight=None, emit_now=False, apply=False, flush=False,
-    **extra_args)`` returns ``(updates, state)``. ``emit_now=True`` (a Python
-    or traced bool) closes the window after this micro-batch even if it holds
-    fewer than ``k``. ``apply=True`` returns :class:`Applied` (the new params)
+    stats=None, **extra_args)`` returns ``(updates, state)``. ``emit_now=True``
+    (a Python or traced bool) closes the window after this micro-batch even if
+    it holds fewer than ``k``. ``stats=`` is this micro-batch's statistics
+    (with ``global_stats``). ``apply=True`` returns :class:`Applied` (the new params)
     in place of the updates, applied inside the emitting branch, so mid-steps
     never touch the params (what :func:`update_and_apply` passes).
     ``flush=True`` closes the open window now and ``grads`` carries no
@@ -171,6 +190,15 @@ def accumulate(
     >>> u, _ = ref.update({"w": jnp.full(3, 1.5)}, ref.init({"w": jnp.ones(3)}))
     >>> bool(jnp.allclose(params["w"], 1 + u["w"]))
     True
+
+    Statistics across micro-steps (say, tokens routed to each of 3 experts):
+
+    >>> tx = oa.accumulate(2, optax.sgd(0.1), global_stats=jnp.zeros(3, jnp.int32))
+    >>> state = tx.init(params)
+    >>> for counts in ([1, 0, 2], [0, 3, 1], [2, 2, 2]):
+    ...   _, state = tx.update({"w": jnp.zeros(3)}, state, params, stats=jnp.array(counts))
+    >>> state.global_stats.running.tolist(), state.global_stats.last.tolist()
+    ([2, 2, 2], [1, 3, 3])
   """
   k = _validation.check_k(k)  # a schedule or `adaptive_k` (callable) passes as it is
   if optimizer is _NO_OPTIMIZER:
@@ -196,6 +224,7 @@ def accumulate(
       noise_decay=noise_lib.check_decay(track_noise_scale, k),
   )
   skip_nonfinite = _validation.check_flag(skip_nonfinite, "skip_nonfinite")
+  stats_like = _global_stats.check_like(global_stats)
   # Only an optimizer that had to be wrapped is known to take no extra args;
   # in the chain form the chain hands every member the others' keywords.
   strict_kwargs = optimizer is not None and not isinstance(
@@ -213,6 +242,7 @@ def accumulate(
           num_skipped=jnp.zeros([], jnp.int32) if skip_nonfinite else (),
           emitted=jnp.zeros([], jnp.bool_),
           inner_opt_state=() if config.inner is None else config.inner.init(params),
+          global_stats=_global_stats.init(stats_like),
       )
 
   def update_fn(
@@ -224,6 +254,7 @@ def accumulate(
       emit_now: Any = False,
       apply: bool = False,
       flush: bool = False,
+      stats: Any = None,
       **extra_args: Any,
   ) -> tuple[Any, AccumulateState]:
     """Adds ``updates`` (this micro-batch's gradients) to the window.
@@ -232,8 +263,9 @@ def accumulate(
     the window closes (after ``k`` micro-batches, or now with
     ``emit_now=True``); ``weight=`` is this micro-batch's weight for
     ``reduction="weighted"``; ``apply=True`` returns :class:`Applied` (the new
-    params) instead, ``flush=True`` closes the window without a micro-batch.
-    Other keywords go to the inner optimizer.
+    params) instead, ``flush=True`` closes the window without a micro-batch;
+    ``stats=`` is this micro-batch's statistics (``global_stats``). Other
+    keywords go to the inner optimizer.
     """
     if not isinstance(state, AccumulateState):
       raise TypeError(
@@ -245,7 +277,7 @@ def accumulate(
     # updates it returns.
     apply = _validation.check_flag(apply, "apply") and config.inner is not None
     _validation.check_keywords(extra_args, strict_kwargs, "the update of `accumulate`",
-                               ("weight", "emit_now", "apply", "flush"))
+                               ("weight", "emit_now", "apply", "flush", "stats"))
     with _arrays.mesh_context((updates, params)):
       now = dataclasses.replace(config, layout=_arrays.device_layout(config.axis_name))
       window = _window.Window(**{f: getattr(state, f) for f in _window.Window._fields})
@@ -258,11 +290,14 @@ def accumulate(
       out = _window.micro_step(now, updates, window, state.inner_opt_state, params,
                                accept=accept, weight=weight, emit_now=emit_now, apply=apply,
                                extra_args=extra_args)
+      new_stats = _global_stats.advance(state.global_stats, stats, stats_like, accept, (
+          window.mini_step, out.window.mini_step), config.axis_name if now.layout.manual else None)
     num_skipped = state.num_skipped
     if skip_nonfinite and not flushing:
       num_skipped = num_skipped + jnp.logical_not(accept).astype(jnp.int32)
     new_state = state._replace(**out.window._asdict(), num_skipped=num_skipped,
-                               emitted=out.emitted, inner_opt_state=out.inner_state)
+                               emitted=out.emitted, inner_opt_state=out.inner_state,
+                               global_stats=new_stats)
     return (Applied(out.out) if apply else out.out), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

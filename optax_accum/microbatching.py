@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _arrays, _batch, _per_device, _validation, _window, gradient_noise
+from optax_accum import _arrays, _batch, _global_stats, _per_device, _validation, _window
+from optax_accum import gradient_noise as noise_lib
 
 __all__ = [
     "AUX_RULES",
@@ -141,6 +142,7 @@ class _Config:
   axis_name: Any
   unroll: int | bool
   return_noise_stats: bool = False
+  global_stats: Callable[..., Any] | None = None
 
 
 class _Inputs(NamedTuple):
@@ -158,7 +160,7 @@ class _Carry(NamedTuple):
   den: Any
   grads: Any
   aux: list[Any]  # one state per aux rule
-  noise: gradient_noise.NoiseScaleState | tuple[()] = ()  # its open window's sums
+  noise: noise_lib.NoiseScaleState | tuple[()] = ()  # its open window's sums
 
 
 class _AuxPlan(NamedTuple):
@@ -199,6 +201,7 @@ def microbatched(
     rng_argnums: int | Sequence[int] = (),
     axis_name: Any = None,
     return_noise_stats: bool = False,
+    global_stats: Callable[..., Any] | None = None,
     **deprecated_options: Any,
 ) -> Callable[..., Any]:
   r"""Runs a value-and-grad function over ``k`` micro-batches in one ``lax.scan``.
@@ -266,6 +269,23 @@ def microbatched(
       scalar to the loop carry. ``"weighted"`` weights micro-batch ``i`` by
       its denominator; across ``D`` devices they span all ``k * D``
       micro-batches.
+    global_stats: ``stats_fn(params, *args)``: statistics of the whole batch
+      that the loss needs (each expert's count of routed tokens for a
+      load-balancing loss, the count of real tokens: a pytree of arrays of
+      numbers, each a sum over the rows it is given). A statistics pass runs
+      first: ``stats_fn`` on every micro-batch (``fn``'s positional
+      arguments, with the micro-batch's rows and key), summed, and over
+      ``axis_name`` (one ``psum``); then ``fn`` is called with one more
+      keyword argument, ``stats=``, that sum, a constant. A loss that is a
+      sum over its rows given ``stats`` (``normalize="sum"``, each term
+      divided by its own global count from ``stats``), or a mean, is then
+      the whole batch's exactly; ``"weighted"``'s denominator is such a
+      statistic, for one term. A statistic kept per row (an axis of the rows)
+      is summed over them. It costs a forward per micro-batch, no gradient
+      (XLA drops what the statistics do not read). A statistic that is not
+      an array of numbers, has a gradient (``jax.lax.stop_gradient`` takes
+      it as a constant on purpose) or follows the rows on no one axis
+      raises.
     **deprecated_options: 0.2's ``split``, ``rng_mode``, ``accumulator_dtype``
       and ``unroll``, accepted with a ``DeprecationWarning`` until 0.4.
       ``split="contiguous"`` and ``rng_mode="split"`` only reorder which rows
@@ -331,6 +351,19 @@ def microbatched(
     >>> bool(jnp.allclose(loss, num / den)), bool(jnp.allclose(grads, g / den))
     (True, True)
 
+    The same loss with its denominator as a global statistic (a mixture of
+    experts' load-balancing loss needs each expert's token count this way):
+
+    >>> def token_count(w, batch):
+    ...   return {"tokens": jnp.sum(batch["mask"])}
+    >>> def loss_over_all(w, batch, stats):
+    ...   return loss_sum(w, batch)[0] / stats["tokens"]
+    >>> fn = microbatched(jax.value_and_grad(loss_over_all), 4, normalize="sum",
+    ...                   global_stats=token_count)
+    >>> loss, grads = fn(w, batch)
+    >>> bool(jnp.allclose(loss, num / den)), bool(jnp.allclose(grads, g / den))
+    (True, True)
+
     Complex parameters accumulate in complex64 (the imaginary part is kept):
 
     >>> def loss_c(w, x):
@@ -375,8 +408,8 @@ def microbatched(
   if unknown:
     raise TypeError(
         f"`microbatched` got unexpected keyword argument(s) {unknown}; it takes"
-        " batch_argnums, has_aux, normalize, aux_rules, rng_argnums, axis_name and"
-        " return_noise_stats.")
+        " batch_argnums, has_aux, normalize, aux_rules, rng_argnums, axis_name,"
+        " return_noise_stats and global_stats.")
   if deprecated_options:
     warnings.warn(
         f"`microbatched`'s {', '.join(f'`{n}=`' for n in sorted(deprecated_options))} is"
@@ -404,6 +437,7 @@ def microbatched(
       axis_name=axis_name,
       unroll=old["unroll"],
       return_noise_stats=_validation.check_flag(return_noise_stats, "return_noise_stats"),
+      global_stats=_global_stats.check_fn(global_stats),
   )
 
   @functools.wraps(fn)
@@ -413,9 +447,12 @@ def microbatched(
       batch = _batch.of(args, config.batch_argnums, config.rng_argnums,
                         axis_name=config.axis_name, in_step=True)
       batch.check_divides(config.k)
+      now = config if config.global_stats is None else dataclasses.replace(
+          config, global_stats=_global_stats.summable(
+              config.global_stats, args, batch.positions, batch.per_device_rows // config.k))
       if not batch.axes:  # one device, or inside shard_map/pmap
-        return _run(call, config, _split_inputs(config, args, batch))
-      return _run_on_mesh(call, config, args, batch)
+        return _run(call, now, _split_inputs(now, args, batch))
+      return _run_on_mesh(call, now, args, batch)
 
   # Equinox warns of a "JAX-transformed callable" when a function's
   # `__wrapped__` chain reaches a module with array-like fields (its
@@ -468,8 +505,11 @@ def _run(
   ``scatter`` (one entry per gradient leaf, or None) names the leaves that are
   reduce-scattered over ``axis_name`` instead of all-reduced: ``(dim, axes)``.
   """
-  step = functools.partial(_call_microbatch, call, config)
   leaves = _arrays.ArrayLeaves.of(inputs)  # only arrays are abstract (Equinox modules' functions)
+  varying = any(_arrays.array_type(x).varying for x in leaves.arrays)
+  if config.global_stats is not None:  # the statistics pass: a forward per micro-batch
+    call = functools.partial(call, stats=_sum_stats(config, inputs, leaves, varying))
+  step = functools.partial(_call_microbatch, call, config)
   shapes = _batch.unpack(jax.eval_shape(
       lambda *a: step(leaves.rebuild(a), jnp.zeros([], jnp.int32)), *leaves.arrays),
       config.normalize, config.has_aux)
@@ -480,7 +520,6 @@ def _run(
     out = _batch.unpack(step(inputs, idx), config.normalize, config.has_aux)
     return _add(config, plan, carry, out, idx)
 
-  varying = any(_arrays.array_type(x).varying for x in leaves.arrays)
   carry = _loop(config, body, _init_carry(config, plan, shapes), varying)
   num, grads, stats = _normalize(config, carry, scatter)
   num = jax.tree.map(lambda x, s: x.astype(s.dtype), num, shapes.num)
@@ -489,6 +528,24 @@ def _run(
       rule.finalize(c) for rule, c in zip(plan.programs, carry.aux, strict=True)])
   out = ((num, aux) if config.has_aux else num), grads
   return (out, stats) if config.return_noise_stats else out
+
+
+def _sum_stats(config: _Config, inputs: _Inputs, leaves: _arrays.ArrayLeaves,
+               varying: bool) -> Any:
+  """``global_stats`` summed over the micro-batches, then over ``axis_name`` (one ``psum``).
+
+  Each micro-batch's statistics, on the rows and key ``fn`` gets, added in the
+  dtypes ``microbatched`` sums values in (integers exact); no gradient.
+  """
+  at = functools.partial(_call_microbatch, config.global_stats, config)
+  shapes = jax.eval_shape(lambda *a: at(leaves.rebuild(a), jnp.zeros([], jnp.int32)),
+                          *leaves.arrays)
+  init = jax.tree.map(lambda s: _filled(s, _acc_dtype(s.dtype, config.acc_dtype)), shapes)
+  total = _loop(config, lambda c, i: jax.tree.map(
+      lambda t, x: t + jnp.asarray(x).astype(t.dtype), c, at(inputs, i)), init, varying)
+  if config.axis_name is not None:
+    total = lax.psum(total, config.axis_name)
+  return lax.stop_gradient(total)
 
 
 def _filled(s: jax.ShapeDtypeStruct, dtype: Any, fill: Any = 0) -> jax.Array:
@@ -509,7 +566,7 @@ def _init_carry(config: _Config, plan: _AuxPlan, shapes: _batch.Out) -> _Carry:
     # An integer token count is summed as a float, like the value it divides.
     den = jnp.zeros([], _acc_dtype(shapes.den.dtype, config.acc_dtype, mean=True))
   aux = [rule.init(s) for rule, s in zip(plan.programs, plan.shapes, strict=True)]
-  noise = gradient_noise.init() if config.return_noise_stats else ()
+  noise = noise_lib.init() if config.return_noise_stats else ()
   return _Carry(num, den, grads, aux, noise)
 
 
@@ -526,18 +583,18 @@ def _add(
   return _Carry(num, den, grads, aux, noise)
 
 
-def _add_noise(noise: gradient_noise.NoiseScaleState, out: _batch.Out,
-               ) -> gradient_noise.NoiseScaleState:
+def _add_noise(noise: noise_lib.NoiseScaleState, out: _batch.Out,
+               ) -> noise_lib.NoiseScaleState:
   """One micro-batch's (weighted) squared gradient norm: a scalar, no gradient-sized buffer.
 
   Weighted: ``fn``'s grads are those of the numerator ``n``, the micro-batch's
   mean gradient is ``g = grad n / d`` and its weight ``w = d``, so
   ``w |g|^2 = |grad n|^2 / d``. A micro-batch of weight 0 is not counted.
   """
-  sq = gradient_noise.sq_norm(out.grads)
+  sq = noise_lib.sq_norm(out.grads)
   den = None if out.den is None else jnp.asarray(out.den).astype(jnp.float32)
   # Weighted: |g|^2 = |grad n|^2 / d^2 (NaN for d = 0, which does not count).
-  return gradient_noise.add_micro_batch(noise, sq if den is None else sq / den / den, True, den)
+  return noise_lib.add_micro_batch(noise, sq if den is None else sq / den / den, True, den)
 
 
 def _loop(config: _Config, body: Callable[[_Carry, jax.Array], _Carry], init: _Carry,
@@ -561,7 +618,7 @@ def _loop(config: _Config, body: Callable[[_Carry, jax.Array], _Carry], init: _C
 # ------------------------------------------- stages 4 and 5: reduce, normalise
 def _normalize(
     config: _Config, carry: _Carry, scatter: list[Any] | None,
-) -> tuple[Any, Any, gradient_noise.WindowStats | None]:
+) -> tuple[Any, Any, noise_lib.WindowStats | None]:
   """The sums to the outputs (before the cast back), and the window's noise statistics.
 
   One reduction over ``axis_name`` (``_window.all_reduce``: the value, the
@@ -592,7 +649,7 @@ def _normalize(
 def _window_stats(
     config: _Config, window: tuple[jax.Array, jax.Array], den: Any, grads: Any,
     scatter: list[Any] | None,
-) -> gradient_noise.WindowStats:
+) -> noise_lib.WindowStats:
   """The micro-batches' noise statistics (over all devices), as ``accumulate`` keeps them.
 
   ``window`` is the open window's ``(sum of w |g|^2, count as a float)``. The window's
@@ -602,14 +659,14 @@ def _window_stats(
   sq_norms, count = window
   leaves = jax.tree.leaves(grads)
   scatter = scatter or [None] * len(leaves)
-  mean_sq = gradient_noise.sq_norm([g for g, s in zip(leaves, scatter, strict=True) if s is None])
+  mean_sq = noise_lib.sq_norm([g for g, s in zip(leaves, scatter, strict=True) if s is None])
   scattered = [g for g, s in zip(leaves, scatter, strict=True) if s is not None]
   if scattered:  # each device holds a slice of these leaves
-    mean_sq = mean_sq + lax.psum(gradient_noise.sq_norm(scattered), config.axis_name)
+    mean_sq = mean_sq + lax.psum(noise_lib.sq_norm(scattered), config.axis_name)
   if config.normalize == "sum":
     mean_sq = mean_sq / jnp.maximum(count, 1.0) ** 2
   total = den.astype(jnp.float32) if config.normalize == "weighted" else count
-  return gradient_noise.WindowStats(sq_norms, count.astype(jnp.int32), total, mean_sq)
+  return noise_lib.WindowStats(sq_norms, count.astype(jnp.int32), total, mean_sq)
 
 
 # ----------------------------------------------------- stage 6: aux rules
@@ -733,11 +790,9 @@ def _run_on_mesh(call: Callable[..., Any], config: _Config, args: tuple[Any, ...
 def _abstract_outputs(call: Callable[..., Any], config: _Config, args: tuple[Any, ...],
                       b_nums: tuple[int, ...], rows: int) -> _batch.Out:
   """``fn``'s output shapes on one device's micro-batch of ``rows`` examples (for out_specs)."""
-  leaves = _arrays.ArrayLeaves.of(tuple(args))
-  shapes = [jax.ShapeDtypeStruct((rows, *jnp.shape(x)[1:]) if path[0].idx in b_nums
-                                 else jnp.shape(x), jnp.result_type(x))
-            for path, x in zip(leaves.paths, leaves.arrays, strict=True)]
-  out = jax.eval_shape(lambda *v: call(*leaves.rebuild(v)), *shapes)
+  stats = config.global_stats
+  out = _batch.at_rows(call if stats is None else lambda *a: call(*a, stats=stats(*a)),
+                       args, b_nums, rows)
   return _batch.unpack(out, config.normalize, config.has_aux)
 
 

@@ -198,6 +198,38 @@ def scalars_averaged_across_devices(patch: pytest.MonkeyPatch) -> None:
   _patch_microbatched(patch, change)
 
 
+@mutant
+def global_stats_per_microbatch(patch: pytest.MonkeyPatch) -> None:
+  """``microbatched(..., global_stats=s)`` gives each micro-batch its own statistics, not
+  the whole batch's: a load-balancing loss balanced per micro-batch, as frameworks do."""
+  def microbatched(fn: Any, k: int, **options: Any) -> Any:
+    stats_fn = options.pop("global_stats", None)
+    if stats_fn is None:
+      return _microbatched(fn, k, **options)
+    return _microbatched(lambda *a, **kw: fn(*a, stats=jax.lax.stop_gradient(stats_fn(*a)), **kw),
+                         k, **options)
+  patch.setattr(oa, "microbatched", microbatched)
+
+
+@mutant
+def causal_buffer_never_reset(patch: pytest.MonkeyPatch) -> None:
+  """``accumulate``'s running statistics are not reset when a window closes: the causal
+  buffer counts every earlier window too."""
+  def accumulate(k: Any, *args: Any, **options: Any) -> Any:
+    tx = _accumulate(k, *args, **options)
+
+    def update(g: Any, state: Any, params: Any = None, **kw: Any) -> tuple[Any, Any]:
+      out, new = tx.update(g, state, params, **kw)
+      if kw.get("stats") is None or not hasattr(new.global_stats, "running"):
+        return out, new
+      running = jax.tree.map(lambda r, s: r + jnp.asarray(s).astype(r.dtype),
+                             state.global_stats.running, kw["stats"])
+      return out, new._replace(global_stats=new.global_stats._replace(running=running))
+
+    return optax.GradientTransformationExtraArgs(tx.init, update)
+  patch.setattr(oa, "accumulate", accumulate)
+
+
 # --------------------------------------------------------------------- the window
 def _stale(state: Any) -> jax.Array:
   """The buffer holds a past window's leftovers (the next add resets it lazily)."""

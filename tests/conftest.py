@@ -115,6 +115,7 @@ _MESH_OF_MANY = ("jax.devices()[:8]", "make_mesh((8,)", "make_mesh((4, 2)", "ini
 # test in the subset; CI runs everything.
 SLOW = (
     "tests/test_demo.py::",
+    "tests/test_moe_example.py::",
     "tests/test_multihost.py::",
     "tests/test_docs_one_device.py::",
     "tests/test_flax_pairing.py::",

@@ -1,0 +1,376 @@
+"""Global statistics: a loss that needs sums over the whole batch gets them, exactly.
+
+The model is a small mixture-of-experts network (two top-2 routed expert
+layers, each under ``jax.checkpoint``); its loss has three terms, each
+normalised by its own global count: the token-weighted cross-entropy (by the
+real tokens), the load-balancing loss ``N_E * sum_i f_i * P_i`` (``f_i`` from
+the whole batch's expert counts) and the router z-loss (by the routed
+tokens). Every term is a sum over the rows given the statistics, so
+``microbatched(..., normalize="sum", global_stats=stats)`` must equal the whole
+batch's ``value_and_grad`` with ``stats=stop_gradient(stats(params, batch))``:
+the reference, computed here in float64 without the package.
+
+Across steps, ``accumulate(k, opt, global_stats=like)`` carries the running
+sum (the causal buffer) and the last window's total (lagged), checked with
+integers, under ``shard_map`` on 8 devices, through orbax and
+``reshard_state``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum as oa
+from optax_accum.debug import hlo_collectives
+from optax_accum.sharding import per_device_state, reshard_state, shard_map_specs
+
+E, TOPK, D, H, V, L = 4, 2, 6, 8, 5, 2  # experts, routed per token, widths, vocab, layers
+B, T = 64, 3  # rows (sequences) and tokens per row
+LOOP = ("while", "body")
+needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+
+
+def init_params(dtype: Any = jnp.float32) -> dict[str, Any]:
+  ks = iter(jax.random.split(jax.random.key(0), 3 + 3 * L))
+  normal = lambda shape, s: (jax.random.normal(next(ks), shape) * s).astype(dtype)
+  return {"emb": normal((V, D), 1.0), "out": normal((D, V), 0.5),
+          "layers": [{"router": normal((D, E), 1.0), "w1": normal((E, D, H), 0.4),
+                      "w2": normal((E, H, D), 0.4)} for _ in range(L)]}
+
+
+def make_batch(seed: int = 1, rows: int = B) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(seed)
+  return {"tokens": rng.integers(0, V, (rows, T)), "targets": rng.integers(0, V, (rows, T)),
+          "mask": (rng.random((rows, T)) < 0.7).astype(np.int32)}  # 0: padding
+
+
+@jax.checkpoint  # remat: the gradient pass recomputes the routing; the statistics stay put
+def moe_layer(p: dict[str, Any], h: jax.Array) -> tuple[jax.Array, Any]:
+  logits = h @ p["router"]
+  probs = jax.nn.softmax(logits)
+  top, chosen = lax.top_k(probs, TOPK)
+  gates = jnp.einsum("nk,nke->ne", top / top.sum(-1, keepdims=True), jax.nn.one_hot(chosen, E))
+  experts = jnp.einsum("neh,ehd->ned", jax.nn.gelu(jnp.einsum("nd,edh->neh", h, p["w1"])),
+                       p["w2"])
+  return h + jnp.einsum("ne,ned->nd", gates, experts), (jax.nn.one_hot(chosen, E).sum(1), probs,
+                                                       logits)
+
+
+def forward(params: dict[str, Any], batch: dict[str, Any]) -> tuple[jax.Array, list[Any]]:
+  h = params["emb"][batch["tokens"].reshape(-1)]
+  routed = []
+  for p in params["layers"]:
+    h, r = moe_layer(p, h)
+    routed.append(r)
+  return h @ params["out"], routed
+
+
+def stats_fn(params: dict[str, Any], batch: dict[str, Any]) -> dict[str, jax.Array]:
+  """This micro-batch's statistics: its real tokens and, per layer, each expert's count."""
+  mask = batch["mask"].reshape(-1, 1)
+  _, routed = forward(params, batch)
+  counts = jnp.stack([(chosen * mask).sum(0) for chosen, _, _ in routed]).astype(jnp.int32)
+  return {"tokens": mask.sum(dtype=jnp.int32), "counts": counts}
+
+
+def terms(params: dict[str, Any], batch: dict[str, Any], *, stats: Any) -> dict[str, jax.Array]:
+  """The three terms as sums over this micro-batch's tokens, each over its global count."""
+  logits, routed = forward(params, batch)
+  mask = batch["mask"].reshape(-1)
+  tokens = stats["tokens"].astype(logits.dtype)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"].reshape(-1))
+  f = stats["counts"].astype(logits.dtype) / (TOPK * tokens)  # [L, E], the whole batch's
+  balance = sum(E * jnp.sum(f[i] * (probs * mask[:, None]).sum(0) / tokens)
+                for i, (_, probs, _) in enumerate(routed))
+  z = sum(jnp.sum(jax.nn.logsumexp(lg, -1) ** 2 * mask) for _, _, lg in routed) / (L * tokens)
+  return {"main": jnp.sum(ce * mask) / tokens, "balance": 0.1 * balance, "z": 1e-2 * z}
+
+
+def loss(params: dict[str, Any], batch: dict[str, Any], *, stats: Any,
+         term: str | None = None) -> jax.Array:
+  parts = terms(params, batch, stats=stats)
+  return sum(parts.values()) if term is None else parts[term]
+
+
+def whole_batch(params: Any, batch: Any, term: str | None = None) -> tuple[Any, Any]:
+  """The reference: the whole batch, its statistics as constants (no package code)."""
+  return jax.jit(jax.value_and_grad(lambda p, b: loss(
+      p, b, stats=lax.stop_gradient(stats_fn(p, b)), term=term)))(params, batch)
+
+
+def max_rel(a: Any, e: Any) -> float:
+  a, e = (np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(t)])
+          for t in (a, e))
+  return float(np.max(np.abs(a - e)) / np.max(np.abs(e)))
+
+
+def on_devices(n: int, tree: Any, mesh: Any) -> Any:
+  """``tree`` with its rows split over the mesh (``n`` devices), or as it is for one."""
+  return tree if n == 1 else jax.device_put(tree, NamedSharding(mesh, P("data")))
+
+
+@functools.cache
+def mesh8() -> Any:
+  return jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+
+
+# --------------------------------------------------------------------- in one step
+@functools.cache
+def float64_whole_batch() -> tuple[Any, Any, Any]:
+  params, batch = init_params(jnp.float64), make_batch()
+  return params, batch, whole_batch(params, batch)
+
+
+@pytest.mark.parametrize(("k", "devices"), [
+    (2, 1), pytest.param(4, 8, marks=needs_8),
+    pytest.param(8, 1, marks=pytest.mark.catches("global_stats_per_microbatch")),
+    pytest.param(8, 8, marks=[needs_8, pytest.mark.catches("global_stats_per_microbatch")])])
+def test_the_exact_mode_is_the_whole_batch_in_float64(k: int, devices: int) -> None:
+  with jax.enable_x64(True):
+    params, batch, expected = float64_whole_batch()
+    fn = oa.microbatched(jax.value_and_grad(loss), k, normalize="sum", global_stats=stats_fn)
+    with jax.set_mesh(mesh8()):
+      actual = jax.jit(fn)(params, on_devices(devices, batch, mesh8()))
+    assert max_rel(actual, expected) < 1e-12
+
+
+def each_term(params: Any, batch: Any, *, stats: Any) -> tuple[Any, Any]:
+  """Every term's value and gradient, apart: ``({term: value}, {term: grads})``."""
+  out = {t: jax.value_and_grad(functools.partial(loss, term=t))(params, batch, stats=stats)
+         for t in ("main", "balance", "z")}
+  return {t: v for t, (v, _) in out.items()}, {t: g for t, (_, g) in out.items()}
+
+
+@functools.cache
+def runs(microbatched: Any) -> dict[str, Any]:
+  """Each term's value and gradient: k = 1, k = 8, 8 devices (k = 1 each), the reference.
+
+  Keyed by ``microbatched``: a mutant of it computes its own runs.
+  """
+  params, batch = init_params(), make_batch()
+  run = lambda k, b: jax.jit(microbatched(each_term, k, normalize="sum", global_stats=stats_fn))(
+      params, b)
+  out = {"k=1": run(1, batch), "k=8": run(8, batch),
+         "whole": jax.jit(lambda p, b: each_term(p, b, stats=stats_fn(p, b)))(params, batch)}
+  if jax.device_count() >= 8:
+    with jax.set_mesh(mesh8()):
+      out["8 devices"] = run(1, on_devices(8, batch, mesh8()))
+  return {name: {t: (v[t], g[t]) for t in v} for name, (v, g) in out.items()}
+
+
+@pytest.mark.parametrize("term", ["main", pytest.param("balance", marks=pytest.mark.catches(
+    "global_stats_per_microbatch")), "z"])
+def test_each_term_is_the_same_for_k_1_k_8_and_8_devices(term: str) -> None:
+  found = {name: by_term[term] for name, by_term in runs(oa.microbatched).items()}
+  assert max_rel(found["k=1"], found["whole"]) < 1e-6  # k = 1 is the whole batch
+  assert max_rel(found["k=8"], found["k=1"]) < 1e-5
+  if "8 devices" in found:
+    assert max_rel(found["8 devices"], found["k=1"]) < 1e-5
+
+
+def test_normalize_weighted_is_a_global_token_count() -> None:
+  """``normalize="weighted"``'s denominator is the first global statistic: the same gradient."""
+  params, batch = init_params(), make_batch()
+  def token_sums(p: Any, b: Any) -> tuple[jax.Array, jax.Array]:
+    logits, _ = forward(p, b)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"].reshape(-1))
+    return jnp.sum(ce * b["mask"].reshape(-1)), jnp.sum(b["mask"])
+  weighted = oa.microbatched(jax.value_and_grad(token_sums, has_aux=True), 4,
+                             normalize="weighted")(params, batch)
+  by_stats = oa.microbatched(jax.value_and_grad(
+      lambda p, b, stats: token_sums(p, b)[0] / stats["tokens"]), 4, normalize="sum",
+      global_stats=stats_fn)(params, batch)
+  assert max_rel(by_stats, weighted) < 1e-6
+
+
+@needs_8
+@pytest.mark.parametrize("where", ["plain jit", "shard_map"])
+def test_the_statistics_cross_devices_once_before_the_loop(where: str) -> None:
+  """One all-reduce of the statistics, before the gradient loop; one of the gradients, after."""
+  params, batch = init_params(), on_devices(8, make_batch(), mesh8())
+  grad_fn = jax.value_and_grad(loss)
+  if where == "plain jit":
+    fn = oa.microbatched(grad_fn, 4, normalize="sum", global_stats=stats_fn)
+  else:
+    inner = oa.microbatched(grad_fn, 4, normalize="sum", global_stats=stats_fn, axis_name="data")
+    fn = jax.shard_map(lambda p, b: inner(lax.pcast(p, "data", to="varying"), b), mesh=mesh8(),
+                       in_specs=(P(), P("data")), out_specs=P())
+  with jax.set_mesh(mesh8()):
+    found = hlo_collectives(jax.jit(fn).lower(params, batch).compile())
+  reductions = [c for c in found if c.op == "all-reduce"]
+  assert not [c for c in reductions if LOOP in c.context]  # nothing per micro-batch
+  stats_bytes = 4 * (1 + L * E)
+  assert sorted(c.bytes for c in reductions)[0] == stats_bytes
+  assert len([c for c in reductions if c.bytes == stats_bytes]) == 1
+
+
+def test_a_statistic_kept_per_row_is_pooled_over_its_rows() -> None:
+  """A leaf with an axis of the rows (here the second: ``[T, rows]``) is summed over it."""
+  params, batch = init_params(), make_batch()
+  per_row = lambda p, b: {"at": b["mask"].T, "counts": stats_fn(p, b)["counts"]}
+
+  def fn(p: Any, b: Any, stats: Any) -> tuple[jax.Array, Any]:
+    return loss(p, b, stats={**stats, "tokens": stats["at"].sum()}), stats["at"]
+  (_, at), grads = oa.microbatched(jax.value_and_grad(fn, has_aux=True), 4, normalize="sum",
+                                   has_aux=True, aux_rules="max", global_stats=per_row)(
+                                       params, batch)
+  assert at.tolist() == batch["mask"].sum(0).tolist()  # real tokens at each position
+  assert max_rel(grads, whole_batch(params, batch)[1]) < 1e-5
+
+
+@pytest.mark.parametrize(("bad", "error", "match"), [
+    (lambda p, b: {"mask": b["mask"] > 0}, TypeError, r"\['mask'\] is an array of bool"),
+    (lambda p, b: {"name": "experts"}, TypeError, r"\['name'\] is a str"),
+    (lambda p, b: {"P": forward(p, b)[1][0][1].sum(0)}, ValueError,
+     r"\['P'\] has a gradient.*stop_gradient"),
+    (lambda p, b: {"flat": b["mask"].reshape(-1)}, ValueError,
+     r"\['flat'\] has shape \(24,\) on 8 rows and \(48,\) on 16: no one axis holds the rows"),
+])
+def test_bad_statistics_raise_naming_the_leaf_and_the_fix(bad: Any, error: type,
+                                                          match: str) -> None:
+  fn = oa.microbatched(jax.value_and_grad(loss), 8, normalize="sum", global_stats=bad)
+  with pytest.raises(error, match=match):
+    fn(init_params(), make_batch())
+
+
+def test_a_constant_taken_on_purpose_and_a_function_checked() -> None:
+  """A float statistic wrapped in ``stop_gradient`` is a constant on purpose: no error."""
+  params, batch = init_params(), make_batch()
+  sg = lambda p, b: lax.stop_gradient({"P": forward(p, b)[1][0][1].sum(0)})
+  fn = oa.microbatched(jax.value_and_grad(lambda p, b, stats: jnp.sum(stats["P"]) * jnp.sum(
+      p["out"])), 2, global_stats=sg)
+  value, _ = fn(params, batch)
+  assert np.isclose(value, B * T * jnp.sum(params["out"]), rtol=1e-5)  # probabilities sum to 1
+  with pytest.raises(TypeError, match="`global_stats` must be None or a function"):
+    oa.microbatched(fn, 2, global_stats={"tokens": 1})
+
+
+# ------------------------------------------------------------------- across steps
+def count_run(tx: Any, stats: list[Any], **update_kw: Any) -> list[Any]:
+  """The global statistics after each ``update`` of a zero gradient with ``stats[i]``."""
+  params = {"w": jnp.zeros(2)}
+  state, seen = tx.init(params), []
+  for s in stats:
+    kw = {key: value(len(seen)) for key, value in update_kw.items()}
+    if s is None:
+      _, state = oa.flush(tx, state, params)
+    else:
+      grads = {"w": jnp.full(2, jnp.nan if kw.pop("nan", False) else 0.0)}
+      _, state = tx.update(grads, state, params, stats=jnp.asarray(s), **kw)
+    seen.append(jax.tree.map(np.asarray, state.global_stats))
+  return seen
+
+
+@pytest.mark.catches("causal_buffer_never_reset")
+def test_the_running_sum_restarts_and_the_total_moves_to_last_when_a_window_closes() -> None:
+  like = jax.ShapeDtypeStruct((2,), jnp.int32)
+  tx = oa.accumulate(3, optax.sgd(0.1), global_stats=like)
+  seen = count_run(tx, [[1, 0], [2, 1], [3, 1], [4, 0], [5, 2], None, [6, 6]])
+  running = [s.running.tolist() for s in seen]
+  last = [s.last.tolist() for s in seen]
+  assert running == [[1, 0], [3, 1], [0, 0], [4, 0], [9, 2], [0, 0], [6, 6]]
+  assert last == [[0, 0], [0, 0], [6, 2], [6, 2], [6, 2], [9, 2], [9, 2]]  # flush closes too
+  # emit_now closes early; a micro-batch skipped as non-finite adds nothing.
+  tx = oa.accumulate(3, optax.sgd(0.1), global_stats=like, skip_nonfinite=True)
+  seen = count_run(tx, [[1, 1], [2, 2], [3, 3]], emit_now=lambda i: i == 0,
+                   nan=lambda i: i == 1)
+  assert [s.running.tolist() for s in seen] == [[0, 0], [0, 0], [3, 3]]
+  assert [s.last.tolist() for s in seen] == [[1, 1], [1, 1], [1, 1]]
+
+
+def test_stats_given_and_declared_must_agree() -> None:
+  params = {"w": jnp.zeros(2)}
+  grads = {"w": jnp.zeros(2)}
+  declared = oa.accumulate(2, optax.sgd(0.1), global_stats={"n": jnp.zeros(3, jnp.int32)})
+  with pytest.raises(ValueError, match=r"got shapes None, but .* declared \{'n': \(3,\)\}"):
+    declared.update(grads, declared.init(params), params)
+  with pytest.raises(ValueError, match=r"got shapes \{'n': \(4,\)\}"):
+    declared.update(grads, declared.init(params), params, stats={"n": jnp.zeros(4)})
+  plain = oa.accumulate(2, optax.sgd(0.1))
+  with pytest.raises(ValueError, match="declared None"):
+    plain.update(grads, plain.init(params), params, stats={"n": jnp.zeros(3)})
+  with pytest.raises(TypeError, match="`global_stats` at \\['n'\\] is an array of bool"):
+    oa.accumulate(2, optax.sgd(0.1), global_stats={"n": jnp.zeros(3, bool)})
+
+
+def test_counts_from_a_rematerialised_forward_feed_the_causal_buffer() -> None:
+  """The counts come out of the forward as aux: recomputing it (remat) changes nothing."""
+  params, batch = init_params(), make_batch(rows=16)
+  like = jax.eval_shape(stats_fn, params, batch)
+  tx = oa.accumulate(2, optax.sgd(0.1), global_stats=like)
+
+  def causal_loss(p: Any, b: Any, running: Any) -> tuple[jax.Array, Any]:
+    own = lax.stop_gradient(stats_fn(p, b))  # this micro-batch's, from the same forward
+    return loss(p, b, stats=jax.tree.map(jnp.add, running, own)), own
+
+  @jax.jit
+  def step(p: Any, state: Any, b: Any) -> tuple[Any, Any]:
+    (_, own), grads = jax.value_and_grad(causal_loss, has_aux=True)(
+        p, b, state.global_stats.running)
+    return oa.update_and_apply(tx, grads, state, p, stats=own)
+
+  state = tx.init(params)
+  halves = [jax.tree.map(lambda x, i=i: x[i::2], batch) for i in range(2)]
+  for half in halves:
+    params, state = step(params, state, half)
+  totals = jax.tree.map(lambda *s: sum(s), *[stats_fn(init_params(), h) for h in halves])
+  assert all(jax.tree.leaves(jax.tree.map(np.array_equal, state.global_stats.last, totals)))
+
+
+@needs_8
+def test_across_devices_the_total_is_one_psum_per_window_and_reshards() -> None:
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+  like = jax.ShapeDtypeStruct((2,), jnp.int32)
+  tx = per_device_state(oa.accumulate(2, optax.sgd(0.1), axis_name="data", global_stats=like),
+                        "data")
+  params = {"w": jnp.zeros(3)}
+  specs = shard_map_specs(tx, params, "data")
+  assert specs.global_stats.running == P("data") and specs.global_stats.last == P()
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")),
+                     out_specs=(P(), specs))
+  def step(params: Any, state: Any, x: jax.Array) -> tuple[Any, Any]:
+    grads = jax.grad(lambda p: jnp.mean(x @ p["w"]))(lax.pcast(params, "data", to="varying"))
+    counts = jnp.stack([jnp.sum(x > 0), jnp.sum(x <= 0)]).astype(jnp.int32)  # this device's
+    return oa.update_and_apply(tx, grads, state, params, stats=counts)
+
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 3)), jnp.float32)
+  params1, state = step(params, state, x)
+  assert state.global_stats.running.shape == (8, 2)
+  assert state.global_stats.running.sum(0).tolist() == [int((x > 0).sum()), int((x <= 0).sum())]
+  found = hlo_collectives(step.lower(params1, state, x).compile())
+  assert [c.context for c in found if c.bytes == 8] == [(("conditional", 1),)]
+  # A checkpoint mid-window, resumed on one device: the running sums add up onto it.
+  one = oa.accumulate(2, optax.sgd(0.1), global_stats=like).init(params)
+  resumed = reshard_state(jax.device_get(state), one)
+  assert resumed.global_stats.running.tolist() == state.global_stats.running.sum(0).tolist()
+  _, state = step(params1, state, -x)  # (x and -x: every entry of x counted once either way)
+  assert state.global_stats.last.tolist() == [48, 48] and not state.global_stats.running.any()
+
+
+def test_orbax_restores_the_statistics_mid_window(tmp_path: Any) -> None:
+  ocp = pytest.importorskip("orbax.checkpoint")
+  tx = oa.accumulate(3, optax.sgd(0.1), global_stats={"n": jnp.zeros(2, jnp.int32)})
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  for s in ([1, 2], [3, 4], [5, 6], [7, 8]):
+    _, state = tx.update({"w": jnp.ones(2)}, state, params, stats={"n": jnp.asarray(s)})
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "ckpt", state)
+  checkpointer.wait_until_finished()
+  restored = checkpointer.restore(tmp_path / "ckpt", jax.tree.map(
+      ocp.utils.to_shape_dtype_struct, tx.init(params)))
+  assert restored.global_stats.running["n"].tolist() == [7, 8]
+  assert restored.global_stats.last["n"].tolist() == [9, 12]
