@@ -170,7 +170,8 @@ def jit(step: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
       shardings).
 
   Returns:
-    A function called like ``step``.
+    A function called like ``step``; its ``mid_step`` and ``closing_step``
+    are the two ``jax.jit`` programs (to ``.lower(...)`` each, for its memory).
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_accum as oa
@@ -203,4 +204,5 @@ def jit(step: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
     last.update(mini_step=None if new is None else new.mini_step, count=0 if emits else count + 1)
     return out
 
+  run.mid_step, run.closing_step = programs[False], programs[True]
   return run
