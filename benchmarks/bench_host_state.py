@@ -35,9 +35,8 @@ def args_of(params, batch, dev, on_host, across, concrete):
 
 
 def typed_h200(jitted, cpu_args, step, args):
-  """``jitted`` typed on XLA:CPU (a deviceless topology reports no memory kinds: the state's
-  arguments type as device memory, and jit cannot type the one program's cond), lowered for
-  CUDA and compiled by the H200 compiler in place of a fresh program of ``step``'s signature."""
+  """``jitted`` typed on XLA:CPU (deviceless, no memory kinds), lowered for CUDA, compiled by
+  the H200 compiler in place of a fresh program of ``step``'s signature."""
   from jax._src import compiler  # private: the one way to hand XLA a module typed elsewhere
   module = jitted.trace(*cpu_args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
   real = compiler.compile_or_get_cached
@@ -51,8 +50,7 @@ def typed_h200(jitted, cpu_args, step, args):
 def forms(row, step, params, batch, dev, h200):
   """``row`` with the device bytes per parameter of each of ``step``'s programs."""
   on_host, across = row["state"] == HOST, row["step"] != "MLP in-step"
-  args = args_of(params, batch, dev, on_host, across, not h200)
-  n = sum(x.size for x in jax.tree.leaves(params))
+  args, n = args_of(params, batch, dev, on_host, across, not h200), 4 * params["w0"].size
   host = 8 * n * (row["params"] == "float32" or 0.5) if on_host else 0  # adam's mu and nu
   split = oa.offload.jit(step, donate_argnums=(0, 1))
   programs = dict(zip(FORMS, (jax.jit(step, donate_argnums=(0, 1)), split.mid_step,
