@@ -46,3 +46,9 @@ def test_bench_contrastive_tiled_quick(tmp_path: Path) -> None:
       assert r["tiled_temp_bytes"] < r["dense_temp_bytes"] / 4
       assert r["tiled_temp_bytes"] <= 2.2 * temps[r["loss"], 1024]
   assert (tmp_path / "contrastive_tiled.png").stat().st_size > 0
+
+
+def test_bench_host_state_quick(tmp_path: Path) -> None:  # and --gpu's timing loop, on the CPU
+  run("bench_host_state.py", tmp_path, "--gpu")
+  rows = json.loads((tmp_path / "host_state_gpu.json").read_text())["memory"]
+  assert {r["micro-step"] for r in rows if "micro-step" in r} == {12.0, 8.0, 15.0}

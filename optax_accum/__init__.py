@@ -12,6 +12,8 @@ Train with a large effective batch on a device that holds a small one:
 * around both, :class:`Policy` / :func:`mixed_precision`; dynamic loss
   scaling in :mod:`optax_accum.precision`;
 * on many devices, ``axis_name=`` and :mod:`optax_accum.sharding`;
+* the inner optimizer's state in host memory between optimizer steps:
+  :func:`host_state` (:mod:`optax_accum.offload`);
 * how many micro-batches: :func:`plan_k` from the compiled step's memory, and
   the gradient noise scale of every window (:func:`noise_scale`,
   :func:`adaptive_k`) for the window.
@@ -25,7 +27,7 @@ import warnings
 from typing import Any
 
 # The public submodules, reachable as attributes (optax_accum.sharding.X).
-from optax_accum import debug, gradient_noise, microbatching, precision, sharding  # noqa: F401
+from optax_accum import debug, gradient_noise, microbatching, offload, precision, sharding  # noqa: F401
 from optax_accum.accumulation import (
     AccumulateState,
     accumulate,
@@ -37,6 +39,7 @@ from optax_accum.contrastive import cached_microbatched
 from optax_accum.gradient_noise import adaptive_k, noise_scale
 from optax_accum.microbatching import microbatched
 from optax_accum.multi_steps import MultiSteps
+from optax_accum.offload import host_state
 from optax_accum.planning import plan_k
 from optax_accum.precision import Policy, mixed_precision
 
@@ -51,6 +54,7 @@ __all__ = [
     "cached_microbatched",
     "flush",
     "has_updated",
+    "host_state",
     "microbatched",
     "mixed_precision",
     "noise_scale",

@@ -26,6 +26,7 @@ Each compiler-facing choice names, at its line, the section of
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -45,6 +46,10 @@ KSchedule = Callable[[jax.Array], Any]
 # profile tells which kernels run on mid-steps (add, mid) and which on
 # emitting steps.
 SCOPES = {"add": "optax_accum_add", "mid": "optax_accum_mid", "emit": "optax_accum_emit"}
+
+# Set by `offload.jit` while it traces a window's mid-step or its closing step, each a
+# program of its own: the window's conditional becomes the branch that program runs.
+PHASE: contextvars.ContextVar[Any] = contextvars.ContextVar("optax_accum_phase", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +234,8 @@ def micro_step(
   add = jax.named_scope(SCOPES["add"])(functools.partial(
       buffer_after, config, mini_step=window.mini_step, accept=accept, weight=weight, seed=seed))
 
-  # 3. Emit or not: one lax.cond.
+  # 3. Emit or not: one lax.cond (one branch in a program of `offload.jit`'s: `PHASE`).
+  cond = lax.cond if PHASE.get() is None else PHASE.get().cond(config, accept, emit_now)
   # Under jax.jit the trace that gives the types of the updates (or params) is cached: the
   # conditional's branch binds it again, and the inner optimizer's Python runs once.
   run_emit = jax.jit(functools.partial(emit, config, apply=apply, extra_args=extra_args or {}))
@@ -240,7 +246,7 @@ def micro_step(
     # The add runs before the conditional: XLA:CPU copies a buffer that goes
     # through one (docs/development/compiler_evidence.md, "Where the add runs").
     buffer = add(window.acc_grads, grads)
-    out, new_inner, new_noise = lax.cond(
+    out, new_inner, new_noise = cond(
         decision.emits, jax.named_scope(SCOPES["emit"])(run_emit),
         jax.named_scope(SCOPES["mid"])(lambda ops, buffer: waiting(ops)), ops, buffer)
   else:
@@ -252,7 +258,7 @@ def micro_step(
       updates, buffer = park(emitted.out, window_sum, parks)
       return emitted._replace(out=updates), buffer
 
-    (out, new_inner, new_noise), buffer = lax.cond(
+    (out, new_inner, new_noise), buffer = cond(
         decision.emits, jax.named_scope(SCOPES["emit"])(emitting),
         jax.named_scope(SCOPES["mid"])(lambda ops, acc: (waiting(ops), add(acc, ops.grads))),
         ops, window.acc_grads)

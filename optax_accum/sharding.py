@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from optax_accum import _arrays, _state
+from optax_accum import _arrays, _state, offload
 from optax_accum._gradients import broadcast_like, defer_reduction, local_value_and_grad
 from optax_accum.accumulation import AccumulateState
 
@@ -156,7 +156,8 @@ def state_shardings(
   ``optax.multi_transform``, :func:`~optax_accum.accumulate` around any of
   them). Every other leaf (counters, scalars, hyperparameters) is replicated
   on the params' mesh; ``optax.MaskedNode`` placeholders hold no array and
-  stay in the tree as they are.
+  stay in the tree as they are. The state of :func:`~optax_accum.host_state`
+  gets the same layouts in host memory (``memory_kind="pinned_host"``).
 
   A leaf is params-shaped when ``tx.init`` builds it by mapping over the
   params (found with ``optax.tree.map_params``) and it has its param's
@@ -219,9 +220,14 @@ def state_shardings(
                                                               sharding=s), params, shardings)
     with jax.set_mesh(mesh):
       state = jax.eval_shape(tx.init, abstract)
-    return jax.tree.map(lambda v: v if _is_masked(v) else NamedSharding(
+    layout = jax.tree.map(lambda v: v if _is_masked(v) else NamedSharding(
         mesh, _arrays.array_type(v).spec), state, is_leaf=_is_masked)
-  return _lay_out_like_params(tx, params, shardings, _replicated_like(sharding_leaves[0]))[1]
+  else:
+    layout = _lay_out_like_params(tx, params, shardings, _replicated_like(sharding_leaves[0]))[1]
+  # The state of `host_state` in host memory (its memory kind: `eval_shape` drops it).
+  return jax.tree.map(lambda n: jax.tree.map(lambda s: s.with_memory_kind(
+      offload.HOST), n) if isinstance(n, offload.HostState) else n, layout, is_leaf=lambda n: (
+          isinstance(n, offload.HostState)))
 
 
 def _map_per_device(fn: Any, state: Any, **kw: Any) -> Any:
@@ -252,8 +258,9 @@ def reshard_state(restored: Any, like: Any) -> Any:
   the window's total, what its emitting step reduces, is kept (to float
   rounding). A buffer saved on one device without ``axis_name`` counts as
   one device's. Every other leaf is taken as it is (under ``pmap``, the copy
-  on device 0). Each leaf is placed with ``like``'s sharding. A state laid
-  out as ``like`` already comes back unchanged, bit for bit.
+  on device 0). Each leaf is placed with ``like``'s sharding, memory kind
+  included (a :func:`~optax_accum.host_state` state lands in host memory). A
+  state laid out as ``like`` already comes back unchanged, bit for bit.
 
   Under plain jit (``local_value_and_grad``, ``defer_reduction``), and with
   ``reduction="weighted"`` anywhere, the partial sums are shares of the

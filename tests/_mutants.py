@@ -27,13 +27,14 @@ import optax
 import pytest
 
 import optax_accum as oa
-from optax_accum import contrastive, microbatching
+from optax_accum import contrastive, microbatching, offload
 
 Mutant = Callable[[pytest.MonkeyPatch], None]
 MUTANTS: dict[str, Mutant] = {}
 _accumulate, _microbatched = oa.accumulate, oa.microbatched  # the real ones
 _clip_loss, _siglip_loss = contrastive.clip_loss, contrastive.siglip_loss
 _ppermute = jax.lax.ppermute
+_host_state, _offload_jit = oa.host_state, offload.jit
 _MISSING = object()
 
 
@@ -323,3 +324,24 @@ def ring_hops_two_devices(patch: pytest.MonkeyPatch) -> None:
   half the blocks, some twice (one ring step's block skipped, another repeated)."""
   patch.setattr(jax.lax, "ppermute", lambda x, axis_name, perm: _ppermute(
       x, axis_name, [(src, (2 * dst - src) % len(perm)) for src, dst in perm]))
+
+
+# ------------------------------------------------------------------ the state on the host
+@mutant
+def host_state_on_device(patch: pytest.MonkeyPatch) -> None:
+  """``host_state`` keeps the state on the device: a silent fallback (same values, same
+  state type, no memory saved)."""
+  def host_state(inner: Any) -> optax.GradientTransformationExtraArgs:
+    real = _host_state(inner)
+    to_device = lambda s: jax.device_put(s, jax.memory.Space.Device)
+    return optax.GradientTransformationExtraArgs(
+        lambda p: to_device(real.init(p)),
+        lambda g, s, p=None, **kw: (lambda u, s: (u, to_device(s)))(*real.update(g, s, p, **kw)))
+  patch.setattr(oa, "host_state", host_state)
+
+
+@mutant
+def offload_jit_emits_every_call(patch: pytest.MonkeyPatch) -> None:
+  """``offload.jit`` runs the closing step's program on every call: each micro-batch
+  takes an optimizer step."""
+  patch.setattr(offload, "jit", lambda step, **kw: _offload_jit(step, **kw).closing_step)

@@ -1,0 +1,144 @@
+"""The optimizer state in host memory (``oa.host_state``): device bytes, and the time on a GPU.
+
+Device bytes per parameter (arguments + temporaries - the state's in pinned_host) of compiled
+steps, params and state donated, adam: ``accumulate(4, adam)`` against ``accumulate(4,
+host_state(adam))`` through ``jax.jit`` (one program) and ``offload.jit`` (two programs); an MLP's
+whole step, 4 layers of d x d, micro-batches of d rows: in-step and across steps (k = 8).
+"""
+
+import functools
+import sys
+import time
+
+if "--h200" in sys.argv:  # it sets, before jax: no GPU runtime, no check for a CUDA install
+  import gpu_hlo
+import harness
+import jax
+import jax.numpy as jnp
+import optax
+
+import optax_accum as oa
+
+K, HOST, FORMS = 4, "pinned_host", ("one program", "micro-step", "closing step")
+CPU = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+
+
+def args_of(params, batch, dev, on_host, across, concrete):
+  """``(params, state, batch)`` on ``dev``; arrays where memory kinds type (not abstract ones)."""
+  state = jax.eval_shape(oa.accumulate(K, optax.adam(1e-3)).init, params)
+  inner = oa.offload.HostState(state.inner_opt_state) if on_host else state.inner_opt_state
+  put = lambda t, s: jax.tree.map(lambda x: jax.device_put(jnp.zeros(x.shape, x.dtype), s) if (
+      concrete) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t)
+  inner = put(inner, dev.with_memory_kind(HOST) if on_host else dev)
+  return put(params, dev), put(state, dev)._replace(inner_opt_state=inner) if across else (
+      inner), put(batch, dev)
+
+
+def typed_h200(jitted, cpu_args, step, args):
+  """``jitted`` typed on XLA:CPU (deviceless, no memory kinds), lowered for CUDA, compiled by
+  the H200 compiler in place of a fresh program of ``step``'s signature."""
+  from jax._src import compiler  # private: the one way to hand XLA a module typed elsewhere
+  module = jitted.trace(*cpu_args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+  real = compiler.compile_or_get_cached
+  compiler.compile_or_get_cached = lambda backend, _, *a, **kw: real(backend, module, *a, **kw)
+  try:
+    return oa.offload.jit(step, donate_argnums=(0, 1)).closing_step.lower(*args).compile()
+  finally:
+    compiler.compile_or_get_cached = real
+
+
+def forms(row, step, params, batch, dev, h200):
+  """``row`` with the device bytes per parameter of each of ``step``'s programs."""
+  on_host, across = row["state"] == HOST, row["step"] != "MLP in-step"
+  args, n = args_of(params, batch, dev, on_host, across, not h200), 4 * params["w0"].size
+  host = 8 * n * (row["params"] == "float32" or 0.5) if on_host else 0  # adam's mu and nu
+  split = oa.offload.jit(step, donate_argnums=(0, 1))
+  programs = dict(zip(FORMS, (jax.jit(step, donate_argnums=(0, 1)), split.mid_step,
+                              split.closing_step)[:3 if on_host and across else 1], strict=False))
+  if h200 and on_host:
+    typed = args_of(params, batch, CPU, True, across, True)
+    programs = {form: functools.partial(typed_h200, fn, typed, step)
+                for form, fn in programs.items()}
+  for form, fn in programs.items():
+    try:
+      m = (fn(args) if isinstance(fn, functools.partial) else fn.lower(*args).compile(
+          )).memory_analysis()
+      held = m.argument_size_in_bytes + (m.host_argument_size_in_bytes or 0) - host
+      row[form] = round((held + m.temp_size_in_bytes) / n, 2)
+    except Exception as e:  # the one program where the compiler cannot take it
+      row[form] = f"fails: {type(e).__name__}"
+  return {**row, "host bytes": host / n}
+
+
+def memory(quick, dev, h200):
+  n, d, rows = 1 << (16 if quick else 22), 256 if quick else 2048, []
+  mlp = {f"w{i}": jax.ShapeDtypeStruct((d, d), jnp.float32) for i in range(4)}
+  loss = lambda p, x: jnp.mean(functools.reduce(lambda h, w: jnp.tanh(h @ w), p.values(), x)**2)
+
+  def in_step(opt, p, s, x):
+    u, s = opt.update(oa.microbatched(jax.value_and_grad(loss), 8)(p, x)[1], s, p)
+    return optax.apply_updates(p, u), s
+  for state in ("device", HOST):
+    opt = optax.adam(1e-3) if state == "device" else oa.host_state(optax.adam(1e-3))
+    for dt in ("float32", "bfloat16"):
+      params = {f"w{i}": jax.ShapeDtypeStruct((n // 4,), dt) for i in range(4)}
+      rows.append(forms({"step": "update", "params": dt, "state": state}, lambda p, s, g, opt=opt:
+                        oa.update_and_apply(oa.accumulate(K, opt), g, s, p), params, params, dev,
+                        h200))
+    for step, fn, rows_ in (("MLP in-step", functools.partial(in_step, opt), 8 * d),
+                            ("MLP across steps", lambda p, s, x, opt=opt: oa.update_and_apply(
+                                oa.accumulate(8, opt), jax.grad(loss)(p, x), s, p), d)):
+      rows.append(forms({"step": step, "params": "float32", "state": state}, fn, mlp,
+                        jax.ShapeDtypeStruct((rows_, d), jnp.float32), dev, h200))
+  return rows
+
+
+def gpu_times(quick, rounds):
+  """Median ms of the micro-steps and of the closing step of each form, a window a round."""
+  params = {f"w{i}": jnp.full((1 << (14 if quick else 26),), 0.01) for i in range(4)}
+  runs, times = {}, {}
+  for name in ("device state, one program", "host state, two programs", "host state, one program"):
+    tx = oa.accumulate(K, oa.host_state(optax.adam(1e-3)) if "host" in name else optax.adam(1e-3))
+    step = (oa.offload.jit if "two" in name else jax.jit)(
+        lambda p, s, g, tx=tx: oa.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
+    runs[name], times[name] = [step, jax.tree.map(jnp.copy, params), tx.init(params)], ([], [])
+
+  def window(name):
+    for i in range(K):
+      t0 = time.perf_counter()
+      runs[name][1:] = jax.block_until_ready(runs[name][0](*runs[name][1:], params))
+      times[name][i == K - 1].append(time.perf_counter() - t0)
+  # Two windows of warm-up: each program compiles twice (the state from init is uncommitted).
+  harness.interleaved({name: functools.partial(window, name) for name in runs}, rounds, warmup=2)
+  return {name: [round(1e3 * harness.median(t[-rounds * n:]), 3) for t, n in zip(
+      ts, (K - 1, 1), strict=True)] for name, ts in times.items()}
+
+
+def markdown(r):
+  cols, head = [*FORMS, "host bytes"], ["step", "params", "state"]
+  return "\n".join([
+      f"# The optimizer state in host memory: {r['compiler']}", "", f"`{r['command']}`, jax"
+      f" {r['machine']['jax']}, {r['machine']['date']}. " + " ".join(__doc__.split("\n")[2:6]),
+      "", *harness.table(" | ".join(head + cols), "lll" + "r" * 4, [
+          [x[c] for c in head] + [x.get(c, "-") for c in cols] for x in r["memory"]]), "",
+      *(harness.table("median ms on the device | micro-step | closing step", "lrr", [
+          [k, *v] for k, v in r["gpu"].items()]) if "gpu" in r else [])])
+
+
+def main():
+  ap = harness.parser(__doc__, quick="small sizes (checks the script)")
+  ap.add_argument("--h200", action="store_true", help="the H200 compiler (gpu_hlo.py's venv)")
+  ap.add_argument("--gpu", action="store_true", help="also time both forms on this device")
+  args = ap.parse_args()
+  dev = gpu_hlo.target(None)[0] if args.h200 else jax.sharding.SingleDeviceSharding(
+      jax.devices()[0])
+  r = {"command": " ".join(["python benchmarks/bench_host_state.py", *sys.argv[1:]]),
+       "machine": harness.machine(), "memory": memory(args.quick, dev, args.h200),
+       "compiler": "the H200 compiler" if args.h200 else f"XLA on {jax.devices()[0].device_kind}",
+       **({"gpu": gpu_times(args.quick, 3 if args.quick else 21)} if args.gpu else {})}
+  harness.write(args.out, "host_state_" + ("h200" if args.h200 else "gpu" if args.gpu else "cpu"),
+                r, markdown(r))
+
+
+if __name__ == "__main__":
+  main()

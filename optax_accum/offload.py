@@ -1,0 +1,208 @@
+"""The inner optimizer's state in host memory between optimizer steps.
+
+An accumulation reads the inner optimizer's state once per window. Between
+optimizer steps Adam's ``mu`` and ``nu`` (8 bytes per float32 parameter) sit
+idle on the device; :func:`host_state` keeps them (every leaf of the state) in
+host memory (``pinned_host``) and brings them to the device only for the
+update. Two ways to compile a train step with such a state:
+
+* **one program** (``jax.jit`` as usual): the state moves in and out inside
+  the emitting branch of the window's ``lax.cond``; mid-steps pass it through.
+* **two programs** (:func:`jit`): the window's mid-steps compiled without the
+  conditional (they never read the state) and its closing step compiled
+  apart; the package picks one per call from the window's count.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import optax
+from jax import lax
+
+from optax_accum import _arrays, _window
+
+__all__ = ["HostState", "host_state", "jit"]
+
+HOST = "pinned_host"
+
+
+class HostState(NamedTuple):
+  """State of :func:`host_state`.
+
+  Attributes:
+    inner_state: the inner optimizer's state, every array leaf in host memory
+      (``pinned_host``) between updates.
+  """
+
+  inner_state: optax.OptState
+
+
+def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """``inner`` with its state kept in host memory between updates.
+
+  ``init`` places ``inner``'s state in host memory (``pinned_host``, sharded
+  like the params); ``update`` moves it to the device, runs ``inner``'s
+  update and moves the new state back. Inside
+  :func:`~optax_accum.accumulate` the moves run only in the window's emitting
+  branch, once per optimizer step; in a chain or a step of its own, once per
+  call. The updates, and the state's values, are bit for bit ``inner``'s.
+
+  Args:
+    inner: the optimizer whose state lives on the host.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`HostState`; ``update``'s keywords go to ``inner``.
+
+  Raises:
+    ValueError: from ``init``, where the devices have no ``pinned_host``
+      memory (it names the platform and the JAX version).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum as oa
+    >>> tx = oa.accumulate(2, oa.host_state(optax.adam(1e-2)))
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> state.inner_opt_state.inner_state[0].mu["w"].sharding.memory_kind
+    'pinned_host'
+    >>> step = jax.jit(lambda g, s, p: oa.update_and_apply(tx, g, s, p))
+    >>> for _ in range(2):
+    ...   params, state = step({"w": jnp.ones(3)}, state, params)
+    >>> [round(w, 4) for w in params["w"].tolist()]
+    [0.99, 0.99, 0.99]
+    >>> state.inner_opt_state.inner_state[0].mu["w"].sharding.memory_kind
+    'pinned_host'
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params: optax.Params) -> HostState:
+    _check_host_memory()
+    return HostState(jax.device_put(inner.init(params), jax.memory.Space.Host))
+
+  def update_fn(updates: optax.Updates, state: HostState, params: optax.Params | None = None,
+                **extra_args: Any) -> tuple[optax.Updates, HostState]:
+    # Not before the updates exist: XLA would otherwise move the state in early (during
+    # `microbatched`'s loop, say), where it sits beside the activations.
+    updates, inner_state = lax.optimization_barrier((updates, state.inner_state))
+    on_device = jax.device_put(inner_state, jax.memory.Space.Device)
+    updates, new = inner.update(updates, on_device, params, **extra_args)
+    return updates, HostState(jax.device_put(new, jax.memory.Space.Host))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_host_memory() -> None:
+  """Raises unless every local device has host memory to hold a state (``pinned_host``)."""
+  for device in jax.local_devices():
+    kinds = sorted(m.kind for m in device.addressable_memories())
+    if HOST not in kinds:
+      raise ValueError(
+          f"`host_state` keeps the optimizer state in host memory ({HOST!r}), which"
+          f" {device.platform} ({device.device_kind}) does not offer with jax"
+          f" {jax.__version__} and jaxlib {importlib.metadata.version('jaxlib')}: its"
+          f" memory kinds are {kinds}. Use the optimizer without `host_state` there (its"
+          " state then stays on the device).")
+
+
+class _Phase:
+  """What :func:`jit` traces: a window's mid-step (``emits`` False) or its closing step.
+
+  ``cond`` is what the window's conditional becomes in that program: one branch, picked
+  statically; it records the window's ``k`` (the count :func:`jit` dispatches on).
+  """
+
+  def __init__(self, emits: bool):
+    self.emits, self.k = emits, None
+
+  def cond(self, config: _window.Config, accept: Any, emit_now: Any) -> Callable[..., Any]:
+    if not (isinstance(config.k, int) and accept is True and emit_now is False
+            and config.reduction != "weighted" and self.k in (None, config.k)):
+      raise ValueError(
+          "`offload.jit` compiles a window's mid-steps and its closing step apart, which"
+          " needs one window that closes after exactly `k` micro-batches, `k` an int: not"
+          " with `skip_nonfinite`, `should_skip_update_fn`, `reduction='weighted'`,"
+          " `emit_now`, `flush`, a schedule of `k` or two accumulations of different `k`."
+          " Compile the step with `jax.jit` instead (one program).")
+    self.k = config.k
+    return lambda pred, emitting, waiting, *ops: (emitting if self.emits else waiting)(*ops)
+
+
+def _in_phase(phase: _Phase, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+  token = _window.PHASE.set(phase)
+  try:
+    return step(*args, **kwargs)
+  finally:
+    _window.PHASE.reset(token)
+
+
+def _window_of(tree: Any) -> Any:
+  return _arrays.first_node(tree, lambda n: hasattr(n, "mini_step") and hasattr(
+      n, "gradient_step"))
+
+
+def jit(step: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
+  """``jax.jit(step)`` as two programs: the window's mid-steps, and its closing step.
+
+  ``step`` is a train step holding one :func:`~optax_accum.accumulate` (or
+  :class:`~optax_accum.MultiSteps`) whose state it takes and returns. The
+  mid-step program is compiled without the window's conditional: it adds the
+  micro-batch to the buffer and passes the inner optimizer's state through,
+  never reading it (with :func:`host_state`, it stays on the host untouched).
+  The closing step's program runs the inner optimizer. Each call runs the one
+  its window's count asks for, read from the state the first time and
+  counted on the host after (read again when a state comes in that the last
+  call did not return). The results are bit for bit ``jax.jit(step)``'s.
+
+  The window must close after exactly ``k`` micro-batches (an int): not with
+  ``skip_nonfinite``, ``should_skip_update_fn``, ``reduction="weighted"``,
+  ``emit_now`` or a schedule of ``k`` (a ``ValueError`` when traced); use
+  ``jax.jit`` there.
+
+  Args:
+    step: the train step; its arguments and results are pytrees holding the
+      accumulation's state.
+    **jit_kwargs: passed to ``jax.jit`` for both programs (``donate_argnums``,
+      shardings).
+
+  Returns:
+    A function called like ``step``; its ``mid_step`` and ``closing_step``
+    are the two ``jax.jit`` programs (to ``.lower(...)`` each, for its memory).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_accum as oa
+    >>> tx = oa.accumulate(2, oa.host_state(optax.adam(1e-2)))
+    >>> step = oa.offload.jit(lambda p, s, g: oa.update_and_apply(tx, g, s, p))
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> for _ in range(2):
+    ...   params, state = step(params, state, {"w": jnp.ones(3)})
+    >>> int(state.gradient_step), [round(w, 4) for w in params["w"].tolist()]
+    (1, [0.99, 0.99, 0.99])
+  """
+  phases = {emits: _Phase(emits) for emits in (False, True)}
+  programs = {emits: jax.jit(functools.partial(_in_phase, phase, step), **jit_kwargs)
+              for emits, phase in phases.items()}
+  last: dict[str, Any] = {"mini_step": None, "count": 0}
+
+  def run(*args: Any, **kwargs: Any) -> Any:
+    window = _window_of((args, kwargs))
+    if window is not None and phases[False].k is None:  # the window's k: from a trace
+      programs[False].trace(*args, **kwargs)
+    k = phases[False].k
+    if k is None:
+      raise TypeError("`offload.jit`: the step takes no state of `accumulate` or `MultiSteps`,"
+                      " or runs none (the window's count picks the program).")
+    count = last["count"] if window.mini_step is last["mini_step"] else int(window.mini_step)
+    emits = count + 1 >= k
+    out = programs[emits](*args, **kwargs)
+    new = _window_of(out)
+    last.update(mini_step=None if new is None else new.mini_step, count=0 if emits else count + 1)
+    return out
+
+  run.mid_step, run.closing_step = programs[False], programs[True]
+  return run

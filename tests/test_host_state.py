@@ -1,0 +1,319 @@
+"""Tests of :mod:`optax_accum.offload`: the inner optimizer's state in host memory.
+
+Every run is compared bit for bit with the same run on the device (the inner optimizer
+without ``host_state``), and after every step every leaf of the inner state must be in
+``pinned_host``. On XLA:CPU host and device memory are one and JAX lowers an in-program
+move to nothing, so where the state moves is checked where JAX decides it: in the
+step's jaxpr (a ``device_put`` to a memory space) and in the program it lowers for a
+GPU (``annotate_device_placement``, what XLA's host offloader reads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum as oa
+from optax_accum.sharding import local_value_and_grad, reshard_state, state_shardings
+
+HOST = "pinned_host"
+PARAMS = {"w": np.linspace(-1.0, 1.0, 24, dtype=np.float32).reshape(8, 3),
+          "b": np.full(3, 0.1, np.float32)}
+
+
+def adam() -> optax.GradientTransformation:
+  return optax.adam(3e-2)
+
+
+def adamw_clipped(host: Callable[[Any], Any] = lambda opt: opt) -> optax.GradientTransformation:
+  """Clipping, then adamw with a schedule; ``host`` wraps the adamw alone."""
+  schedule = optax.linear_schedule(3e-2, 1e-3, transition_steps=3)
+  return optax.chain(optax.clip_by_global_norm(0.5),
+                     host(optax.adamw(schedule, weight_decay=0.1)))
+
+
+OPTIMIZERS = {"adam": adam, "adamw_clipped": adamw_clipped}
+
+
+def loss(params: Any, x: jax.Array) -> jax.Array:
+  return jnp.mean(jnp.tanh(x @ params["w"] + params["b"]) ** 2)
+
+
+def batch(i: int, rows: int = 8) -> jax.Array:
+  return jnp.asarray(np.sin(np.arange(rows * 8, dtype=np.float32).reshape(rows, 8) * (i + 1)))
+
+
+def inner_of(state: Any) -> Any:
+  """The inner optimizer's state: of ``host_state`` if the run has one."""
+  inner = state.inner_opt_state if isinstance(state, oa.AccumulateState) else state
+  return inner.inner_state if isinstance(inner, oa.offload.HostState) else inner
+
+
+def assert_on_host(state: Any) -> None:
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(inner_of(state))}
+  assert kinds == {HOST}, kinds
+
+
+def assert_bitwise(a: Any, b: Any) -> None:
+  a, b = jax.device_get((a, b))
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(x, y), (x, y)
+
+
+def fresh(tree: Any) -> Any:
+  return jax.tree.map(jnp.array, tree)
+
+
+def across_steps(k: int, make: Callable[[], Any], host: bool) -> tuple[Any, Callable]:
+  tx = oa.accumulate(k, oa.host_state(make()) if host else make())
+  return tx, lambda p, s, x: oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p)
+
+
+@pytest.mark.parametrize("k", [1, pytest.param(4, marks=pytest.mark.catches(
+    "offload_jit_emits_every_call"))])
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+@pytest.mark.catches("host_state_on_device")
+def test_across_steps_equals_the_device_run_bit_for_bit(k: int, opt: str) -> None:
+  """Both forms, the one program (``jax.jit``, params and state donated) and the two
+  programs (``offload.jit``), over two windows and one micro-batch more."""
+  _, on_device = across_steps(k, OPTIMIZERS[opt], host=False)
+  tx, on_host = across_steps(k, OPTIMIZERS[opt], host=True)
+  steps = {"one program": jax.jit(on_host, donate_argnums=(0, 1)),
+           "two programs": oa.offload.jit(on_host, donate_argnums=(0, 1))}
+  runs = {name: (fresh(PARAMS), tx.init(fresh(PARAMS))) for name in steps}
+  ref_tx = oa.accumulate(k, OPTIMIZERS[opt]())
+  ref = (fresh(PARAMS), ref_tx.init(fresh(PARAMS)))
+  for i in range(2 * k + 1):
+    ref = jax.jit(on_device)(*ref, batch(i))
+    for name, step in steps.items():
+      runs[name] = step(*runs[name], batch(i))
+      assert_on_host(runs[name][1])
+      params, state = runs[name]
+      assert_bitwise((params, inner_of(state), state.gradient_step),
+                     (ref[0], inner_of(ref[1]), ref[1].gradient_step))
+  assert int(ref[1].gradient_step) == 2 + (k == 1)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+@pytest.mark.catches("host_state_on_device")
+def test_in_step_equals_the_device_run_bit_for_bit(k: int, opt: str) -> None:
+  """``microbatched`` for the gradients, then the optimizer in the same step; with
+  clipping, ``optax.chain(clip, host_state(adamw))`` (the state of the chain's leaves the
+  same, in the same order: ``HostState`` adds none)."""
+  def make_step(tx: Any) -> Callable:
+    def step(p: Any, s: Any, x: jax.Array) -> tuple[Any, Any]:
+      _, grads = oa.microbatched(jax.value_and_grad(loss), k)(p, x)
+      updates, s = tx.update(grads, s, p)
+      return optax.apply_updates(p, updates), s
+    return jax.jit(step, donate_argnums=(0, 1))
+
+  ref_tx = OPTIMIZERS[opt]()
+  tx = oa.host_state(adam()) if opt == "adam" else adamw_clipped(oa.host_state)
+  ref, run = (fresh(PARAMS), ref_tx.init(fresh(PARAMS))), (fresh(PARAMS), tx.init(fresh(PARAMS)))
+  ref_step, step = make_step(ref_tx), make_step(tx)
+  for i in range(3):
+    ref, run = ref_step(*ref, batch(i, 16)), step(*run, batch(i, 16))
+    assert_on_host(run[1])
+    assert_bitwise(jax.tree.leaves(run), jax.tree.leaves(ref))
+
+
+def device_puts(jaxpr: Any, where: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+  """Where each ``device_put`` of ``jaxpr`` sits: the (primitive, index) of the nested
+  jaxprs around it (a ``cond``'s branch 1 is its true branch: the emitting one)."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "device_put":
+      found.append(where)
+    for value in eqn.params.values():
+      for i, sub in enumerate(value if isinstance(value, (tuple, list)) else [value]):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          found += device_puts(sub, (*where, (eqn.primitive.name, i)))
+  return found
+
+
+def gpu_transfers(jitted: Any, *args: Any) -> int:
+  """The moves between memories in the program lowered for a GPU from ``args``."""
+  lowered = jitted.trace(*args).lower(lowering_platforms=("cuda",))
+  return lowered.as_text().count("@annotate_device_placement(")
+
+
+def test_a_mid_step_moves_no_state() -> None:
+  """One program: the state moves only inside the conditional's emitting branch (twice
+  per leaf: in and out; Adam's count, mu and nu of 2 params). Two programs: the
+  mid-step's moves nothing (and holds no conditional); the closing step's moves every
+  leaf in and out."""
+  tx = oa.accumulate(4, oa.host_state(adam()))
+  step = lambda p, s, g: oa.update_and_apply(tx, g, s, p)
+  args = (fresh(PARAMS), tx.init(fresh(PARAMS)), fresh(PARAMS))
+  moves = device_puts(jax.make_jaxpr(step)(*args).jaxpr)
+  assert moves and all(("cond", 1) in where for where in moves), moves
+  assert gpu_transfers(jax.jit(step), *args) == 2 * 5
+  split = oa.offload.jit(step)
+  mid = split.mid_step.trace(*args).jaxpr
+  assert device_puts(mid.jaxpr) == []
+  assert "cond" not in str(mid)
+  assert gpu_transfers(split.mid_step, *args) == 0
+  assert gpu_transfers(split.closing_step, *args) == 2 * 5
+  # On XLA:CPU: the mid-step passes the state through, aliased (params and state donated);
+  # its temporaries are a few scalars, none the size of a state's leaf (96 bytes).
+  compiled = jax.jit(split.mid_step, donate_argnums=(0, 1)).lower(*args).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes < 96
+
+
+def test_flax_train_state_keeps_the_state_on_the_host() -> None:
+  linen = pytest.importorskip("flax.linen")
+  from optax_accum.flax import TrainState
+
+  model = linen.Dense(3)
+  params = model.init(jax.random.key(0), jnp.ones((1, 8)))["params"]
+
+  def train_step(state: Any, x: jax.Array) -> Any:
+    grads = jax.grad(lambda p: jnp.mean(model.apply({"params": p}, x) ** 2))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  def make(host: bool) -> Any:
+    inner = adamw_clipped()
+    return TrainState.create(apply_fn=model.apply, params=fresh(params), tx=oa.accumulate(
+        4, oa.host_state(inner) if host else inner))
+
+  ref, one, two = make(False), make(True), make(True)
+  steps = (jax.jit(train_step), jax.jit(train_step, donate_argnums=0),
+           oa.offload.jit(train_step, donate_argnums=0))
+  for i in range(5):
+    ref, one, two = (step(s, batch(i)) for step, s in zip(steps, (ref, one, two), strict=True))
+    for run in (one, two):
+      assert_on_host(run.opt_state)
+      assert_bitwise((run.params, inner_of(run.opt_state)), (ref.params, inner_of(ref.opt_state)))
+
+
+def test_nnx_optimizer_keeps_the_state_on_the_host() -> None:
+  nnx = pytest.importorskip("flax.nnx")
+  from optax_accum.flax import Optimizer
+
+  def run(host: bool) -> tuple[Any, Any]:
+    model = nnx.Linear(8, 3, rngs=nnx.Rngs(0))
+    optimizer = Optimizer(model, oa.accumulate(2, oa.host_state(adam()) if host else adam()),
+                          wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model: Any, optimizer: Any, x: jax.Array) -> None:
+      optimizer.update(model, nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model))
+
+    for i in range(3):
+      step(model, optimizer, batch(i))
+      if host:
+        assert_on_host(nnx.as_pure(optimizer.opt_state))
+    return nnx.as_pure(nnx.state(model)), inner_of(nnx.as_pure(optimizer.opt_state))
+
+  assert_bitwise(run(True), run(False))
+
+
+def data_mesh(n: int) -> Any:
+  return jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:n])
+
+
+def on_mesh(mesh: Any) -> dict[str, jax.Array]:
+  return jax.device_put(fresh(PARAMS), {"w": NamedSharding(mesh, P("data")),
+                                        "b": NamedSharding(mesh, P())})
+
+
+def mesh_step(tx: Any) -> Callable:
+  def step(p: Any, s: Any, x: jax.Array) -> tuple[Any, Any]:
+    _, grads = local_value_and_grad(loss, "data")(p, x)
+    return oa.update_and_apply(tx, grads, s, p)
+  return step
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_on_8_devices_the_state_is_sharded_on_the_host_like_on_the_device() -> None:
+  mesh = data_mesh(8)
+  ref_tx = oa.accumulate(2, adam(), axis_name="data")
+  tx = oa.accumulate(2, oa.host_state(adam()), axis_name="data")
+  params = on_mesh(mesh)
+  state = jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)
+  ref = (on_mesh(mesh), ref_tx.init(on_mesh(mesh)))
+  runs = {"one": (params, state), "two": (on_mesh(mesh), tx.init(on_mesh(mesh)))}
+  steps = {"one": jax.jit(mesh_step(tx)), "two": oa.offload.jit(mesh_step(tx))}
+  x = jax.device_put(batch(0, 16), NamedSharding(mesh, P("data")))
+  with jax.set_mesh(mesh):
+    for i in range(3):
+      ref = jax.jit(mesh_step(ref_tx))(*ref, x * (i + 1))
+      for name, step in steps.items():
+        runs[name] = step(*runs[name], x * (i + 1))
+        assert_on_host(runs[name][1])
+        assert_bitwise((runs[name][0], inner_of(runs[name][1])), (ref[0], inner_of(ref[1])))
+        specs = [(a.sharding.spec, b.sharding.spec) for a, b in zip(
+            jax.tree.leaves(inner_of(runs[name][1])), jax.tree.leaves(inner_of(ref[1])),
+            strict=True)]
+        assert all(a == b for a, b in specs) and (P("data", None),) * 2 in specs, specs
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_orbax_and_reshard_state_bring_the_state_back_to_the_host(tmp_path: Path) -> None:
+  """Saved mid-window with orbax; restored into the abstract target of
+  ``state_shardings``: in host memory, bit for bit, and the resumed run (``offload.jit``:
+  it reads the restored window's count) ends as the uninterrupted one. ``reshard_state``
+  onto 2 devices: the inner state in host memory again, bit for bit."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  mesh = data_mesh(8)
+  tx = oa.accumulate(4, oa.host_state(adam()), axis_name="data")
+  step = oa.offload.jit(mesh_step(tx))
+  x = jax.device_put(batch(0, 16), NamedSharding(mesh, P("data")))
+  run = (on_mesh(mesh), tx.init(on_mesh(mesh)))
+  with jax.set_mesh(mesh):
+    for i in range(6):
+      run = step(*run, x * (i + 1))
+      if i == 2:
+        saved = run
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(tmp_path / "ckpt", run[1])
+        checkpointer.wait_until_finished()
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          run[1], state_shardings(tx, run[0]))
+    restored = checkpointer.restore(tmp_path / "ckpt", target)
+    assert_on_host(restored)
+    assert_bitwise(restored, saved[1])
+    resumed = (saved[0], restored)
+    for i in range(3, 6):
+      resumed = step(*resumed, x * (i + 1))
+  assert_bitwise(resumed, run)
+  like = tx.init(on_mesh(data_mesh(2)))
+  moved = reshard_state(jax.device_get(saved[1]), like)
+  assert_on_host(moved)
+  assert_bitwise(inner_of(moved), inner_of(saved[1]))
+  assert {x.sharding.mesh.size for x in jax.tree.leaves(inner_of(moved))} == {2}
+
+
+def test_a_platform_without_host_memory_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+  class Memory:
+    kind = "device"
+
+  class Device:
+    platform, device_kind = "someplatform", "Some Accelerator"
+
+    def addressable_memories(self) -> list[Memory]:
+      return [Memory()]
+
+  monkeypatch.setattr(jax, "local_devices", lambda: [Device()])
+  with pytest.raises(ValueError, match="someplatform") as raised:
+    oa.host_state(adam()).init(PARAMS)
+  assert f"jax {jax.__version__}" in str(raised.value) and "'device'" in str(raised.value)
+
+
+def test_offload_jit_refuses_a_window_it_cannot_count() -> None:
+  tx = oa.accumulate(2, oa.host_state(adam()), skip_nonfinite=True)
+  step = oa.offload.jit(lambda p, s, x: oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p))
+  with pytest.raises(ValueError, match="skip_nonfinite"):
+    step(fresh(PARAMS), tx.init(fresh(PARAMS)), batch(0))
