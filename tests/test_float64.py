@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.experimental
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -154,6 +155,21 @@ def test_shard_map_and_shardings_stay_as_they_are():
   np.testing.assert_allclose(float(total), f64(X).sum(), rtol=1e-13)
   assert doubled.dtype == np.float64 and doubled.sharding.is_equivalent_to(x.sharding, 2)
   np.testing.assert_array_equal(np.asarray(doubled), 2 * f64(X))
+
+
+def test_a_dot_algorithm_for_narrow_operands_is_float64_s():
+  """``precision=`` may name an algorithm of bfloat16 operands: float64 has its own."""
+  algorithm = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+  (out,) = in_float64(lambda x, w: jnp.dot(x, w, precision=algorithm), X, W)
+  np.testing.assert_allclose(out, f64(X) @ f64(W), rtol=1e-13)
+
+
+def test_an_unknown_primitive_with_narrow_results_is_refused():
+  """A kernel's primitive computes in its own types whatever its operands: named, refused."""
+  kernel = jax.extend.core.Primitive("narrow_kernel")
+  kernel.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, jnp.float32))
+  with pytest.raises(ValueError, match=r"`narrow_kernel` \(at .*test_float64\.py:\d+"):
+    in_float64(lambda x: kernel.bind(x), X)
 
 
 @pytest.mark.parametrize("kind", ["pure_callback", "io_callback"])
