@@ -113,11 +113,11 @@ def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
     return [_up(out)]
   if name == "cond":
     return list(lax.switch(ins[0], [_run(b) for b in p["branches"]], *ins[1:]))
-  if name == "while":
+  if name == "while":  # bound as it is: a vmapped loop's predicate is one per example
     c, b = p["cond_nconsts"], p["body_nconsts"]
-    cond, body = _run(p["cond_jaxpr"]), _run(p["body_jaxpr"])
-    return list(lax.while_loop(lambda carry: cond(*ins[:c], *carry)[0],
-                               lambda carry: body(*ins[c:c + b], *carry), ins[c + b:]))
+    return eqn.primitive.bind(*ins, **{
+        **p, "cond_jaxpr": jax.make_jaxpr(_run(p["cond_jaxpr"]))(*ins[:c], *ins[c + b:]),
+        "body_jaxpr": jax.make_jaxpr(_run(p["body_jaxpr"]))(*ins[c:c + b], *ins[c + b:])})
   if name == "scan":
     if "ft_in" in p:  # jax >= 0.11: the operands' groups as a flat tree
       consts, init, xs = map(list, p["ft_in"].update(ins).unpack())

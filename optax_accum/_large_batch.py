@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
-from optax_accum import _arrays, _batch, _float64, _validation, microbatching
+from optax_accum import _arrays, _batch, _float64, _global_stats, _validation, microbatching
 
 
 class LeafError(NamedTuple):
@@ -30,11 +30,14 @@ class LeafError(NamedTuple):
       the norm of the whole batch's gradient of this leaf, both evaluated in
       float64: what decides.
     tolerance: what float64 rounding may leave of a difference, relative
-      likewise: ``1e-9`` of the larger of the leaf's gradient and the
-      micro-batch gradients it sums (these are larger where they cancel).
+      likewise: ``1e-9`` of the largest of the leaf's gradient, the
+      micro-batch gradients it sums (larger where they cancel) and ``1e-3``
+      of the whole gradient tree's size (a gradient that is zero in exact
+      arithmetic, a bias before BatchNorm, is float64 noise: a leaf smaller
+      than ``1e-12`` of the tree is not resolved).
     native_error: the same difference as ``fn`` and ``microbatched`` compute
-      it in their own dtypes: what training sees (for information; it
-      decides nothing, its rounding is the dtypes').
+      it in their own dtypes, over the same norm: what training sees (for
+      information; it decides nothing, its rounding is the dtypes').
   """
 
   path: str
@@ -111,6 +114,7 @@ def check_large_batch(
     batch_argnums: int | Sequence[int] = 1,
     has_aux: bool = False,
     normalize: str = "mean",
+    global_stats: Callable[..., Any] | None = None,
 ) -> Callable[..., LargeBatchReport]:
   r"""Checks that accumulating ``k`` micro-batches of ``fn`` gives the large batch; says why not.
 
@@ -158,7 +162,9 @@ def check_large_batch(
   larger of its gradient and the micro-batch gradients it sums, and any
   difference the algebra makes (a loss normalised per micro-batch, a
   statistic of the batch, labels stored as floats and cast to int, a mask
-  compared with ``== 1.0``) stands out by orders of magnitude. The report
+  compared with ``== 1.0``) stands out by orders of magnitude (a leaf below
+  ``1e-12`` of the whole gradient, or a gradient that is zero in exact
+  arithmetic everywhere, is float64 noise and not resolved). The report
   also shows each leaf's difference in your own dtypes, what training will
   see; it decides nothing. What cannot be evaluated in float64 (a
   ``pure_callback``, an FFI call, a Pallas kernel) raises ``ValueError``
@@ -199,6 +205,9 @@ def check_large_batch(
     batch_argnums: position(s) of the batch argument(s) (default 1).
     has_aux: whether ``fn``'s value carries an aux output (not compared).
     normalize: ``"mean"``, ``"sum"`` or ``"weighted"``, as in ``microbatched``.
+    global_stats: ``stats_fn(params, *args)``, as in ``microbatched``: ``fn``
+      is called with ``stats=``, the whole batch's statistics, on the whole
+      batch and on every micro-batch alike (in float64: their float64 sum).
 
   Returns:
     ``check(*args, **kwargs) -> LargeBatchReport``, called with ``fn``'s
@@ -234,8 +243,9 @@ def check_large_batch(
     >>> print(report.fix)   # doctest: +ELLIPSIS
     The whole batch weighs the micro-batches unequally...normalize='weighted'...
   """
-  accumulated = jax.jit(microbatching.microbatched(  # checks the options
-      fn, num_microbatches, batch_argnums=batch_argnums, has_aux=has_aux, normalize=normalize))
+  accumulated = microbatching.microbatched(  # checks the options; Equinox modules pass
+      fn, num_microbatches, batch_argnums=batch_argnums, has_aux=has_aux, normalize=normalize,
+      global_stats=global_stats)
   k = int(num_microbatches)
   nums = _validation.check_argnums(batch_argnums, "batch_argnums")
   programs: dict[Any, Any] = {}  # the float64 programs, by the types of their arguments
@@ -244,7 +254,6 @@ def check_large_batch(
     batch = _batch.of(args, nums)  # the rules every entry point shares
     batch.check_divides(k)
     b_nums, rows = batch.positions, batch.rows
-    splits = {i: _batch.split(args[i], k) for i in b_nums}
 
     def grads(out: Any, what: str) -> _Grads:
       value, den, _, tree = _batch.unpack(out, normalize, has_aux)
@@ -254,28 +263,33 @@ def check_large_batch(
             " `jax.value_and_grad(loss_fn)` of a scalar loss_fn (has_aux=True for (loss, aux)).")
       return _Grads.of(tree, what, den)
 
-    def micro(j: int) -> tuple[Any, ...]:
-      return tuple(jax.tree.map(lambda x: x[j], splits[i]) if i in b_nums else a
-                   for i, a in enumerate(args))
+    def rows_of(f: Callable[[Any], Any]) -> tuple[Any, ...]:  # the batch's leaves through f
+      return tuple(jax.tree.map(f, a) if i in b_nums else a for i, a in enumerate(args))
+
+    def micro(j: int) -> tuple[Any, ...]:  # the strided split, as microbatched's
+      return rows_of(lambda x: _batch.split(x, k)[j])
 
     def micro_batches() -> Iterator[_Grads]:
       for j in range(k):
-        yield grads(on_micro(micro(j)), f"micro-batch {j}")
+        yield grads(on_micro(micro(j), wide), f"micro-batch {j}")
 
-    native = grads(fn(*args, **kwargs), "the whole batch")  # fn as it runs: what training sees
-    on_whole = _in_float64(fn, args, kwargs, b_nums, programs)  # refuses hidden randomness
-    on_micro = _in_float64(fn, micro(0), kwargs, b_nums, programs)
-    whole = grads(on_whole(args), "the whole batch")
+    own, wide = kwargs, kwargs  # fn's keywords; with global_stats, the whole batch's `stats=`
+    if global_stats is not None:  # (pooled like microbatched's, the float64 sum in float64)
+      pooled = _global_stats.summable(global_stats, args, b_nums, rows // k)
+      own = {**kwargs, "stats": jax.tree.map(jnp.asarray, pooled(*args))}
+      wide = {**kwargs, "stats": _in_float64(pooled, args, {}, b_nums, programs)(args)}
+    native = grads(fn(*args, **own), "the whole batch")  # fn as it runs: what training sees
+    on_whole = _in_float64(fn, args, own, b_nums, programs)  # refuses hidden randomness
+    on_micro = _in_float64(fn, micro(0), own, b_nums, programs)
+    whole = grads(on_whole(args, wide), "the whole batch")
     order = np.random.default_rng(0).permutation(rows)
-    permuted = whole.distance(grads(on_whole(tuple(
-        jax.tree.map(lambda x: _rows(x, order), a) if i in b_nums else a
-        for i, a in enumerate(args))), "the permuted batch"))
+    permuted = whole.distance(grads(on_whole(rows_of(lambda x: _rows(x, order)), wide),
+                                    "the permuted batch"))
     stats = _Stats.of(whole, micro_batches(), normalize, k)
     on_accumulated = _in_float64(accumulated, args, kwargs, b_nums, programs)
     acc = _Grads.of(on_accumulated(args)[1], "microbatched")
     native_errors = _Grads.of(accumulated(*args, **kwargs)[1], "microbatched").distance(native)
-    return _classify(k, normalize, whole, permuted, acc, stats, micro_batches,
-                     native_errors / np.maximum(native.norms(), np.finfo(np.float64).tiny))
+    return _classify(k, normalize, whole, permuted, acc, stats, micro_batches, native_errors)
 
   return check
 
@@ -290,7 +304,7 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
   """
   inputs = _arrays.ArrayLeaves.of((args, kwargs))
   static = tuple(x for x in inputs.leaves if not isinstance(x, (jax.Array, np.ndarray)))
-  key = (f, b_nums, inputs.treedef, tuple(map(jax.typeof, inputs.arrays)), static)
+  key = (id(f), b_nums, inputs.treedef, tuple(map(jax.typeof, inputs.arrays)), static)
   if key not in programs:
     def traced(*values: Any) -> Any:
       a, kw = inputs.rebuild(values)
@@ -300,7 +314,8 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     _walk(closed.jaxpr, [frozenset({_source(path, b_nums)}) for path in inputs.paths])
     programs[key] = _float64.evaluate(closed), jax.tree.structure(shape)
   run, out = programs[key]
-  return lambda new: jax.tree.unflatten(out, run(*_arrays.ArrayLeaves.of((new, kwargs)).arrays))
+  return lambda new, kw=kwargs: jax.tree.unflatten(
+      out, run(*_arrays.ArrayLeaves.of((new, kw)).arrays))
 
 
 def _rows(x: Any, order: np.ndarray) -> jax.Array:
@@ -333,7 +348,7 @@ class _Grads(NamedTuple):
   def host(self, n: int) -> np.ndarray:
     """Leaf ``n`` on the host (a complex one as its real and imaginary parts)."""
     x = np.asarray(self.leaves[n])
-    x = (np.ascontiguousarray(x, np.complex128).reshape(-1).view(np.float64)
+    x = (np.array(x, np.complex128).reshape(-1).view(np.float64)  # a copy, written to below
          if np.iscomplexobj(x) else np.array(x, np.float64).reshape(-1))
     if not np.isfinite(x).all():
       raise ValueError(
@@ -342,10 +357,6 @@ class _Grads(NamedTuple):
     if self.den != 1.0:
       x *= 1.0 / self.den if self.den else 0.0
     return x
-
-  def norms(self) -> np.ndarray:
-    """Each leaf's norm."""
-    return np.array([np.linalg.norm(self.host(n)) for n in range(len(self.leaves))])
 
   def distance(self, other: _Grads) -> np.ndarray:
     """Each leaf's norm of ``self - other``."""
@@ -521,11 +532,11 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
   """The cause: equal, accumulation, order, scale, weights or coupling, in that order.
 
   ``permuted``: each leaf's distance of the permuted batch's gradient from the whole's;
-  ``native``: each leaf's relative error in ``fn``'s own dtypes (shown, not decisive).
+  ``native``: each leaf's distance in ``fn``'s own dtypes (shown, not decisive).
   """
   leaves = range(len(whole.leaves))
   combined = stats.combined
-  norms = whole.norms()
+  norms = np.array([np.linalg.norm(whole.host(n)) for n in leaves])
   # A leaf's size: its gradient's or its terms', and at least 1e-3 of the whole tree's (a
   # gradient that is zero in exact arithmetic, a bias before BatchNorm, is float64 noise).
   size = np.maximum(norms, stats.sizes)
@@ -594,18 +605,17 @@ def _scale_fix(k: int, normalize: str, scale: float) -> str:
 
 _ACCUMULATION_FIX = (
     "The micro-batch gradients, combined in float64 as `microbatched` combines them, are the"
-    " whole batch's, but `microbatched` returned another gradient: a bug in optax_accum."
-    " Please report it with this table, the versions of jax and optax_accum, and the loss."
-    " (With the batch sharded under plain jit, `microbatched` runs `fn` on each device's"
-    " rows: a loss normalised over the rows it sees is normalised per device too; return"
-    " (sum, count) and use normalize='weighted'.)")
+    " whole batch's, but `microbatched` returned another gradient. With the batch sharded over"
+    " devices, `microbatched` runs `fn` on each device's rows: a loss normalised over the rows"
+    " it sees is then normalised per device; return (sum, count), normalize='weighted'. If not,"
+    " a bug in optax_accum: please report it with this table, jax's version and the loss.")
 _ORDER_FIX = (
     "`fn` gives another gradient on the same rows in another order: the loss reads the batch"
-    " axis as more than a set of examples (two views of one example at rows 2i and 2i + 1,"
-    " time-major [T, B] data, sequences packed across rows), and the strided micro-batches"
-    " (rows i, i + k, ...) cut through it. Make axis 0 the examples: stack views as"
-    " [B, 2, ...] rather than [2B, ...], put time after the batch ([B, T, ...]); then each"
-    " micro-batch holds whole examples.")
+    " axis as more than a set of examples (two views at rows 2i and 2i + 1, time-major [T, B]"
+    " data, sequences packed across rows, rows picked by position: ties broken by index, one"
+    " random draw for the batch), and the strided micro-batches (rows i, i + k, ...) cut"
+    " through it. Make axis 0 the examples: views as [B, 2, ...], time after the batch"
+    " ([B, T, ...]), a key per example; then each micro-batch holds whole examples.")
 _WEIGHTED_FIX = (
     "The whole batch weighs the micro-batches unequally, and not by the denominators"
     " `fn` returns: return (sum of the per-example losses, the count they are divided"

@@ -465,11 +465,9 @@ def _devices(axis_name: Any, x: Any, y: Any) -> tuple[tuple[Any, ...] | None, An
     if not all(set(axes) <= _arrays.array_type(v).varying for v in (x, y)):
       raise ValueError(
           f"`axis_name={axis_name!r}` is bound, but `x` and `y` are not typed as varying over"
-          " it: `jax.shard_map(..., check_vma=False)` and `pmap` type no value so, and JAX then"
-          " cannot give the loss's gradients their sum over the devices (differentiated"
-          " outside, each comes out 1/n of the truth). Use `jax.shard_map` with"
-          " `check_vma=True` (the default) and the rows split over the axis (`in_specs="
-          f"P({axis_name!r})`), or plain `jit` with the rows sharded over a mesh.")
+          " it (`shard_map(..., check_vma=False)`, `pmap`): their gradients would miss the sum"
+          " over the devices (1/n of the truth). Use `jax.shard_map` with `check_vma=True`"
+          f" (its default) and `in_specs=P({axis_name!r})` for the rows, or plain `jit`.")
     return axes, None
   if split[0] and set(split[0]) != set(axes):
     raise ValueError(

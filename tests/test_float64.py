@@ -121,6 +121,23 @@ def test_bitcasts_read_the_bits_of_the_value_in_its_own_dtype():
     np.testing.assert_array_equal(shadow, native)
 
 
+def test_a_vmapped_loop_runs_each_example_its_own_trip_count():
+  """``vmap`` of a ``while_loop`` to a tolerance: its predicate is one per example."""
+  def newton(a):  # the square root, from a bfloat16 guess
+    return jax.lax.while_loop(lambda s: jnp.abs(s[0] ** 2 - a) > 1e-3 * a,
+                              lambda s: (0.5 * (s[0] + a / s[0]), s[1] + 1),
+                              (a.astype(BF16).astype(jnp.float32) / 2, 0))
+
+  a = jnp.linspace(1.0, 100.0, 16)
+  roots, trips = in_float64(jax.vmap(newton), a)
+  for ai, root, n in zip(f64(a), roots, trips, strict=True):
+    guess = ai / 2  # the bfloat16 cast is not in the float64 program
+    for _ in range(n):
+      guess = 0.5 * (guess + ai / guess)
+    assert abs(guess**2 - ai) <= 1e-3 * ai and root == guess
+  assert len(set(trips.tolist())) > 1
+
+
 def test_random_bits_are_the_programs_own():
   def fn(x):
     return jax.random.uniform(jax.random.key(3), x.shape, BF16) * x, jax.random.randint(

@@ -725,3 +725,38 @@ def test_too_few_gradient_entries_to_tell_weights_from_coupling_is_an_error():
   # With as few entries, a loss that is the large batch still says so.
   exact = lambda p, x, y: jnp.mean(((x[:, :3] @ p["w"] - y) ** 2)[:, 0])
   assert checked(exact, {"w": jnp.ones((3, 1))}, X, Y).cause == "equal"
+
+
+def test_complex_params_and_an_equinox_value_and_grad():
+  """A complex leaf (its float64 gradient is complex128) and an unhashable ``fn``."""
+  import equinox as eqx
+
+  def complex_loss(p, x, y):
+    return jnp.mean(jnp.abs(x @ p["w"] - y) ** 2)
+
+  w = (_rng.normal(size=(6, 1)) + 1j * _rng.normal(size=(6, 1))).astype(np.complex64)
+  report = checked(complex_loss, {"w": jnp.asarray(w)}, X.astype(jnp.complex64), Y)
+  assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
+  model = eqx.nn.MLP(6, 1, 8, 1, key=jax.random.key(0))
+  fn = eqx.filter_value_and_grad(lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2))
+  report = check_large_batch(fn, K, batch_argnums=(1, 2))(model, X, Y)
+  assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (tests/conftest.py)")
+def test_a_loss_normalised_per_device_names_the_device_in_its_fix():
+  """A masked mean on a sharded batch whose last two devices hold only padding: every
+  strided micro-batch holds as many real rows, but `microbatched` normalises on each
+  device. Not equal, and the fix says why before it says "report a bug"."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  x = jnp.asarray(_rng.normal(size=(64, 6)), jnp.float32)
+  y = jnp.asarray(_rng.normal(size=(64, 1)), jnp.float32)
+  mask = jnp.ones(64).at[48:].set(0.0)
+
+  def loss(p, x, y, m):
+    return jnp.sum(per_example(p, x, y) * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+  with jax.set_mesh(mesh):
+    report = checked(loss, PARAMS, *jax.device_put((x, y, mask), P("data")))
+  assert not report.equal and report.cause == "accumulation", str(report)
+  assert report.fix.index("per device") < report.fix.index("bug in optax_accum")
