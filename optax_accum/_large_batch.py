@@ -545,7 +545,7 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
   errors = acc.distance(whole)
   ratio = np.divide(errors, tol, out=np.where(errors > 0, np.inf, 0.0), where=tol > 0)
   worst = int(np.argmax(ratio))
-  table = tuple(LeafError(path, shape, float(e / s), float(t / s), float(n))
+  table = tuple(LeafError(path, shape, float(e / s), float(t / s), float(n / s))
                 for (path, shape), e, t, s, n in zip(whole.paths, errors, tol, scale, native,
                                                      strict=True))
 

@@ -98,6 +98,11 @@ def test_separable_mean_loss_is_equal_and_bf16_raises_no_false_alarm():
     # it differs by bfloat16's rounding, which the report shows and which decides nothing.
     assert bf16.max_relative_error <= 1e-13 and bf16.tolerance < 1e-8
     assert max(leaf.native_error for leaf in bf16.leaves) > 1e-4, str(bf16)
+    # That column: microbatched against fn on the whole batch, both as they run.
+    native = value_and_grad(mean_loss_bf16)
+    expected = relative(microbatching.microbatched(native, k, batch_argnums=(1, 2))(
+        PARAMS, X, Y)[1], native(PARAMS, X, Y)[1])
+    np.testing.assert_allclose([leaf.native_error for leaf in bf16.leaves], expected, rtol=1e-2)
   assert "float64 error" in str(bf16) and "in its dtypes" in str(bf16)
 
   def off(p, x, y):
@@ -464,6 +469,17 @@ def test_a_defect_of_microbatched_itself_is_the_accumulation_cause(monkeypatch):
   report = checked(mean_loss, PARAMS, X, Y)
   assert report.cause == "accumulation" and "bug in optax_accum" in report.fix, str(report)
   np.testing.assert_allclose(report.max_relative_error, 0.01, rtol=1e-3)
+
+
+def test_micro_batch_gradients_that_cancel_exactly_are_equal():
+  """Rows 2i and 2i + 1 are x and -x and the loss is odd: with k = 2 each micro-batch's
+  gradient is large and the whole batch's is zero in exact arithmetic (float64 noise),
+  held to the size of the terms it sums."""
+  x = jnp.asarray(_rng.normal(size=(16, 6)), jnp.float32)
+  mirrored = jnp.stack([x, -x], 1).reshape(32, 6)
+  fn = jax.value_and_grad(lambda w, x: jnp.mean(jnp.tanh(x @ w) + x[:, :1] * w[0]))
+  report = check_large_batch(fn, 2)(jnp.full(6, 0.3), mirrored)
+  assert report.cause == "equal", str(report)
 
 
 def test_zero_gradient_is_equal():
