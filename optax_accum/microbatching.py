@@ -709,7 +709,8 @@ def _program(config: _Config, rule: str | AuxRule, shapes: Any, where: str) -> A
     return jax.tree.map(lambda s: _leaf_init(config, rule, s), shapes)
 
   def update(carry: Any, value: Any, idx: jax.Array) -> Any:
-    def one(c: jax.Array, v: jax.Array) -> jax.Array:
+    def one(c: jax.Array, v: Any) -> jax.Array:
+      v = jnp.asarray(v)  # a Python number too (a count the loss returns as an int)
       if rule in ("stack", "concat"):  # micro-batch idx's values, into a [k, ...] buffer
         return lax.dynamic_update_index_in_dim(c, v, idx, 0)
       if rule in ("max", "min"):

@@ -489,6 +489,19 @@ def test_complex_aux_mean_and_sum_keep_the_imaginary_part():
   assert_trees_close(aux, ref_aux, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rule", ["mean", "sum", "max", "last", "stack"])
+def test_a_python_number_in_the_aux_is_a_value_like_any(rule):
+  """A loss returning ``{"n": x.shape[0]}`` (a Python int) raised AttributeError."""
+  def loss(w, x):
+    return jnp.sum(x @ w), {"rows": x.shape[0], "half": 0.5}
+
+  (_, aux), _ = oa.microbatched(jax.value_and_grad(loss, has_aux=True), 4, has_aux=True,
+                                aux_rules=rule)(jnp.ones(3), jnp.ones((8, 3)))
+  expected = {"mean": 2, "sum": 8, "max": 2, "last": 2, "stack": [2, 2, 2, 2]}[rule]
+  np.testing.assert_array_equal(aux["rows"], expected)
+  assert np.asarray(aux["half"]).shape == np.shape(expected)
+
+
 def test_integer_aux_mean_is_a_float_and_sum_stays_an_integer():
   """A count per micro-batch (strided rows i and i + 4 of 0..7 above 2.5: 1, 1, 1, 2):
   its mean is 1.25, not truncated to the count's dtype; its sum keeps int32."""
