@@ -125,6 +125,24 @@ def markdown(r):
           [k, *v] for k, v in r["gpu"].items()]) if "gpu" in r else [])])
 
 
+def plot(r):
+  """Device bytes per parameter of each step, the state on the device against in pinned_host."""
+  fig, ax = harness.pyplot().subplots(figsize=(7, 3.2), dpi=120)
+  steps = [x for x in r["memory"] if x["state"] == "device"]
+  bars = [("state on the device", "device", "one program"), *(
+      (f"host: {form}", HOST, form) for form in FORMS)]
+  for i, (label, state, form) in enumerate(bars):
+    values = [next(x for x in r["memory"] if x["state"] == state and x["step"] == s["step"]
+                   and x["params"] == s["params"]).get(form) for s in steps]
+    ax.bar([j + 0.2 * (i - 1.5) for j in range(len(steps))],
+           [v if isinstance(v, (int, float)) else 0 for v in values], 0.2, label=label)
+  ax.set_xticks(range(len(steps)), [f"{s['step']}\n{s['params']}" for s in steps], fontsize=7)
+  ax.set_ylabel("device bytes / parameter")
+  ax.set_title(f"adam's state in host memory: {r['compiler']}", fontsize=9)
+  ax.legend(fontsize=7)
+  return fig
+
+
 def main():
   ap = harness.parser(__doc__, quick="small sizes (checks the script)")
   ap.add_argument("--h200", action="store_true", help="the H200 compiler (gpu_hlo.py's venv)")
@@ -137,7 +155,7 @@ def main():
        "compiler": "the H200 compiler" if args.h200 else f"XLA on {jax.devices()[0].device_kind}",
        **({"gpu": gpu_times(args.quick, 3 if args.quick else 21)} if args.gpu else {})}
   harness.write(args.out, "host_state_" + ("h200" if args.h200 else "gpu" if args.gpu else "cpu"),
-                r, markdown(r))
+                r, markdown(r), plot)
 
 
 if __name__ == "__main__":
