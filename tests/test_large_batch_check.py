@@ -776,3 +776,20 @@ def test_a_loss_normalised_per_device_names_the_device_in_its_fix():
     report = checked(loss, PARAMS, *jax.device_put((x, y, mask), P("data")))
   assert not report.equal and report.cause == "accumulation", str(report)
   assert report.fix.index("per device") < report.fix.index("bug in optax_accum")
+
+
+def test_float_statistics_of_the_whole_batch_are_summed_in_float64():
+  """A statistic summed in bfloat16 (a mean activation): the check gives the loss the float64
+  sum, as `microbatched` computes it in the float64 program, never the bfloat16 one."""
+  def stats_fn(p, x, y):
+    h = jax.lax.stop_gradient(hidden(p, x, jnp.bfloat16))  # a constant, on purpose
+    return {"h": jnp.sum(h, 0, dtype=jnp.bfloat16)}
+
+  def loss(p, x, y, *, stats):
+    scale = jnp.mean(stats["h"].astype(jnp.float32)) / B
+    return jnp.sum(per_example(p, x, y)) * (1.0 + scale) / B
+
+  fn = jax.jit(jax.value_and_grad(loss))
+  report = check_large_batch(fn, K, batch_argnums=(1, 2), normalize="sum",
+                             global_stats=stats_fn)(PARAMS, X, Y)
+  assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
