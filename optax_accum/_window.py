@@ -50,6 +50,17 @@ SCOPES = {"add": "optax_accum_add", "mid": "optax_accum_mid", "emit": "optax_acc
 # Set by `offload.jit` while it traces a window's mid-step or its closing step, each a
 # program of its own: the window's conditional becomes the branch that program runs.
 PHASE: contextvars.ContextVar[Any] = contextvars.ContextVar("optax_accum_phase", default=None)
+# True while `emit` runs the inner optimizer, whose operands (the window's sum among them)
+# exist before it starts: a conditional's operands, or those of `offload.jit`'s barrier.
+EMITTING: contextvars.ContextVar[bool] = contextvars.ContextVar("optax_accum_emit", default=False)
+
+
+def in_context(var: contextvars.ContextVar[Any], value: Any, fn: Callable[..., Any], /,
+               *args: Any, **kwargs: Any) -> Any:
+  """``fn(*args, **kwargs)`` with ``var`` set to ``value`` (in a copy of the context)."""
+  context = contextvars.copy_context()
+  context.run(var.set, value)
+  return context.run(fn, *args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,7 +407,8 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
 
   out, new_inner = reduced, ops.inner_state  # the chain form emits the reduced gradient
   if config.inner is not None:
-    updates, new_inner = config.inner.update(reduced, ops.inner_state, ops.params, **extra_args)
+    updates, new_inner = in_context(EMITTING, True, config.inner.update, reduced,
+                                    ops.inner_state, ops.params, **extra_args)
     # Optimizers may promote their state (Adam's f16 moments on f32 gradients);
     # both branches of the cond, and lax.scan, need stable dtypes.
     new_inner = optax.tree.cast_like(new_inner, ops.inner_state)
