@@ -1,9 +1,9 @@
 """The optimizer state in host memory (``oa.host_state``): device bytes, and the time on a GPU.
 
 Device bytes per parameter (arguments + temporaries - the state's in pinned_host) of compiled
-steps, params and state donated, adam: ``accumulate(4, adam)`` against ``accumulate(4,
-host_state(adam))`` through ``jax.jit`` (one program) and ``offload.jit`` (two programs); an MLP's
-whole step, 4 layers of d x d, micro-batches of d rows: in-step and across steps (k = 8).
+steps, params and state donated, adam: ``accumulate(k, adam)`` against ``accumulate(k,
+host_state(adam))``, ``jax.jit`` (one program) and ``offload.jit`` (two); the update alone (k = 4);
+an MLP's step, 4 layers of d x d (3 in a lax.scan in one row), micro-batches of d rows (k = 8).
 """
 
 import functools
@@ -16,6 +16,7 @@ import harness
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 import optax_accum as oa
 
@@ -38,6 +39,7 @@ def typed_h200(jitted, cpu_args, step, args):
   """``jitted`` typed on XLA:CPU (deviceless, no memory kinds), lowered for CUDA, compiled by
   the H200 compiler in place of a fresh program of ``step``'s signature."""
   from jax._src import compiler  # private: the one way to hand XLA a module typed elsewhere
+  jitted = jitted or oa.offload.jit(step, donate_argnums=(0, 1)).closing_step
   module = jitted.trace(*cpu_args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
   real = compiler.compile_or_get_cached
   compiler.compile_or_get_cached = lambda backend, _, *a, **kw: real(backend, module, *a, **kw)
@@ -47,10 +49,17 @@ def typed_h200(jitted, cpu_args, step, args):
     compiler.compile_or_get_cached = real
 
 
+def device_bytes(m, host):
+  """Arguments + temporaries on the device, of a compiled step whose state holds ``host`` bytes."""
+  return m.argument_size_in_bytes + (m.host_argument_size_in_bytes or 0) - host + (
+      m.temp_size_in_bytes)
+
+
 def forms(row, step, params, batch, dev, h200):
   """``row`` with the device bytes per parameter of each of ``step``'s programs."""
-  on_host, across = row["state"] == HOST, row["step"] != "MLP in-step"
-  args, n = args_of(params, batch, dev, on_host, across, not h200), 4 * params["w0"].size
+  on_host, across = row["state"] == HOST, row["step"] != "MLP, in-step"
+  args = args_of(params, batch, dev, on_host, across, not h200)
+  n = sum(x.size for x in jax.tree.leaves(params))
   host = 8 * n * (row["params"] == "float32" or 0.5) if on_host else 0  # adam's mu and nu
   split = oa.offload.jit(step, donate_argnums=(0, 1))
   programs = dict(zip(FORMS, (jax.jit(step, donate_argnums=(0, 1)), split.mid_step,
@@ -63,8 +72,7 @@ def forms(row, step, params, batch, dev, h200):
     try:
       m = (fn(args) if isinstance(fn, functools.partial) else fn.lower(*args).compile(
           )).memory_analysis()
-      held = m.argument_size_in_bytes + (m.host_argument_size_in_bytes or 0) - host
-      row[form] = round((held + m.temp_size_in_bytes) / n, 2)
+      row[form] = round(device_bytes(m, host) / n, 2)
     except Exception as e:  # the one program where the compiler cannot take it
       row[form] = f"fails: {type(e).__name__}"
   return {**row, "host bytes": host / n}
@@ -74,22 +82,50 @@ def memory(quick, dev, h200):
   n, d, rows = 1 << (16 if quick else 22), 256 if quick else 2048, []
   mlp = {f"w{i}": jax.ShapeDtypeStruct((d, d), jnp.float32) for i in range(4)}
   loss = lambda p, x: jnp.mean(functools.reduce(lambda h, w: jnp.tanh(h @ w), p.values(), x)**2)
+  # The layers after the first in a lax.scan: the backward pass is one loop (XLA moves copies
+  # across a loop whole; the state must still wait for the gradients).
+  scanned = {"w0": mlp["w0"], "w": jax.ShapeDtypeStruct((3, d, d), jnp.float32)}
+  scan_loss = lambda p, x: jnp.mean(lax.scan(lambda h, w: (jnp.tanh(h @ w), None), jnp.tanh(
+      x @ p["w0"]), p["w"])[0]**2)
 
   def in_step(opt, p, s, x):
     u, s = opt.update(oa.microbatched(jax.value_and_grad(loss), 8)(p, x)[1], s, p)
     return optax.apply_updates(p, u), s
   for state in ("device", HOST):
     opt = optax.adam(1e-3) if state == "device" else oa.host_state(optax.adam(1e-3))
-    for dt in ("float32", "bfloat16"):
-      params = {f"w{i}": jax.ShapeDtypeStruct((n // 4,), dt) for i in range(4)}
-      rows.append(forms({"step": "update", "params": dt, "state": state}, lambda p, s, g, opt=opt:
-                        oa.update_and_apply(oa.accumulate(K, opt), g, s, p), params, params, dev,
-                        h200))
-    for step, fn, rows_ in (("MLP in-step", functools.partial(in_step, opt), 8 * d),
-                            ("MLP across steps", lambda p, s, x, opt=opt: oa.update_and_apply(
-                                oa.accumulate(8, opt), jax.grad(loss)(p, x), s, p), d)):
-      rows.append(forms({"step": step, "params": "float32", "state": state}, fn, mlp,
+    for dt, leaves in (("float32", 4), ("bfloat16", 4), ("float32", 16)):
+      params = {f"w{i}": jax.ShapeDtypeStruct((n // leaves,), dt) for i in range(leaves)}
+      update = lambda p, s, g, opt=opt: oa.update_and_apply(oa.accumulate(K, opt), g, s, p)
+      rows.append(forms({"step": f"update, {leaves} leaves", "params": dt, "state": state},
+                        update, params, params, dev, h200))
+    across = lambda f, opt=opt: lambda p, s, x: oa.update_and_apply(
+        oa.accumulate(8, opt), jax.grad(f)(p, x), s, p)
+    for step, fn, params, rows_ in (
+        ("MLP, in-step", functools.partial(in_step, opt), mlp, 8 * d),
+        ("MLP, across steps", across(loss), mlp, d),
+        ("MLP in a scan, across steps", across(scan_loss), scanned, d)):
+      rows.append(forms({"step": step, "params": "float32", "state": state}, fn, params,
                         jax.ShapeDtypeStruct((rows_, d), jnp.float32), dev, h200))
+  return rows
+
+
+def at_scale(dev):
+  """The update's closing step (4 leaves, f32) where the state on the device fills 80 to 120% of
+  the H200's memory: there XLA brings the state in leaf by leaf, not all before the first."""
+  import re
+  memory_bytes, rows = int(re.search(r"device_memory_size: (\d+)", gpu_hlo.H200_TEXT)[1]), []
+  for fill in (0.8, 0.9, 1.0, 1.1, 1.2):
+    n = int(fill * memory_bytes / 20) // 4 * 4  # 20 B/param: the step with the state on device
+    params = {f"w{i}": jax.ShapeDtypeStruct((n // 4,), jnp.float32) for i in range(4)}
+    row = {"fill": fill, "params": n}
+    for state, opt in (("device", optax.adam(1e-3)), (HOST, oa.host_state(optax.adam(1e-3)))):
+      step = lambda p, s, g, opt=opt: oa.update_and_apply(oa.accumulate(K, opt), g, s, p)
+      args = args_of(params, params, dev, state == HOST, True, False)
+      m = (typed_h200(None, args_of(params, params, CPU, True, True, False), step, args) if (
+          state == HOST) else jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile(
+          )).memory_analysis()
+      row[state] = round(device_bytes(m, 8 * n if state == HOST else 0) / 1e9, 1)  # GB
+    rows.append(row)
   return rows
 
 
@@ -121,6 +157,11 @@ def markdown(r):
       f" {r['machine']['jax']}, {r['machine']['date']}. " + " ".join(__doc__.split("\n")[2:6]),
       "", *harness.table(" | ".join(head + cols), "lll" + "r" * 4, [
           [x[c] for c in head] + [x.get(c, "-") for c in cols] for x in r["memory"]]), "",
+      *(["Where it matters: the update's closing step (4 leaves, f32) with as many params as"
+         " the state on the device needs 80 to 120% of the H200's memory for; device GB held:",
+         "", *harness.table("fill | params | state on the device | host: closing step", "rrrr",
+                            [[x["fill"], f"{x['params']:.3g}", x["device"], x[HOST]]
+                             for x in r["at scale"]]), ""] if "at scale" in r else []),
       *(harness.table("median ms on the device | micro-step | closing step", "lrr", [
           [k, *v] for k, v in r["gpu"].items()]) if "gpu" in r else [])])
 
@@ -136,7 +177,8 @@ def plot(r):
                    and x["params"] == s["params"]).get(form) for s in steps]
     ax.bar([j + 0.2 * (i - 1.5) for j in range(len(steps))],
            [v if isinstance(v, (int, float)) else 0 for v in values], 0.2, label=label)
-  ax.set_xticks(range(len(steps)), [f"{s['step']}\n{s['params']}" for s in steps], fontsize=7)
+  ax.set_xticks(range(len(steps)), [f"{s['step']}, {s['params']}".replace(", ", "\n")
+                                    for s in steps], fontsize=7)
   ax.set_ylabel("device bytes / parameter")
   ax.set_title(f"adam's state in host memory: {r['compiler']}", fontsize=9)
   ax.legend(fontsize=7)
@@ -153,7 +195,8 @@ def main():
   r = {"command": " ".join(["python benchmarks/bench_host_state.py", *sys.argv[1:]]),
        "machine": harness.machine(), "memory": memory(args.quick, dev, args.h200),
        "compiler": "the H200 compiler" if args.h200 else f"XLA on {jax.devices()[0].device_kind}",
-       **({"gpu": gpu_times(args.quick, 3 if args.quick else 21)} if args.gpu else {})}
+       **({"gpu": gpu_times(args.quick, 3 if args.quick else 21)} if args.gpu else {}),
+       **({"at scale": at_scale(dev)} if args.h200 and not args.quick else {})}
   harness.write(args.out, "host_state_" + ("h200" if args.h200 else "gpu" if args.gpu else "cpu"),
                 r, markdown(r), plot)
 

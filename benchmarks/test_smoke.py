@@ -51,4 +51,8 @@ def test_bench_contrastive_tiled_quick(tmp_path: Path) -> None:
 def test_bench_host_state_quick(tmp_path: Path) -> None:  # and --gpu's timing loop, on the CPU
   run("bench_host_state.py", tmp_path, "--gpu")
   rows = json.loads((tmp_path / "host_state_gpu.json").read_text())["memory"]
-  assert {r["micro-step"] for r in rows if "micro-step" in r} == {12.0, 8.0, 15.0}
+  # Every micro-step (the updates, the MLP across steps, with a scan) sheds the whole state.
+  device = {(r["step"], r["params"]): r["one program"] for r in rows if r["state"] == "device"}
+  micro = [(r["micro-step"], device[r["step"], r["params"]] - r["host bytes"])
+           for r in rows if "micro-step" in r]
+  assert len(micro) == 5 and all(m <= bound for m, bound in micro), micro
