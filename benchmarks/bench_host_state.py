@@ -7,6 +7,7 @@ an MLP's step, 4 layers of d x d (3 in a lax.scan in one row), micro-batches of 
 """
 
 import functools
+import re
 import sys
 import time
 
@@ -39,7 +40,6 @@ def typed_h200(jitted, cpu_args, step, args):
   """``jitted`` typed on XLA:CPU (deviceless, no memory kinds), lowered for CUDA, compiled by
   the H200 compiler in place of a fresh program of ``step``'s signature."""
   from jax._src import compiler  # private: the one way to hand XLA a module typed elsewhere
-  jitted = jitted or oa.offload.jit(step, donate_argnums=(0, 1)).closing_step
   module = jitted.trace(*cpu_args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
   real = compiler.compile_or_get_cached
   compiler.compile_or_get_cached = lambda backend, _, *a, **kw: real(backend, module, *a, **kw)
@@ -47,6 +47,16 @@ def typed_h200(jitted, cpu_args, step, args):
     return oa.offload.jit(step, donate_argnums=(0, 1)).closing_step.lower(*args).compile()
   finally:
     compiler.compile_or_get_cached = real
+
+
+def flat(n, leaves, dtype):
+  """``n`` params in ``leaves`` 1-D leaves."""
+  return {f"w{i}": jax.ShapeDtypeStruct((n // leaves,), dtype) for i in range(leaves)}
+
+
+def update_step(opt):
+  """The update alone, the gradients an argument: ``accumulate(K, opt)``, applied."""
+  return lambda p, s, g: oa.update_and_apply(oa.accumulate(K, opt), g, s, p)
 
 
 def device_bytes(m, host):
@@ -94,10 +104,9 @@ def memory(quick, dev, h200):
   for state in ("device", HOST):
     opt = optax.adam(1e-3) if state == "device" else oa.host_state(optax.adam(1e-3))
     for dt, leaves in (("float32", 4), ("bfloat16", 4), ("float32", 16)):
-      params = {f"w{i}": jax.ShapeDtypeStruct((n // leaves,), dt) for i in range(leaves)}
-      update = lambda p, s, g, opt=opt: oa.update_and_apply(oa.accumulate(K, opt), g, s, p)
+      params = flat(n, leaves, dt)
       rows.append(forms({"step": f"update, {leaves} leaves", "params": dt, "state": state},
-                        update, params, params, dev, h200))
+                        update_step(opt), params, params, dev, h200))
     across = lambda f, opt=opt: lambda p, s, x: oa.update_and_apply(
         oa.accumulate(8, opt), jax.grad(f)(p, x), s, p)
     for step, fn, params, rows_ in (
@@ -112,16 +121,15 @@ def memory(quick, dev, h200):
 def at_scale(dev):
   """The update's closing step (4 leaves, f32) where the state on the device fills 80 to 120% of
   the H200's memory: there XLA brings the state in leaf by leaf, not all before the first."""
-  import re
   memory_bytes, rows = int(re.search(r"device_memory_size: (\d+)", gpu_hlo.H200_TEXT)[1]), []
   for fill in (0.8, 0.9, 1.0, 1.1, 1.2):
     n = int(fill * memory_bytes / 20) // 4 * 4  # 20 B/param: the step with the state on device
-    params = {f"w{i}": jax.ShapeDtypeStruct((n // 4,), jnp.float32) for i in range(4)}
-    row = {"fill": fill, "params": n}
+    params, row = flat(n, 4, jnp.float32), {"fill": fill, "params": n}
     for state, opt in (("device", optax.adam(1e-3)), (HOST, oa.host_state(optax.adam(1e-3)))):
-      step = lambda p, s, g, opt=opt: oa.update_and_apply(oa.accumulate(K, opt), g, s, p)
+      step = update_step(opt)
       args = args_of(params, params, dev, state == HOST, True, False)
-      m = (typed_h200(None, args_of(params, params, CPU, True, True, False), step, args) if (
+      closing = oa.offload.jit(step, donate_argnums=(0, 1)).closing_step
+      m = (typed_h200(closing, args_of(params, params, CPU, True, True, False), step, args) if (
           state == HOST) else jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile(
           )).memory_analysis()
       row[state] = round(device_bytes(m, 8 * n if state == HOST else 0) / 1e9, 1)  # GB

@@ -135,11 +135,8 @@ def device_puts(jaxpr: Any, where: tuple[Any, ...] = ()) -> list[tuple[Any, ...]
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "device_put":
       found.append(where)
-    for value in eqn.params.values():
-      for i, sub in enumerate(value if isinstance(value, (tuple, list)) else [value]):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          found += device_puts(sub, (*where, (eqn.primitive.name, i)))
+    for i, sub in enumerate(jax.extend.core.jaxprs_in_params(eqn.params)):
+      found += device_puts(sub, (*where, (eqn.primitive.name, i)))
   return found
 
 
@@ -180,10 +177,8 @@ def state_barriers(jaxpr: Any) -> list[int]:
     spaces = [(v.aval.shape, str(getattr(v.aval, "memory_space", ""))) for v in eqn.invars]
     if eqn.primitive.name == "optimization_barrier" and any("Host" in m for _, m in spaces):
       found.append(sum(shape in shapes and "Device" in m for shape, m in spaces))
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else [value]:
-        sub = getattr(sub, "jaxpr", sub)
-        found += state_barriers(sub) if hasattr(sub, "eqns") else []
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += state_barriers(sub)
   return found
 
 
