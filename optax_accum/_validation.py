@@ -66,9 +66,8 @@ def check_update(
   check_weight(weight, config.reduction)
   if not isinstance(emit_now, (bool, np.bool_)) and jnp.ndim(emit_now) != 0:
     raise ValueError(
-        "`emit_now` must be a scalar bool (close the window after this"
-        f" micro-batch or not); got shape {jnp.shape(emit_now)}. Pass e.g."
-        " `emit_now=is_last_batch`."
+        "`emit_now` must be a scalar bool (close the window after this micro-batch or not); got"
+        f" shape {jnp.shape(emit_now)}. Pass e.g. `emit_now=is_last_batch`."
     )
   _check_placement(config.layout, [(path, g) for path, g, _ in pairs])
 
@@ -108,17 +107,15 @@ def _check_dtype(config: Any, path: str, g_dtype: Any, b_dtype: Any) -> None:
   if jnp.issubdtype(g_dtype, jnp.complexfloating) and not jnp.issubdtype(
       b_dtype, jnp.complexfloating):
     raise TypeError(
-        f"The gradient at {path} is {g_dtype} but the accumulator"
-        f" is {b_dtype}: the imaginary part would be dropped. Build the"
-        " transform with a complex `accumulator_dtype` (or None, the default,"
-        " and complex params)."
+        f"The gradient at {path} is {g_dtype} but the accumulator is {b_dtype}: the imaginary part"
+        " would be dropped. Build the transform with a complex `accumulator_dtype` (or None, the"
+        " default, and complex params)."
     )
   if config.acc_dtype is None and jnp.promote_types(g_dtype, b_dtype) != b_dtype:
     raise TypeError(
-        f"The gradient at {path} is {g_dtype}, wider than the"
-        f" {b_dtype} accumulator that `init` built from the params: it would"
-        " lose precision. Pass `accumulator_dtype` explicitly (a narrower"
-        " one is then accepted), or init with params of the gradients' dtype."
+        f"The gradient at {path} is {g_dtype}, wider than the {b_dtype} accumulator that `init`"
+        " built from the params: it would lose precision. Pass `accumulator_dtype` explicitly (a"
+        " narrower one is then accepted), or init with params of the gradients' dtype."
     )
 
 
@@ -139,11 +136,10 @@ def _check_copies(window: Any, axes: tuple[Any, ...]) -> None:
     # (copies of size 0 are replicated)
     if set(_arrays.leading_axes(b)) != set(axes) and jnp.size(b):
       raise ValueError(
-          f"The accumulator at {_path_str(path)} is {jax.typeof(b)}, not sharded over {where}"
-          " along its leading dim (one copy per device). Place a restored state as `init`"
-          " lays it out: `jax.device_put(restored, optax_accum.sharding.state_shardings(tx,"
-          " params))`, and call `tx.init` inside the mesh (`jax.set_mesh`, or params"
-          " placed on it).")
+          f"The accumulator at {_path_str(path)} is {jax.typeof(b)}, not sharded over {where} along"
+          " its leading dim (one copy per device). Place a restored state as `init` lays it out:"
+          " `jax.device_put(restored, optax_accum.sharding.state_shardings(tx, params))`, and call"
+          " `tx.init` inside the mesh (`jax.set_mesh`, or params placed on it).")
 
 
 def _check_stacked(path: str, g: Any, b: Any, axes: tuple[Any, ...]) -> None:
@@ -198,9 +194,8 @@ def check_k(k: Any, name: str = "k") -> int | Callable[[jax.Array], Any]:
     )
   if k > _INT32_MAX:
     raise ValueError(
-        f"`{name}`={k} does not fit the int32 step counters (at most"
-        f" {_INT32_MAX}). Use a smaller window, or flush windows with"
-        " `emit_now=True`."
+        f"`{name}`={k} does not fit the int32 step counters (at most {_INT32_MAX}). Use a smaller"
+        " window, or flush windows with `emit_now=True`."
     )
   return int(k)
 
@@ -256,9 +251,8 @@ def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
   if callable(optimizer):
     what = getattr(optimizer, "__name__", repr(optimizer))
     raise TypeError(
-        f"`{name}` must be an optax GradientTransformation such as"
-        f" optax.adam(1e-3); got the function {what} itself. Call it with its"
-        f" hyperparameters, e.g. {what}(1e-3)."
+        f"`{name}` must be an optax GradientTransformation such as optax.adam(1e-3); got the"
+        f" function {what} itself. Call it with its hyperparameters, e.g. {what}(1e-3)."
     )
   raise TypeError(
       f"`{name}` must be an optax GradientTransformation (with `init` and"
@@ -280,9 +274,8 @@ def check_weight(weight: Any, reduction: str) -> None:
     return
   if weight is None:
     raise ValueError(
-        "reduction='weighted' needs a per-micro-batch weight: call"
-        " `update(grads, state, params, weight=w)` with w e.g. the number of"
-        " real tokens in the micro-batch."
+        "reduction='weighted' needs a per-micro-batch weight: call `update(grads, state, params,"
+        " weight=w)` with w e.g. the number of real tokens in the micro-batch."
     )
   if jnp.ndim(weight) != 0:
     raise ValueError(
@@ -305,11 +298,10 @@ def check_no_float0(grads: Any, where: str = "gradient") -> None:
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
     if _is_float0(g):
       raise TypeError(
-          f"The {where} at {_path_str(path)} has dtype float0: it is the cotangent of an"
-          " integer leaf (jax.grad(..., allow_int=True)), which `microbatched` cannot"
-          " sum. Leave integer leaves out of what you differentiate: split them off"
-          " first, e.g. `params, static = eqx.partition(model, eqx.is_inexact_array)`,"
-          " and differentiate `params`."
+          f"The {where} at {_path_str(path)} has dtype float0: it is the cotangent of an integer"
+          " leaf (jax.grad(..., allow_int=True)), which `microbatched` cannot sum. Leave integer"
+          " leaves out of what you differentiate: split them off first, e.g. `params, static ="
+          " eqx.partition(model, eqx.is_inexact_array)`, and differentiate `params`."
       )
 
 
@@ -367,11 +359,10 @@ def _check_placement(layout: _arrays.Layout, g_leaves: list[Any]) -> None:
     if have:
       names = sorted(have, key=str)
       raise ValueError(
-          f"The gradient at {_path_str(path)} is unreduced over {names} (each"
-          " device holds a partial sum) but this accumulator was built without"
-          f" `axis_name`: build it with `accumulate(..., axis_name="
-          f"{names[0] if len(names) == 1 else tuple(names)!r})` so the window is"
-          " reduced once when it closes."
+          f"The gradient at {_path_str(path)} is unreduced over {names} (each device holds a"
+          " partial sum) but this accumulator was built without `axis_name`: build it with"
+          f" `accumulate(..., axis_name={names[0] if len(names) == 1 else tuple(names)!r})` so the"
+          " window is reduced once when it closes."
       )
 
 
