@@ -86,10 +86,9 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
       if HOST not in kinds:
         raise ValueError(
             f"`host_state` keeps the optimizer state in host memory ({HOST!r}), which"
-            f" {device.platform} ({device.device_kind}) does not offer with jax"
-            f" {jax.__version__} and jaxlib {importlib.metadata.version('jaxlib')}: its"
-            f" memory kinds are {kinds}. Use the optimizer without `host_state` there (its"
-            " state then stays on the device).")
+            f" {device.platform} ({device.device_kind}) does not offer with jax {jax.__version__}"
+            f" and jaxlib {importlib.metadata.version('jaxlib')}: its memory kinds are {kinds}."
+            " Use the optimizer without `host_state` there (its state then stays on the device).")
     return HostState(jax.device_put(inner.init(params), jax.memory.Space.Host))
 
   def update_fn(updates: optax.Updates, state: HostState, params: optax.Params | None = None,
@@ -112,21 +111,34 @@ class _Phase:
 
   ``cond`` is what the window's conditional becomes in that program: one branch, picked
   statically; it records the window's ``k`` (the count :func:`jit` dispatches on).
+  ``trace`` checks that each trace of the step reaches exactly one conditional.
   """
 
   def __init__(self, emits: bool):
-    self.emits, self.k = emits, None
+    self.emits, self.k, self.seen = emits, None, False
+
+  def trace(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    self.seen = False
+    out = _window.in_context(_window.PHASE, self, step, *args, **kwargs)
+    if not self.seen:
+      # A nested jax.jit reuses its trace whatever the phase: it may now hold this
+      # program's branch alone, and a later `jax.jit(step)` must not reuse that.
+      jax.clear_caches()
+      raise ValueError(
+          f"`offload.jit`: the {'closing' if self.emits else 'mid'}-step program reached no window"
+          " conditional: the step runs no `accumulate`, or runs it in a function JAX traced already"
+          " (a nested `jax.jit` keeps one trace for both programs). Call it in the step itself.")
+    return out
 
   def cond(self, config: _window.Config, accept: Any, emit_now: Any) -> Callable[..., Any]:
-    if not (isinstance(config.k, int) and accept is True and emit_now is False
-            and config.reduction != "weighted" and self.k in (None, config.k)):
+    if self.seen or not (isinstance(config.k, int) and accept is True and emit_now is False
+                         and config.reduction != "weighted" and self.k in (None, config.k)):
       raise ValueError(
-          "`offload.jit` compiles a window's mid-steps and its closing step apart, which"
-          " needs one window that closes after exactly `k` micro-batches, `k` an int: not"
-          " with `skip_nonfinite`, `should_skip_update_fn`, `reduction='weighted'`,"
-          " `emit_now`, `flush`, a schedule of `k` or two accumulations of different `k`."
-          " Compile the step with `jax.jit` instead (one program).")
-    self.k = config.k
+          "`offload.jit` compiles a window's mid-steps and its closing step apart, which needs"
+          " one window that closes after exactly `k` micro-batches, `k` an int: not with"
+          " `skip_nonfinite`, `should_skip_update_fn`, `reduction='weighted'`, `emit_now`, `flush`,"
+          " a schedule of `k` or two accumulations in one step. Compile the step with `jax.jit`.")
+    self.k, self.seen = config.k, True
     # The closing step: its operands (the window's sum among them) ready before it starts,
     # as a conditional's are: `host_state` moves the state in after the gradients exist
     # (XLA starts a move as early as it can: `python benchmarks/bench_host_state.py --h200`,
@@ -151,12 +163,17 @@ def jit(step: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
   The closing step's program runs the inner optimizer. Each call runs the one
   its window's count asks for, read from the state the first time and
   counted on the host after (read again when a state comes in that the last
-  call did not return). The results are bit for bit ``jax.jit(step)``'s.
+  call did not return). The results are ``jax.jit(step)``'s: bit for bit with
+  :func:`~optax_accum.update_and_apply`; through ``update`` and
+  ``optax.apply_updates`` XLA fuses the closing step apart and may round the
+  update differently (AdamW: one element in 64 off by 1 ulp).
 
   The window must close after exactly ``k`` micro-batches (an int): not with
   ``skip_nonfinite``, ``should_skip_update_fn``, ``reduction="weighted"``,
-  ``emit_now`` or a schedule of ``k`` (a ``ValueError`` when traced); use
-  ``jax.jit`` there.
+  ``emit_now``, a schedule of ``k`` or a second accumulation in the step (a
+  ``ValueError`` when traced); use ``jax.jit`` there. The accumulation must be
+  traced with the step: inside a ``jax.jit`` nested in the step, JAX keeps one
+  trace for both programs, and the first call raises ``ValueError``.
 
   Args:
     step: the train step; its arguments and results are pytrees holding the
@@ -180,20 +197,20 @@ def jit(step: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
     (1, [0.99, 0.99, 0.99])
   """
   phases = {emits: _Phase(emits) for emits in (False, True)}
-  programs = {e: jax.jit(functools.partial(_window.in_context, _window.PHASE, p, step),
-                         **jit_kwargs) for e, p in phases.items()}
+  programs = {e: jax.jit(functools.partial(p.trace, step), **jit_kwargs)
+              for e, p in phases.items()}
   last: dict[str, Any] = {"mini_step": None, "count": 0}
 
   def run(*args: Any, **kwargs: Any) -> Any:
     window = _window_of((args, kwargs))
-    if window is not None and phases[False].k is None:  # the window's k: from a trace
-      programs[False].trace(*args, **kwargs)
-    k = phases[False].k
-    if k is None:
-      raise TypeError("`offload.jit`: the step takes no state of `accumulate` or `MultiSteps`,"
-                      " or runs none (the window's count picks the program).")
+    if window is None:
+      raise TypeError("`offload.jit`: the step takes no state of `accumulate` or `MultiSteps`"
+                      " (the window's count picks the program).")
+    if phases[False].k is None:  # the window's k, and each program checked: from a trace
+      for program in programs.values():
+        program.trace(*args, **kwargs)
     count = last["count"] if window.mini_step is last["mini_step"] else int(window.mini_step)
-    emits = count + 1 >= k
+    emits = count + 1 >= phases[False].k
     out = programs[emits](*args, **kwargs)
     last.update(mini_step=getattr(_window_of(out), "mini_step", None),
                 count=0 if emits else count + 1)

@@ -348,3 +348,33 @@ def test_offload_jit_refuses_a_window_it_cannot_count() -> None:
   step = oa.offload.jit(lambda p, s, x: oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p))
   with pytest.raises(ValueError, match="skip_nonfinite"):
     step(fresh(PARAMS), tx.init(fresh(PARAMS)), batch(0))
+
+
+def test_offload_jit_refuses_two_windows_and_a_nested_jit_it_cannot_split() -> None:
+  """Two accumulations count two windows (one program for both would close the wrong one);
+  a ``jax.jit`` nested in the step keeps one trace for both programs (the closing step
+  would run the mid-step's). Both raise on the first call, before any step runs; and a
+  later ``jax.jit`` of the same step is not handed the trace made for one program."""
+  tx = oa.accumulate(2, oa.host_state(adam()))
+  two = lambda p, s, q, r, x: (*oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p),
+                               *oa.update_and_apply(tx, jax.grad(loss)(q, x), r, q))
+  args = (fresh(PARAMS), tx.init(fresh(PARAMS)), fresh(PARAMS), tx.init(fresh(PARAMS)), batch(0))
+  with pytest.raises(ValueError, match="two accumulations in one step"):
+    oa.offload.jit(two)(*args)
+
+  def nested_step() -> Callable:
+    inner = jax.jit(lambda p, s, x: oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p))
+    return lambda p, s, x: inner(p, s, x)
+
+  step, state = nested_step(), tx.init(fresh(PARAMS))
+  with pytest.raises(ValueError, match="closing-step program reached no window"):
+    oa.offload.jit(step)(fresh(PARAMS), state, batch(0))
+  run = (fresh(PARAMS), state)
+  for i in range(2):  # the same step under jax.jit: the window closes at its second call
+    run = jax.jit(step)(*run, batch(i))
+  assert int(run[1].gradient_step) == 1
+  assert not np.array_equal(run[0]["w"], PARAMS["w"])
+  step = nested_step()
+  jax.jit(step)(fresh(PARAMS), tx.init(fresh(PARAMS)), batch(0))  # traced first: its cond kept
+  with pytest.raises(ValueError, match="mid-step program reached no window"):
+    oa.offload.jit(step)(fresh(PARAMS), tx.init(fresh(PARAMS)), batch(0))
