@@ -50,7 +50,12 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
   update and moves the new state back. Inside
   :func:`~optax_accum.accumulate` the moves run only in the window's emitting
   branch, once per optimizer step; in a chain or a step of its own, once per
-  call. The updates, and the state's values, are bit for bit ``inner``'s.
+  call. The updates, and the state's values, are bit for bit ``inner``'s
+  inside ``accumulate``; in a step of their own, the barrier that orders the
+  move after the gradients may change XLA's rounding (1 ulp seen, JAX 0.12).
+  On a mesh, build the state with ``jax.jit(init, out_shardings=...)`` from
+  :func:`~optax_accum.sharding.state_shardings` (a plain ``init`` puts the
+  scalar counters on one device).
 
   Args:
     inner: the optimizer whose state lives on the host.
@@ -142,9 +147,12 @@ class _Phase:
     # The closing step: its operands (the window's sum among them) ready before it starts,
     # as a conditional's are: `host_state` moves the state in after the gradients exist
     # (XLA starts a move as early as it can: `python benchmarks/bench_host_state.py --h200`,
-    # its scan row, 32 device bytes per parameter without the barrier against 24).
+    # its scan row, 32 device bytes per parameter without the barrier against 24). Not under
+    # shard_map: a barrier over replicated and per-device values leaves the replicated ones
+    # untyped there (JAX 0.10.2), and the step's out_specs refuse them.
+    barrier = lax.optimization_barrier if not config.layout.manual else lambda ops: ops
     return lambda pred, emitting, waiting, *ops: emitting(
-        *lax.optimization_barrier(ops)) if self.emits else waiting(*ops)
+        *barrier(ops)) if self.emits else waiting(*ops)
 
 
 def _window_of(tree: Any) -> Any:

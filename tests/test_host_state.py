@@ -292,6 +292,36 @@ def test_on_8_devices_the_state_is_sharded_on_the_host_like_on_the_device() -> N
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+@pytest.mark.parametrize("host", [False, True])
+def test_under_shard_map_offload_jit_is_jax_jit_bit_for_bit(host: bool) -> None:
+  """The step inside ``shard_map`` (``accumulate(..., axis_name=)``, per-device state): both
+  programs, with the state on the device and on the host, against ``jax.jit``."""
+  from optax_accum.sharding import per_device_state, shard_map_specs
+
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = per_device_state(oa.accumulate(2, oa.host_state(adam()) if host else adam(),
+                                      axis_name="data"), "data")
+  specs = shard_map_specs(tx, PARAMS, "data")
+
+  def body(p: Any, s: Any, x: jax.Array) -> tuple[Any, Any]:
+    grads = jax.grad(loss)(jax.lax.pcast(p, "data", to="varying"), x)
+    return oa.update_and_apply(tx, grads, s, p)
+
+  step = jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+  runs = {f: (fresh(PARAMS), init(fresh(PARAMS))) for f in (jax.jit, oa.offload.jit)}
+  steps = {f: f(step) for f in runs}
+  for i in range(5):
+    x = jax.device_put(batch(i, 16), NamedSharding(mesh, P("data")))
+    for f in runs:
+      runs[f] = steps[f](*runs[f], x)
+      if host:
+        assert_on_host(runs[f][1])
+    assert_bitwise(runs[jax.jit], runs[oa.offload.jit])
+  assert int(runs[oa.offload.jit][1].gradient_step) == 2
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_orbax_and_reshard_state_bring_the_state_back_to_the_host(tmp_path: Path) -> None:
   """Saved mid-window with orbax; restored into the abstract target of
   ``state_shardings``: in host memory, bit for bit, and the resumed run (``offload.jit``:
