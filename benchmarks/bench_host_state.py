@@ -36,15 +36,16 @@ def args_of(params, batch, dev, on_host, across, concrete):
       inner), put(batch, dev)
 
 
-def typed_h200(jitted, cpu_args, step, args):
+def typed_h200(jitted, cpu_args, vessel, args):
   """``jitted`` typed on XLA:CPU (deviceless, no memory kinds), lowered for CUDA, compiled by
-  the H200 compiler in place of a fresh program of ``step``'s signature."""
+  the H200 compiler in place of the program of a fresh ``vessel()`` (not one JAX compiled and
+  cached already): one of the same signature that the deviceless ``args`` can trace."""
   from jax._src import compiler  # private: the one way to hand XLA a module typed elsewhere
   module = jitted.trace(*cpu_args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
   real = compiler.compile_or_get_cached
   compiler.compile_or_get_cached = lambda backend, _, *a, **kw: real(backend, module, *a, **kw)
   try:
-    return oa.offload.jit(step, donate_argnums=(0, 1)).closing_step.lower(*args).compile()
+    return vessel().lower(*args).compile()
   finally:
     compiler.compile_or_get_cached = real
 
@@ -76,7 +77,9 @@ def forms(row, step, params, batch, dev, h200):
                               split.closing_step)[:3 if on_host and across else 1], strict=False))
   if h200 and on_host:
     typed = args_of(params, batch, CPU, True, across, True)
-    programs = {form: functools.partial(typed_h200, fn, typed, step)
+    vessel = lambda: (oa.offload.jit(step, donate_argnums=(0, 1)).closing_step if across
+                      else jax.jit(step, donate_argnums=(0, 1)))  # (the closing step: its window)
+    programs = {form: functools.partial(typed_h200, fn, typed, vessel)
                 for form, fn in programs.items()}
   for form, fn in programs.items():
     try:
@@ -129,7 +132,8 @@ def at_scale(dev):
       step = update_step(opt)
       args = args_of(params, params, dev, state == HOST, True, False)
       closing = oa.offload.jit(step, donate_argnums=(0, 1)).closing_step
-      m = (typed_h200(closing, args_of(params, params, CPU, True, True, False), step, args) if (
+      m = (typed_h200(closing, args_of(params, params, CPU, True, True, False), lambda step=step: (
+          oa.offload.jit(step, donate_argnums=(0, 1)).closing_step), args) if (
           state == HOST) else jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile(
           )).memory_analysis()
       row[state] = round(device_bytes(m, 8 * n if state == HOST else 0) / 1e9, 1)  # GB
