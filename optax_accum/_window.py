@@ -5,16 +5,17 @@
 1. **decide** (:func:`decide`): does this micro-batch count (``accept``, from
    the caller), and does the window close (``k`` micro-batches, or
    ``emit_now``), and emit (not a window of weight 0);
-2. **add** it to the buffer: one fused pass per leaf, ``where(mini_step == 0,
-   0, acc) + g`` (the lazy reset: a NaN from a past window is dropped by a
-   select, never multiplied);
-3. **emit or not**: one ``lax.cond``. The emitting branch (:func:`emit`, traced
-   once under ``jax.jit``: ``jax.eval_shape`` reads its types, the branch reuses
-   the trace) reduces the buffer and runs the inner optimizer once; the other
+2. **add** it to the buffer (:func:`buffer_after`): one fused pass per leaf,
+   ``where(mini_step == 0, 0, acc) + g`` (the lazy reset: a NaN from a past
+   window is dropped by a select, never multiplied), inside step 3's branches;
+3. **emit or not**: the emitting branch (:func:`emit`, traced once under
+   ``jax.jit``: ``jax.eval_shape`` reads its types, the branch reuses the
+   trace) reduces the buffer and runs the inner optimizer once; the other
    (:func:`mid`) returns zeros, or the params when applying. Where the updates
-   fit the buffer exactly, the emitting branch writes them into it, dead once
-   its window closed (:func:`parking`, :func:`park`, :func:`unpark`: a tree of
-   flags and tree-to-tree functions);
+   fit the buffer exactly, one ``lax.cond`` whose emitting branch writes them
+   into it, dead once its window closed (:func:`parking`, :func:`park`,
+   :func:`unpark`). Otherwise two: the add's on mid-steps, then the update's,
+   which adds the closing micro-batch where the optimizer reads it;
 4. **advance** the counters.
 
 Around it, the apply protocol both transforms share (:class:`Applied`,
@@ -242,27 +243,24 @@ def micro_step(
   seed = (window.gradient_step, window.mini_step)  # the narrow buffer's rounding
   if layout.manual:  # shard_map / pmap: each device rounds independently
     seed += (lax.axis_index(config.axis_name),)
-  add = jax.named_scope(SCOPES["add"])(functools.partial(
-      buffer_after, config, mini_step=window.mini_step, accept=accept, weight=weight, seed=seed))
+  add = functools.partial(buffer_after, config, mini_step=window.mini_step, accept=accept,
+                          weight=weight, seed=seed)
 
-  # 3. Emit or not: one lax.cond (one branch in a program of `offload.jit`'s: `PHASE`).
+  # 3. Emit or not: the update's conditional, then the add's (on mid-steps). Each passes what
+  # it does not write through as branch 0, the one whose operands the TPU compiler keeps in
+  # place (docs/development/compiler_evidence.md, "Two conditionals").
   cond = lax.cond if PHASE.get() is None else PHASE.get().cond(config, accept, emit_now)
   # Under jax.jit the trace that gives the types of the updates (or params) is cached: the
   # conditional's branch binds it again, and the inner optimizer's Python runs once.
   run_emit = jax.jit(functools.partial(emit, config, apply=apply, extra_args=extra_args or {}))
   updates_like = jax.eval_shape(run_emit, ops, window.acc_grads).out
   parks = parking(config, updates_like, window.acc_grads, apply=apply)
+  parked = any(jax.tree.leaves(parks))
   waiting = functools.partial(mid, updates_like=updates_like, parks=parks, apply=apply)
-  if not any(jax.tree.leaves(parks)):
-    # The add runs before the conditional: XLA:CPU copies a buffer that goes
-    # through one (docs/development/compiler_evidence.md, "Where the add runs").
-    buffer = add(window.acc_grads, grads)
-    out, new_inner, new_noise = cond(
-        decision.emits, jax.named_scope(SCOPES["emit"])(run_emit),
-        jax.named_scope(SCOPES["mid"])(lambda ops, buffer: waiting(ops)), ops, buffer)
-  else:
-    # Both branches add: the H200 compiler copies a buffer one branch passes
-    # through (the same page); the emitting one parks the updates in it.
+
+  if parked:
+    # Both branches add: a buffer one branch passes through is copied by the H200 compiler
+    # (the same page); the emitting one parks the updates in it.
     def emitting(ops: Operands, acc: optax.Updates) -> tuple[Emitted, optax.Updates]:
       window_sum = add(acc, ops.grads)
       emitted = run_emit(ops, window_sum)
@@ -274,6 +272,19 @@ def micro_step(
         jax.named_scope(SCOPES["mid"])(lambda ops, acc: (waiting(ops), add(acc, ops.grads))),
         ops, window.acc_grads)
     out = unpark(out, buffer, parks, decision.emits, updates_like)
+  else:
+    # The add's conditional writes the buffer on mid-steps; the emitting branch adds the
+    # micro-batch where the inner optimizer reads it (no pass of its own, no write of the
+    # buffer, dead once the window closed).
+    phase = PHASE.get()  # a program of `offload.jit`'s knows which branch it runs
+    add_cond = lax.cond if phase is None else lambda _, adds, keeps, *ops: (
+        keeps if phase.emits else adds)(*ops)
+    buffer = add_cond(jnp.logical_not(decision.emits), jax.named_scope(SCOPES["add"])(add),
+                      lambda acc, grads: acc, window.acc_grads, grads)
+    out, new_inner, new_noise = cond(
+        decision.emits, jax.named_scope(SCOPES["emit"])(
+            lambda ops, acc: run_emit(ops, add(acc, ops.grads))),
+        jax.named_scope(SCOPES["mid"])(lambda ops, acc: waiting(ops)), ops, buffer)
 
   # 4. Advance.
   d = decision
