@@ -40,7 +40,7 @@ def test_a_less_accurate_function_is_measured_as_such() -> None:
   float32 is not (XLA:CPU: 6e-8; a TPU v5e: 4.4e-6)."""
   x = _reference.ELEMENTARY["exp"][2]
   rounded = _reference.relative_error(lambda v: jnp.exp(v).astype(jnp.bfloat16), np.exp, x)
-  assert 2**-9 < rounded <= 2**-8
+  assert 2**-9 < rounded <= 2**-8 + tolerance(0.0, "exp")  # + the float32 exp's own error
   assert _reference.relative_error(jnp.exp, np.exp, x) < 1e-4
 
 
