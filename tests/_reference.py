@@ -5,13 +5,24 @@ itself (``np.mean`` over a stacked axis, in float64) and applies the inner
 optimizer once per window, exactly what large-batch training does.
 :func:`accumulate_run` is the other side of the comparison: the same windows,
 one micro-batch per call of an accumulating transform.
+
+:func:`tolerance` turns a test's CPU tolerance into the default backend's: the CPU
+tolerance, or a multiple of the backend's measured float32 error, whichever is larger.
+:func:`on_cpu` computes a float64 reference on the host CPU, whatever the default backend.
+:func:`xla_cpu_fact` and :func:`premise` mark what a test asserts about XLA:CPU's compiler
+(bytes of ``memory_analysis()``, counts of instructions): asserted there, skipped elsewhere
+with the fact named. Numerics never skip: they get :func:`tolerance`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
+import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from fractions import Fraction
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -21,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import optax_accum as oa
 
@@ -126,3 +138,140 @@ def load_example(name: str) -> ModuleType:
   sys.modules[spec.name] = module  # dataclasses look their module up there
   spec.loader.exec_module(module)
   return module
+
+
+# -- the default backend's float32 accuracy -------------------------------------------------
+def _grid(low: float, high: float, *, log: bool = False) -> np.ndarray:
+  """512 float32 points from ``low`` to ``high``, evenly or geometrically spaced."""
+  points = np.geomspace(low, high, 512) if log else np.linspace(low, high, 512)
+  return points.astype(np.float32)
+
+
+# Each function on a grid away from its zeros (there a relative error means nothing), in
+# float32 on the default backend and in float64 by numpy on the same float32 inputs.
+ELEMENTARY: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any], np.ndarray]] = {
+    "exp": (jnp.exp, np.exp, _grid(-20.0, 20.0)),
+    "log": (jnp.log, np.log,
+            np.concatenate([_grid(1e-6, 0.5, log=True), _grid(2.0, 1e6, log=True)])),
+    "tanh": (jnp.tanh, np.tanh, np.concatenate([_grid(-5.0, -0.05), _grid(0.05, 5.0)])),
+    "erf": (jax.scipy.special.erf, np.vectorize(math.erf),
+            np.concatenate([_grid(-4.0, -0.05), _grid(0.05, 4.0)])),
+}
+
+
+def relative_error(fn: Callable[[Any], Any], exact: Callable[[Any], Any], x: np.ndarray) -> float:
+  """The largest ``|fn(x) - exact(x)| / |exact(x)|`` over ``x``, ``fn`` jitted on the default
+  device, ``exact`` in float64.
+
+  >>> relative_error(lambda x: x.astype(jnp.bfloat16), lambda x: x, np.float32([1 + 2**-8]))
+  0.00389...
+  """
+  got = np.asarray(jax.jit(fn)(x), np.float64)
+  want = np.asarray(exact(np.asarray(x, np.float64)), np.float64)
+  return float(np.max(np.abs(got - want) / np.abs(want)))
+
+
+def dot_relative_error(precision: str = "highest") -> float:
+  """A float32 matmul's largest error relative to ``|a| @ |b|`` (the size its rounding
+  scales with), at ``precision``, against float64 on the same float32 inputs."""
+  rng = np.random.default_rng(0)
+  a, b = (rng.normal(size=shape).astype(np.float32) for shape in ((64, 256), (256, 64)))
+  got = np.asarray(jax.jit(lambda a, b: jnp.dot(a, b, precision=precision))(a, b), np.float64)
+  a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(got - a64 @ b64) / (np.abs(a64) @ np.abs(b64))))
+
+
+@functools.cache
+def backend_errors() -> dict[str, float]:
+  """The default backend's measured float32 relative error of each elementary function of
+  :data:`ELEMENTARY` and of ``"dot"`` (a matmul at precision "highest"), once a session.
+  XLA:CPU is within a few float32 ulps (about 1e-7) of each; the TPU's exp, log, tanh and erf
+  are accurate to 4-5 digits."""
+  errors = {name: relative_error(*spec) for name, spec in ELEMENTARY.items()}
+  return errors | {"dot": dot_relative_error()}
+
+
+# A backend whose measured errors are all at most this (four float32 ulps at 1) computes
+# float32 as XLA:CPU does, to the last few bits: its tolerances are the CPU ones, as written.
+FULL_ACCURACY = 4 * float(np.finfo(np.float32).eps)
+# Above that, a result's error is this many times the worst measured error of the functions it
+# goes through: a log-sum-exp is an exp, a sum and a log, and a gradient can amplify them.
+ERROR_FACTOR = 10.0
+
+
+def tolerance(cpu_tolerance: float, *functions: str) -> float:
+  """A test's tolerance on the default backend: ``cpu_tolerance`` where ``functions`` (names
+  of :func:`backend_errors`) are accurate to :data:`FULL_ACCURACY`, as on XLA:CPU; else the
+  larger of ``cpu_tolerance`` and :data:`ERROR_FACTOR` times their worst measured error.
+
+  >>> errors = backend_errors()
+  >>> worst = max(errors["exp"], errors["log"])
+  >>> tolerance(1e-5, "exp", "log") == (1e-5 if worst <= FULL_ACCURACY else max(1e-5, 10 * worst))
+  True
+  """
+  errors = backend_errors()
+  unknown = sorted(set(functions) - set(errors))
+  if unknown or not functions:
+    raise ValueError(f"tolerance: name the functions the result goes through, among"
+                     f" {sorted(errors)} (got {list(functions)})")
+  worst = max(errors[name] for name in functions)
+  return cpu_tolerance if worst <= FULL_ACCURACY else max(cpu_tolerance, ERROR_FACTOR * worst)
+
+
+@functools.cache
+def float64_rounding() -> float:
+  """The default backend's largest relative error of one float64 product or sum, against
+  exact rational arithmetic: at most half an ulp (``eps / 2``) where float64 is IEEE, as on
+  XLA:CPU; more where it is emulated (a TPU's). Compiled under x64 once a session."""
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=256), rng.normal(size=256) * 10.0 ** rng.integers(-8, 8, 256)
+  with jax.enable_x64(True):
+    product, total = jax.jit(lambda x, y: (x * y, x + y))(x, y)
+  errors = []
+  for a, b, got_product, got_sum in zip(x, y, np.asarray(product), np.asarray(total), strict=True):
+    wants = (Fraction(a) * Fraction(b), Fraction(a) + Fraction(b))
+    for got, want in zip((got_product, got_sum), wants, strict=True):
+      errors.append(abs(Fraction(float(got)) - want) / abs(want))
+  return float(max(errors))
+
+
+def float64_eps() -> float:
+  """float64's eps where products and sums round correctly (the CPU's, as written), else
+  twice the measured rounding (:func:`float64_rounding`): what an error bound written in
+  ``eps`` for correctly rounded arithmetic becomes on this backend."""
+  eps = float(np.finfo(np.float64).eps)
+  return max(eps, 2 * float64_rounding())
+
+
+@contextlib.contextmanager
+def on_cpu() -> Iterator[None]:
+  """float64 on the host CPU: the references' place on every backend.
+
+  A TPU emulates float64 (a float64 program compiles for minutes there) and its exp and log
+  are float32-accurate only to 4-5 digits; the host CPU computes the reference in real float64.
+  """
+  with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+    yield
+
+
+# -- XLA:CPU's compiler facts ------------------------------------------------------------------
+#: The suite's reference compiler: its buffer assignment and instruction choices are what the
+#: memory and HLO tests were written against. Another compiler's differ without being wrong.
+XLA_CPU = jax.default_backend() == "cpu"
+
+
+def xla_cpu_fact(fact: str) -> pytest.MarkDecorator:
+  """Marks a test that asserts ``fact``, a fact of XLA:CPU's compiler: it skips elsewhere,
+  with ``fact`` in the reason."""
+  return pytest.mark.skipif(not XLA_CPU, reason=f"asserts an XLA:CPU compiler fact: {fact}")
+
+
+def premise(holds: bool, fact: str) -> None:
+  """A compiler fact a test is built on (peaks that fall with k, activations that dominate):
+  asserted on XLA:CPU; where another compiler lacks it, the test skips, naming it."""
+  if holds:
+    return
+  if XLA_CPU:
+    raise AssertionError(f"premise: {fact}")
+  pytest.skip(f"an XLA:CPU compiler fact this test is built on does not hold on"
+              f" {jax.default_backend()}: {fact}")

@@ -8,14 +8,19 @@ Single-device tests are unaffected: jit places work on device 0. With
 
 A test marked ``@pytest.mark.catches(name, ...)`` runs once as it is and then
 once under each named mutant of ``tests/_mutants.py``, where an assertion must
-fail (:func:`pytest_pyfunc_call`).
+fail (:func:`pytest_pyfunc_call`). Mutant reruns are a CPU activity: on another
+backend the test runs once, and the terminal summary counts the reruns left out.
 """
 
 import atexit
+import collections
+import datetime
 import importlib
 import os
+import platform
 import shutil
 import tempfile
+import time
 from importlib import metadata
 
 
@@ -62,9 +67,18 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # -- mutants (tests/_mutants.py) ----------------------------------------------------
 import pytest  # noqa: E402
 
-from tests import _mutants  # noqa: E402
+from tests import _mutants, _reference  # noqa: E402
 
 _UNDER_MUTANT = pytest.StashKey[str]()
+_STARTED = pytest.StashKey[float]()
+# The mutants were calibrated on XLA:CPU, the reference compiler: under each, an assertion
+# fails there. Another compiler may reject a mutated program before any assertion runs (the
+# TPU's refuses a While's condition computation that a patched `lax.cond` reaches from two
+# callers), which says nothing about the test; so reruns happen on XLA:CPU only.
+MUTANTS_LEFT_OUT_REASON = (
+    f"mutant reruns run on XLA:CPU only (the compiler the mutants were calibrated on); on"
+    f" {jax.default_backend()} a mutant can break compilation instead of an assertion")
+_mutant_reruns_left_out: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -86,6 +100,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> object:
     if name not in _mutants.MUTANTS:
       pytest.fail(f"@pytest.mark.catches({name!r}): no such mutant in tests/_mutants.py"
                   f" (there are {sorted(_mutants.MUTANTS)})", pytrace=False)
+    if not _reference.XLA_CPU:
+      _mutant_reruns_left_out.append(f"{pyfuncitem.nodeid} under {name}")
+      continue
     pyfuncitem.stash[_UNDER_MUTANT] = name
     try:
       with pytest.MonkeyPatch.context() as patch:
@@ -130,6 +147,69 @@ SLOW = (
 )
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+  session.config.stash[_STARTED] = time.time()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+  """Says how many mutant reruns this backend left out, and why; with
+  ``OPTAX_ACCUM_TEST_SUMMARY=path``, writes the run's summary there (:func:`run_summary`)."""
+  if _mutant_reruns_left_out:
+    terminalreporter.write_line(
+        f"{len(_mutant_reruns_left_out)} mutant reruns left out: {MUTANTS_LEFT_OUT_REASON}")
+  path = os.environ.get("OPTAX_ACCUM_TEST_SUMMARY")
+  if path:
+    started = terminalreporter.config.stash.get(_STARTED, time.time())
+    with open(path, "w") as f:
+      f.write(run_summary(terminalreporter, time.time() - started))
+    terminalreporter.write_line(f"summary written to {path}")
+
+
+def _version(name: str) -> str:
+  try:
+    return metadata.version(name)
+  except metadata.PackageNotFoundError:
+    return "not installed"
+
+
+def run_summary(terminalreporter: pytest.TerminalReporter, wall_s: float) -> str:
+  """Markdown: when, on what (versions, device), the command, the counts, the wall time, the
+  failures, the skip reasons and the backend's measured float32 accuracy."""
+  stats = terminalreporter.stats
+  reports = lambda key: stats.get(key, [])
+  counts = {key: len(reports(key)) for key in ("passed", "failed", "error", "skipped", "xfailed",
+                                              "xpassed") if reports(key)}
+  device = jax.devices()[0]
+  lines = [
+      f"# Test run: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC", "",
+      f"- device: {jax.device_count()} x {device.device_kind} ({jax.default_backend()})",
+      f"- Python {platform.python_version()}, jax {jax.__version__}, jaxlib"
+      f" {_version('jaxlib')}, libtpu {_version('libtpu')}, optax {_version('optax')},"
+      f" flax {_version('flax')}",
+      f"- command: `pytest {' '.join(terminalreporter.config.invocation_params.args)}`",
+      f"- wall time: {wall_s:.0f} s",
+      f"- counts: {', '.join(f'{n} {key}' for key, n in counts.items())}",
+  ]
+  if _mutant_reruns_left_out:
+    lines.append(f"- {len(_mutant_reruns_left_out)} mutant reruns left out:"
+                 f" {MUTANTS_LEFT_OUT_REASON}")
+  errors = _reference.backend_errors()
+  lines.append("- measured float32 relative errors (tests/_reference.py): "
+               + ", ".join(f"{name} {error:.1e}" for name, error in errors.items()))
+  for key in ("failed", "error"):
+    if reports(key):
+      lines += ["", f"## {key.capitalize()}", ""]
+      lines += [f"- `{r.nodeid}`: {str(r.longrepr).splitlines()[-1][:200] if r.longrepr else ''}"
+                for r in reports(key)]
+  reasons = collections.Counter(str(r.longrepr[-1]) if isinstance(r.longrepr, tuple) else "?"
+                                for r in reports("skipped"))
+  if reasons:
+    lines += ["", "## Skip reasons", ""]
+    lines += [f"- {n} x {reason}" for reason, n in reasons.most_common()]
+  return "\n".join(lines) + "\n"
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it, pytest must not object
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
   """``-n auto``: one worker per core, at most 8 (each is a JAX process with 8 host devices)."""
   return min(os.cpu_count() or 1, 8)
@@ -141,12 +221,34 @@ if os.environ.get("CI"):
   pytest.importorskip = lambda modname, *args, **kwargs: importlib.import_module(modname)
 
 
+# Docstring examples of the library that print an XLA:CPU compiler fact: off XLA:CPU they skip,
+# naming it (tests/_reference.py's xla_cpu_fact does the same for tests).
+XLA_CPU_DOCTESTS = {
+    "optax_accum.debug.conditionals": "XLA:CPU keeps a conditional of two cheap branches"
+                                      " (a GPU's compiler turns it into selects)",
+    "optax_accum.debug.copies": "the copy instructions XLA:CPU emits for a transpose",
+    "optax_accum.planning.plan_k": "the compiled peaks per k, so the k chosen",
+}
+# Slow tests whose processes run on JAX_PLATFORMS=cpu: they test nothing about another backend.
+CPU_PROCESSES = ("tests/test_multihost.py::", "tests/test_docs_one_device.py::",
+                 "tests/test_flax_pairing.py::")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-  """Marks the slow tests; on a one-device platform, skips the docstring examples
-  written for 8 devices."""
+  """Marks the slow tests; off XLA:CPU, skips the examples of XLA:CPU facts and the tests
+  of CPU processes; on a one-device platform, skips the docstring examples written for 8
+  devices."""
   for item in items:
     if item.nodeid.startswith(SLOW):
       item.add_marker(pytest.mark.slow)
+    if _reference.XLA_CPU:
+      continue
+    fact = XLA_CPU_DOCTESTS.get(item.name)
+    if fact is not None:
+      item.add_marker(pytest.mark.skip(reason=f"prints an XLA:CPU compiler fact: {fact}"))
+    if item.nodeid.startswith(CPU_PROCESSES):
+      item.add_marker(pytest.mark.skip(
+          reason=f"runs JAX_PLATFORMS=cpu processes: tests nothing about {jax.default_backend()}"))
   if jax.device_count() >= 8:
     return
   for item in items:

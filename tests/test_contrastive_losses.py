@@ -22,11 +22,13 @@ from jax.sharding import PartitionSpec as P
 import optax_accum as oa
 from optax_accum import contrastive
 from optax_accum.debug import hlo_collectives
+from tests._reference import on_cpu, tolerance
 
 DEVICES = 8
 NEEDS_DEVICES = pytest.mark.skipif(len(jax.devices()) < DEVICES,
                                    reason="needs 8 devices (conftest)")
 NAMES = ("clip", "siglip")
+FUNCTIONS = ("exp", "log", "dot")  # what the losses go through: tolerance() scales with them
 SCALARS = {"clip": (0.07,), "siglip": (0.1, -3.0)}  # temperature (, bias): never 1, never 0
 
 
@@ -94,7 +96,7 @@ def assert_exact(name: str, got: object, x: object, y: object, scalars: tuple,
   ref_loss, ref_grads = reference(name, x, y, *scalars)
   errors = [rel_err(loss, ref_loss)] + [rel_err(g, r) for g, r in zip(grads, ref_grads,
                                                                         strict=True)]
-  assert max(errors) < tol, errors
+  assert max(errors) < tolerance(tol, *FUNCTIONS), errors
 
 
 # ------------------------------------------------------------------------ one device
@@ -115,12 +117,12 @@ def test_the_temperature_divides_and_gets_its_gradient(name):
   loss, grads = value_and_grads(name, x, y, scalars, block_size=16)
   # `temperature` divides: half of it is the loss at twice the logits.
   doubled, _ = value_and_grads(name, 2 * x, y, (0.1, *scalars[1:]), block_size=16)
-  assert rel_err(loss, doubled) < 1e-6
+  assert rel_err(loss, doubled) < tolerance(1e-6, *FUNCTIONS)
   _, ref_grads = reference(name, x, y, *scalars)
   assert abs(ref_grads[2]) > 1e-2  # a gradient that matters
-  assert rel_err(grads[2], ref_grads[2]) < 1e-5
+  assert rel_err(grads[2], ref_grads[2]) < tolerance(1e-5, *FUNCTIONS)
   if name == "siglip":
-    assert rel_err(grads[3], ref_grads[3]) < 1e-5
+    assert rel_err(grads[3], ref_grads[3]) < tolerance(1e-5, *FUNCTIONS)
 
 
 def test_siglip_is_exact_at_large_logits():
@@ -147,9 +149,10 @@ def test_random_shapes_and_blocks(name, rows, dim, block_size, seed):
   loss, grads = value_and_grads(name, x, y, SCALARS[name], block_size=block_size)
   ref_loss, ref_grads = reference(name, x, y, *SCALARS[name])
   loss_size, sizes = reference(name, x, y, *SCALARS[name], terms=True)
-  assert abs(float(loss) - ref_loss) <= 1e-5 * max(abs(ref_loss), 0.1 * loss_size)
+  tol = tolerance(1e-5, *FUNCTIONS)
+  assert abs(float(loss) - ref_loss) <= tol * max(abs(ref_loss), 0.1 * loss_size)
   for g, r, size in zip(grads, ref_grads, sizes, strict=True):
-    assert np.max(np.abs(np.asarray(g, np.float64) - r)) <= 1e-5 * max(
+    assert np.max(np.abs(np.asarray(g, np.float64) - r)) <= tol * max(
         np.max(np.abs(r)), 0.1 * np.max(np.abs(size)))
 
 
@@ -160,11 +163,15 @@ def test_bfloat16_inputs_sum_in_float32(name):
   ref_loss, ref_grads = reference(name, np.asarray(x, np.float64), np.asarray(y, np.float64),
                                   *SCALARS[name])
   assert loss.dtype == jnp.float32 and grads[0].dtype == grads[1].dtype == jnp.bfloat16
-  assert rel_err(loss, ref_loss) < 1e-5  # the bf16 values' exact loss, to float32
-  for g, r in zip(grads[:2], ref_grads[:2], strict=True):  # one bf16 rounding of the exact
-    assert np.all(np.abs(np.asarray(g, np.float64) - r) <= 2**-8 * np.abs(r) + 1e-30)
+  tol = tolerance(1e-5, *FUNCTIONS)
+  assert rel_err(loss, ref_loss) < tol  # the bf16 values' exact loss, to float32
+  # One bf16 rounding of the exact value (of a float32 value on a backend whose exp and log
+  # are less accurate: plus that float32 error, 0 on XLA:CPU).
+  bound = 2**-8 + tolerance(0.0, *FUNCTIONS)
+  for g, r in zip(grads[:2], ref_grads[:2], strict=True):
+    assert np.all(np.abs(np.asarray(g, np.float64) - r) <= bound * np.abs(r) + 1e-30)
   for g, r in zip(grads[2:], ref_grads[2:], strict=True):  # float32 scalars
-    assert rel_err(g, r) < 1e-5
+    assert rel_err(g, r) < tol
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -305,8 +312,8 @@ def _model(n: int) -> tuple[dict, dict]:
 @pytest.mark.parametrize("on_a_mesh", [False, pytest.param(True, marks=NEEDS_DEVICES)])
 def test_as_the_loss_of_cached_microbatched(on_a_mesh):
   params, batch = _model(64)
-  with jax.enable_x64(True):  # the whole batch, the dense loss, float64
-    wide = jax.tree.map(lambda v: jnp.asarray(v, jnp.float64), (params, batch))
+  with on_cpu():  # the whole batch, the dense loss, float64 on the host CPU
+    wide = jax.tree.map(lambda v: jnp.asarray(np.asarray(v, np.float64)), (params, batch))
     ref_loss, ref_grads = jax.value_and_grad(lambda p, b: _dense_clip(p, _embed(p, b)))(*wide)
   step = jax.jit(oa.cached_microbatched(_embed, _tiled_clip, 4))
   if on_a_mesh:
@@ -315,9 +322,10 @@ def test_as_the_loss_of_cached_microbatched(on_a_mesh):
       loss, grads = step(params, jax.device_put(batch, P("data")))
   else:
     loss, grads = step(params, batch)
-  assert rel_err(loss, ref_loss) < 1e-5
+  tol = tolerance(1e-5, "tanh", *FUNCTIONS)
+  assert rel_err(loss, ref_loss) < tol
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-    assert rel_err(g, r) < 1e-5
+    assert rel_err(g, r) < tol
 
 
 # ---------------------------------------------------------------------- bad input

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
 from optax_accum.planning import HEADROOM, Plan, PlanRow, compiled_peak_bytes
+from tests._reference import premise
 
 D_IN, HIDDEN = 32, 64
 BATCH = 256
@@ -151,6 +152,14 @@ def check_plan(plan: Plan, make: Calls | Counting, peaks: dict[int, int], limit:
   assert plan.monotone and [r.note for r in plan.table if r.note] == ["chosen"]
 
 
+def falling(peaks: dict[int, int], *ks: int) -> None:
+  """The premise of a test that expects a k: the compiled peaks fall strictly along ``ks``
+  (XLA:CPU's buffer assignment for this model; a TPU's gave one peak for every k)."""
+  premise(all(peaks[a] > peaks[b] for a, b in itertools.pairwise(ks)),
+          f"compiled peaks that fall strictly with k along {ks}:"
+          f" {[peaks[k] for k in ks]}")
+
+
 @pytest.fixture(scope="module")
 def state_types() -> Any:
   return jax.eval_shape(OPT.init, param_types())
@@ -174,7 +183,7 @@ def across_peaks(state_types) -> dict[int, int]:
 
 def test_in_step_picks_the_smallest_k_within_every_limit(in_step_peaks, state_types):
   ks = sorted(in_step_peaks)
-  assert all(in_step_peaks[a] > in_step_peaks[b] for a, b in itertools.pairwise(ks))  # premise
+  falling(in_step_peaks, *ks)
   args = (param_types(), state_types, batch_types())
   fresh = Counting(in_step)  # steps the planner has never seen, traced on the whole batch
   check_plan(oa.plan_k(fresh, *args, batch_argnums=2, memory_limit=in_step_peaks[8]),
@@ -231,6 +240,11 @@ def test_arrays_plan_as_their_shape_dtype_structs_and_nothing_runs(in_step_peaks
   params = {n: jnp.asarray(rng.normal(size=s.shape), s.dtype) for n, s in param_types().items()}
   batch = {n: jnp.asarray(rng.normal(size=s.shape), s.dtype) for n, s in batch_types().items()}
   limit = in_step_peaks[8] + 1000
+  falling(in_step_peaks, 4, 8, 16)
+  premise(in_step_peaks[4] > limit and independent_peak(
+      make(8), param_types(), state_types, batch_types()) == in_step_peaks[8],
+      "a step with a jax.debug.callback has the plain step's compiled peak, and k=4's is"
+      " more than 1000 bytes above k=8's")
   concrete = oa.plan_k(make, params, OPT.init(params), batch, batch_argnums=2,
                        memory_limit=limit, candidates=[4, 8, 16])
   abstract = oa.plan_k(make, param_types(), state_types, batch_types(), batch_argnums=-1,
@@ -273,6 +287,9 @@ def test_a_donating_jitted_step_is_lowered_as_it_is(in_step_peaks, state_types):
     assert m.alias_size_in_bytes > 0
     donated[k] = independent_peak(cached("in_step", donate=True)(k), *args)
     assert donated[k] < in_step_peaks[k]
+  falling(donated, 1, 2)
+  premise(in_step_peaks[2] > donated[2] >= in_step_peaks[4],
+          "at k=2's donated peak, k=2 fits only donating and k=4 fits plain")
   # The donated peak of k = 2 is below its plain peak: only the donating step fits at k = 2.
   limit = donated[2]
   made = []
@@ -345,7 +362,8 @@ def test_peaks_that_are_not_monotone_are_flagged_and_only_a_checked_k_is_returne
   # k = 2 would fit but is never compiled.
   elems = {1: 4000, 2: 100, 4: 3000, 8: 2000, 16: 2500, 32: 500, 64: 400}
   peaks = {k: independent_peak(fake_step(elems)(k), NO_PARAMS, x) for k in elems}
-  assert peaks[32] <= 4000 < min(peaks[8], peaks[16]) and peaks[2] <= 4000
+  premise(peaks[32] <= 4000 < min(peaks[8], peaks[16]) and peaks[2] <= 4000,
+          f"a step's compiled peak is its argument and output bytes, unpadded: {peaks}")
   made = []
 
   def make(k):
@@ -366,6 +384,8 @@ def test_a_micro_batch_of_one_that_needs_more_than_two_is_flagged_when_nothing_f
   x = jax.ShapeDtypeStruct((4,), jnp.float32)
   elems = {1: 1000, 2: 300, 4: 500}  # as XLA can do for a micro-batch of one (k = 4)
   peaks = {k: independent_peak(fake_step(elems)(k), NO_PARAMS, x) for k in elems}
+  premise(peaks[4] > peaks[2] < peaks[1],
+          f"a step's compiled peak is its argument and output bytes, unpadded: {peaks}")
   with pytest.raises(ValueError) as info:  # k = 2 is compiled first, then k = 4
     oa.plan_k(fake_step(elems), NO_PARAMS, x, memory_limit=peaks[2] - 1)
   msg = str(info.value)
@@ -391,6 +411,7 @@ def test_xla_cpu_peak_memory_leaves_the_temporaries_out(in_step_peaks, state_typ
 
 
 def test_str_renders_the_table(in_step_peaks, state_types):
+  falling(in_step_peaks, 4, 8, 16)
   plan = oa.plan_k(cached("in_step"), param_types(), state_types, batch_types(),
                    batch_argnums=2, memory_limit=in_step_peaks[16], candidates=[4, 8, 16, 32])
   text = str(plan)
@@ -403,6 +424,7 @@ def test_str_renders_the_table(in_step_peaks, state_types):
 
 def test_numpy_integers_are_ints_like_every_other_entry_point(in_step_peaks, state_types):
   """A limit and candidates read from a numpy array (np.int64) plan like Python ints."""
+  falling(in_step_peaks, 4, 8, 16)
   args = (param_types(), state_types, batch_types())
   ints = oa.plan_k(cached("in_step"), *args, batch_argnums=2, memory_limit=in_step_peaks[16],
                    candidates=[4, 8, 16])
@@ -417,6 +439,7 @@ def test_numpy_integers_are_ints_like_every_other_entry_point(in_step_peaks, sta
 
 def test_nothing_fits_names_the_smallest_peak_and_what_to_try(in_step_peaks, state_types):
   limit = in_step_peaks[256] - 1
+  falling(in_step_peaks, 64, 128, 256)
   with pytest.raises(ValueError) as info:
     oa.plan_k(cached("in_step"), param_types(), state_types, batch_types(), batch_argnums=2,
               memory_limit=limit, candidates=[64, 128, 256])
@@ -448,6 +471,9 @@ def test_no_memory_limit_plans_within_headroom_of_the_smallest_device(
 
   # The 0.9 decides: k=2's peak fits the smaller device's whole limit but not 90% of it.
   smallest = int(in_step_peaks[2] / 0.95)
+  premise(in_step_peaks[4] <= int(HEADROOM * smallest),
+          f"k=4's compiled peak is at most 0.9 / 0.95 of k=2's: {in_step_peaks[4]:,} and"
+          f" {in_step_peaks[2]:,} bytes")
   devices = [Device({"bytes_limit": smallest}), Device(None), Device({}),
              Device({"bytes_limit": 4 * smallest})]
   monkeypatch.setattr(jax, "local_devices", lambda: devices)
