@@ -74,8 +74,8 @@ def evaluate(closed: jax_core.ClosedJaxpr) -> Callable[..., list[jax.Array]]:
 
   def call(*args: Any) -> list[jax.Array]:
     values = [*closed.consts, *args]
-    devices = {d for v in values if isinstance(v, jax.Array) for d in v.devices()}
-    host = jax.devices("cpu")[0] if len(devices) <= 1 else None  # a mesh stays as it is
+    mesh = any(isinstance(v, jax.Array) and len(v.devices()) > 1 for v in values)
+    host = None if mesh else jax.devices("cpu")[0]  # a mesh stays as it is
     values = [jax.device_put(v, host) for v in values]  # leaf by leaf; int64 as traced: int32
     with jax.enable_x64(True):
       return run(values[:len(closed.consts)], *values[len(closed.consts):])

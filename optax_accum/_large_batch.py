@@ -491,11 +491,13 @@ class _Trail:
 
   The two traces hold the same equations in the same order (checked: ``aligned``), and
   a value's shape tells whether it follows the rows: a value of the batch whose shape
-  does not is a statistic of the batch (labelled ``_STAT``). Found: each random draw (its
-  key's labels, whether it is one per row, also through a loop over rows or a
-  ``while``), each selection among the rows or by a statistic of the batch (``cond``,
-  ``select_n``, ``_SELECT``), each rounding (``round``, a cast to an integer or an 8-bit
-  float) of a value scaled by a statistic of the batch.
+  does not is a statistic of the batch (labelled ``_STAT``). Compared with ``other``, it
+  raises at random numbers drawn per row (their shape differs from the micro-batch's, or
+  a loop over the rows or a ``while`` draws them) from a key no batch argument feeds, and
+  records each selection among the rows or by a statistic of the batch (``cond``,
+  ``select_n``, ``_SELECT``) and each rounding (``round``, a cast to an 8-bit type: fp8,
+  int8) of a value that a statistic of the batch scales. Without ``other`` (the
+  micro-batch itself, ``microbatched``) it only records the shapes.
   """
 
   def __init__(self, other: _Trail | None = None) -> None:
@@ -724,10 +726,9 @@ _ROUNDING_FIX = (
     " micro-batch rounds on its own grid. Scale per row or per channel of the weights, or"
     " from the previous step (delayed scaling): the same for every micro-batch.")
 _SELECTION_FIX = (
-    "`fn` selects by the values of the batch it sees ({}): a branch on a statistic of the"
-    " batch, the top k or the largest rows. Each micro-batch selects among its own rows,"
-    " which no normalisation changes: select per example, or on the whole batch's"
-    " statistics (`microbatched(..., global_stats=)`, sums over rows).")
+    "`fn` selects by the values of the batch it sees ({}): each micro-batch selects among its"
+    " own rows, which no normalisation mends. Select per example, or on the whole batch's"
+    " statistics (`microbatched(..., global_stats=)`).")
 _COUPLING_FIX = (
     "No combination of the micro-batch gradients gives the whole batch's: the loss or the"
     " model couples the examples of a batch. Comparing embeddings across the batch (CLIP,"

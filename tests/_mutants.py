@@ -345,19 +345,3 @@ def offload_jit_emits_every_call(patch: pytest.MonkeyPatch) -> None:
   """``offload.jit`` runs the closing step's program on every call: each micro-batch
   takes an optimizer step."""
   patch.setattr(offload, "jit", lambda step, **kw: _offload_jit(step, **kw).closing_step)
-
-
-# ------------------------------------------------------------ check_large_batch's float64
-@mutant
-def fp8_cast_widened(patch: pytest.MonkeyPatch) -> None:
-  """check_large_batch's float64 evaluation widens a cast to fp8 into the identity (the
-  issue-64 bug): a scale taken from the batch reads "equal"."""
-  from optax_accum import _float64
-  apply = _float64._apply
-
-  def widened(eqn: Any, ins: list[Any]) -> list[Any]:
-    to = eqn.params.get("new_dtype")
-    if eqn.primitive.name == "convert_element_type" and jnp.dtype(to).itemsize == 1:
-      return [ins[0]]
-    return apply(eqn, ins)
-  patch.setattr(_float64, "_apply", widened)
