@@ -713,6 +713,7 @@ def test_fsdp_params_and_a_sharded_batch_under_a_mesh(loss):
                for n, v in params.items()}
     report = checked(gathered(fn), sharded, *jax.device_put(args, P("data")))
   assert report.cause == one.cause == ("equal" if loss == "mean" else "weights"), str(report)
+  assert (one.float64_on, report.float64_on) == ("cpu:0", "8 devices (cpu:0, ...)")  # mesh kept
   if loss == "masked":
     np.testing.assert_allclose(report.weights, one.weights, atol=1e-5)
     np.testing.assert_allclose(report.weights, np.array([2, 2, 2, 1]) / 7, atol=1e-5)
