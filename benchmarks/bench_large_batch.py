@@ -7,6 +7,7 @@ above its level before the check, the process's peak; the time against one gradi
   python benchmarks/bench_large_batch.py                 # 1e7 params: results/large_batch.*
   python benchmarks/bench_large_batch.py --params 1e8    # results/large_batch_1e08.*
   python benchmarks/bench_large_batch.py --quick --out /tmp/x
+  python benchmarks/bench_large_batch.py --decoder   # a bf16 decoder on any device: verdict, time
 """
 
 from __future__ import annotations
@@ -102,6 +103,35 @@ def measure_one(params_target: float, k: int) -> dict[str, Any]:
           "max_relative_error": report.max_relative_error, "tolerance": report.tolerance}
 
 
+def decoder(vocab: int = 1024, d: int = 256, seq: int = 64, batch: int = 32, k: int = 4) -> None:
+  """A one-layer bf16 decoder (causal attention, an MLP, f32 params) on the default device:
+  the check's verdict and its wall time end to end, its compilations included."""
+  rng = np.random.default_rng(0)
+  shapes = {"emb": (vocab, d), "qkv": (d, 3 * d), "o": (d, d), "up": (d, 4 * d),
+            "down": (4 * d, d), "out": (d, vocab)}
+  params = {n: jnp.asarray(rng.normal(size=s) / np.sqrt(s[0]), jnp.float32)
+            for n, s in shapes.items()}
+  tokens = jnp.asarray(rng.integers(0, vocab, size=(batch, seq + 1)), jnp.int32)
+
+  def loss(p: dict[str, jax.Array], tokens: jax.Array) -> jax.Array:
+    p = {n: v.astype(jnp.bfloat16) for n, v in p.items()}
+    x = p["emb"][tokens[:, :-1]]
+    q, k_, v = jnp.split(x @ p["qkv"], 3, axis=-1)
+    att = jnp.einsum("btd,bsd->bts", q, k_) / np.sqrt(d)
+    att = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), att, -1e4)
+    x = x + jnp.einsum("bts,bsd->btd", jax.nn.softmax(att, axis=-1), v) @ p["o"]
+    x = x + jax.nn.gelu(x @ p["up"]) @ p["down"]
+    logits = (x @ p["out"]).astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+  t0 = time.perf_counter()
+  report = check_large_batch(jax.jit(jax.value_and_grad(loss)), k)(params, tokens)
+  seconds = time.perf_counter() - t0
+  print(report)
+  print(f"decoder (vocab {vocab}, d {d}, seq {seq}, batch {batch}, k = {k}) on"
+        f" {jax.devices()[0].platform}: {report.cause} in {seconds:.1f} s end to end")
+
+
 def measure(params_target: float) -> dict[str, Any]:
   """Each k in a fresh process: no allocation of one run is reused by the next."""
   records = []
@@ -160,7 +190,11 @@ def main() -> None:
   ap = harness.parser(__doc__, quick="1e5 params (checks the script)")
   ap.add_argument("--params", type=float, default=1e7, help="parameters (default 1e7)")
   ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one k
+  ap.add_argument("--decoder", action="store_true", help="time the check of a bf16 decoder")
   args = ap.parse_args()
+  if args.decoder:
+    decoder()
+    return
   if args.one:
     print(json.dumps(measure_one(args.params, args.one)))
     return

@@ -2,12 +2,14 @@
 
 ``check_large_batch`` compares micro-batches with the whole batch in float64,
 whatever dtypes the user's code computes in: a bfloat16 policy, a bfloat16
-embedding's scatter-add, ``preferred_element_type``, an fp8 cast. Each
+embedding's scatter-add, ``preferred_element_type``. Each
 equation of the jaxpr is bound again with its floating operands, results and
 dtype parameters widened to float64 (complex to complex128), through calls,
 custom rules, ``jax.checkpoint``, ``cond``, ``scan``, ``while`` and
 ``shard_map``. Integer values (and ``bitcast_convert_type``'s bits: random
-numbers stay bit for bit the draws the user's code makes) keep their dtype,
+numbers stay bit for bit the draws the user's code makes) keep their dtype, a
+cast to an 8-bit float (fp8) stays a quantisation (rounded in its type, then
+widened, as ``jnp.round`` is: an fp8 scale taken from the batch must show),
 constants the values the program holds (a bfloat16 literal was rounded when
 traced), and the program its structure: shardings, collectives, control flow.
 What cannot be widened (callbacks, foreign calls, kernels) raises a
@@ -50,9 +52,12 @@ def _up(x: Any) -> Any:
 def evaluate(closed: jax_core.ClosedJaxpr) -> Callable[..., list[jax.Array]]:
   """``closed``'s outputs in float64, from its inputs in their own dtypes: one jitted program.
 
-  The program is compiled once per ``closed`` and runs where its inputs are, laid
-  out as they are; 64-bit types are enabled for it alone (the user's setting, and
-  ``closed``, which was traced under it, are left as they are).
+  The program is compiled once per ``closed`` and runs on the host CPU
+  (``jax.devices("cpu")[0]``, on every JAX install: an accelerator may emulate
+  float64 and take minutes to compile it): the inputs and ``closed``'s constants
+  are moved there leaf by leaf. Inputs laid out over several devices (a mesh)
+  stay as they are. 64-bit types are enabled for the program alone (the user's
+  setting, and ``closed``, which was traced under it, are left as they are).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -67,12 +72,13 @@ def evaluate(closed: jax_core.ClosedJaxpr) -> Callable[..., list[jax.Array]]:
   def run(consts: Sequence[Any], *args: Any) -> list[jax.Array]:
     return _eval(closed.jaxpr, consts, args)
 
-  consts = [jnp.asarray(c) for c in closed.consts]
-
   def call(*args: Any) -> list[jax.Array]:
-    args = [jnp.asarray(a) for a in args]  # as traced: a numpy int64 is int32 without x64
+    values = [*closed.consts, *args]
+    mesh = any(isinstance(v, jax.Array) and len(v.devices()) > 1 for v in values)
+    host = None if mesh else jax.devices("cpu")[0]  # a mesh stays as it is
+    values = [jax.device_put(v, host) for v in values]  # leaf by leaf; int64 as traced: int32
     with jax.enable_x64(True):
-      return run(consts, *args)
+      return run(values[:len(closed.consts)], *values[len(closed.consts):])
 
   return call
 
@@ -108,6 +114,9 @@ def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
     return []
   if name == "reduce_precision":  # a rounding to a narrower format: not in the shadow
     return ins
+  if name == "convert_element_type" and jnp.issubdtype(p["new_dtype"], jnp.floating) and (
+      np.dtype(p["new_dtype"]).itemsize == 1):  # fp8 (fp4): a quantiser, rounded, then widened
+    return [_up(lax.convert_element_type(ins[0], p["new_dtype"]))]
   if name == "bitcast_convert_type":  # the bits of the value in its own dtype
     out = lax.bitcast_convert_type(ins[0].astype(eqn.invars[0].aval.dtype), p["new_dtype"])
     return [_up(out)]
@@ -170,8 +179,7 @@ def _param(key: str, value: Any, eqn: Any) -> Any:
 def _cannot(eqn: Any) -> ValueError:
   where = source_info_util.summarize(eqn.source_info)
   return ValueError(
-      f"`{eqn.primitive.name}` (at {where}) cannot be evaluated in float64: check_large_batch"
-      " compares the micro-batches with the whole batch in float64, and a callback, a foreign"
-      " function or a hand-written kernel computes in its own types. Check the loss with its"
-      " reference implementation (e.g. jax.nn.dot_product_attention(...,"
-      " implementation='xla'), the pure-JAX version of a Pallas kernel) in place of this call.")
+      f"`{eqn.primitive.name}` (at {where}) cannot be evaluated in float64 (a callback, a"
+      " foreign function or a kernel computes in its own types): check the loss with its"
+      " reference implementation (jax.nn.dot_product_attention(..., implementation='xla'), a"
+      " Pallas kernel's pure-JAX version) in its place.")

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
+from jax.extend import source_info_util
 
 from optax_accum import _arrays, _batch, _float64, _global_stats, _validation, microbatching
 
@@ -72,6 +73,8 @@ class LargeBatchReport(NamedTuple):
     fix: what to write instead, naming the API.
     leaves: one :class:`LeafError` per gradient leaf.
     num_microbatches: ``k``.
+    float64_on: where the float64 evaluation ran: ``"cpu:0"``, the host CPU
+      (arrays laid out over several devices are evaluated on them).
   """
 
   equal: bool
@@ -82,6 +85,7 @@ class LargeBatchReport(NamedTuple):
   fix: str
   leaves: tuple[LeafError, ...]
   num_microbatches: int
+  float64_on: str
 
   def __str__(self) -> str:
     width = max([4, *(len(leaf.path) for leaf in self.leaves)])
@@ -92,7 +96,8 @@ class LargeBatchReport(NamedTuple):
              for leaf in self.leaves]
     sign = "<=" if self.equal else ">"
     rows.append(f"k={self.num_microbatches}: relative error {self.max_relative_error:.2e}"
-                f" {sign} tolerance {self.tolerance:.2e} (float64): {self.cause}")
+                f" {sign} tolerance {self.tolerance:.2e} (float64 evaluated on"
+                f" {self.float64_on}): {self.cause}")
     if self.weights is not None:
       rows.append("weights per micro-batch: " + " ".join(f"{w:.4g}" for w in self.weights))
     rows.append(self.fix)
@@ -148,14 +153,29 @@ def check_large_batch(
     ``"weights"`` needs more gradient entries than micro-batches: with fewer,
     a gradient that is not the whole batch's raises ``ValueError``.
 
+  The fix names what the trace shows, when it explains a ``"weights"`` or
+  ``"coupling"``: a rounding (``round``, a cast to an 8-bit type: fp8, int8)
+  of a value scaled by a statistic of the batch (fp8 current scaling,
+  ``amax(|x|)`` of the whole tensor) first; then, for ``"weights"``, a
+  selection by the batch's values (a ``cond`` or ``where`` on a statistic
+  of the batch, ``top_k``, ``sort``, ``argmax``, ``max`` over the rows),
+  which no ``normalize`` mends. A statistic of the batch is a value of the
+  batch whose shape does not follow its rows: the check traces ``fn`` on
+  the whole batch and on a micro-batch and compares the shapes, equation by
+  equation.
+
   **Every gradient is evaluated in float64**, whatever dtypes ``fn``
   computes in: ``fn`` is traced as it runs (your ``jax_enable_x64`` setting
   untouched), then its jaxpr is evaluated with every floating value,
   operation and dtype parameter in float64 (bfloat16 policies, a bfloat16
-  embedding's scatter-add, ``preferred_element_type``, fp8 casts), through
+  embedding's scatter-add, ``preferred_element_type``), through
   ``jax.jit``, ``jax.checkpoint``, custom derivative rules, ``lax.cond``,
   ``lax.scan``, ``lax.while_loop`` and ``shard_map``; integer values and the
-  bits of random numbers stay what they are. ``microbatched`` itself is
+  bits of random numbers stay what they are, and a cast to an 8-bit float
+  (fp8) stays a rounding in that type, as ``jnp.round`` does: a scale
+  per row, per channel of the weights or from the previous step (delayed
+  scaling) is ``"equal"``, one scale from the whole batch's ``amax`` is not
+  (each micro-batch rounds on its own grid). ``microbatched`` itself is
   evaluated the same way. A loss that is a sum over its examples then gives
   micro-batches and whole batch within about ``1e-15`` of each other, so no
   model of rounding is needed: each leaf's tolerance is ``1e-9`` of the
@@ -177,25 +197,31 @@ def check_large_batch(
   rounding. Not that it does on every batch: a loss equal here by
   coincidence (a mask that happens to give every micro-batch the same count
   of real rows) can differ on the next; check a batch like the ones you
-  train on, for every ``k`` you train with. Randomness must be deterministic
-  per example: ``fn`` drawing random numbers from a key that is not part of
-  a batch argument (a key argument, a key captured by a closure,
-  ``jax.random.key(0)`` inside the loss) draws other masks on the whole
-  batch and on each micro-batch and is refused (``ValueError``) before
-  anything runs; per-example keys inside a batch argument are split with it
-  and fine.
+  train on, for every ``k`` you train with. Random numbers drawn per row
+  (a dropout mask: their shape follows the batch, or a loop over the rows
+  draws them) must come from keys in a batch argument: from a key argument,
+  a captured key or ``jax.random.key(0)`` inside the loss they are other
+  numbers for the same examples on the whole batch and on each micro-batch,
+  and are refused (``ValueError``) before anything runs. Draws whose shape
+  does not follow the batch (fixed random features, a projection drawn from
+  a key argument) are the same for both, and checked like the rest.
 
   **Cost**: ``fn`` and ``microbatched(fn, k)`` once each as they are, and in
   float64 ``fn`` on the whole batch, permuted, and on each micro-batch, and
   ``microbatched`` once; ``k`` more micro-batch calls for a ``"weights"`` or
   ``"coupling"`` verdict. Three float64 programs are compiled (the whole
-  batch, a micro-batch, ``microbatched``), on the devices the arguments are
-  on, laid out as they are. The devices hold the float64 gradients (8 bytes
-  per parameter each: the whole batch's, ``microbatched``'s, one
-  micro-batch's at a time) and a float64 step's activations; the host holds
-  about 8 bytes per parameter whatever ``k``, the float64 :math:`C`, and one
-  leaf at a time (``benchmarks/bench_large_batch.py`` measures both).
-  Parameters and batches may be sharded over the devices of one process.
+  batch, a micro-batch, ``microbatched``) and run on the host CPU
+  (``jax.devices("cpu")[0]``) whatever device holds the arguments (an
+  accelerator may emulate float64, and compiling it there can take
+  minutes); the arguments go there leaf by leaf, and
+  ``report.float64_on`` says where it ran. Arguments laid out over several
+  devices (a mesh) are evaluated on those devices, laid out as they are.
+  The float64 program holds the float64 gradients (8 bytes per parameter
+  each: the whole batch's, ``microbatched``'s, one micro-batch's at a
+  time), a copy of the arguments and a float64 step's activations; numpy
+  holds about 8 bytes per parameter whatever ``k``, the float64 :math:`C`,
+  and one leaf at a time (``benchmarks/bench_large_batch.py`` measures
+  both).
 
   Args:
     fn: ``(*args) -> (value, grads)`` like ``jax.value_and_grad(loss_fn)``
@@ -208,6 +234,8 @@ def check_large_batch(
     global_stats: ``stats_fn(params, *args)``, as in ``microbatched``: ``fn``
       is called with ``stats=``, the whole batch's statistics, on the whole
       batch and on every micro-batch alike (in float64: their float64 sum).
+      Statistics that are not sums over the rows (a mean, a max) raise
+      ``ValueError`` naming the leaf.
 
   Returns:
     ``check(*args, **kwargs) -> LargeBatchReport``, called with ``fn``'s
@@ -217,7 +245,8 @@ def check_large_batch(
 
   Raises:
     ValueError: (when called) for a batch ``k`` does not divide; ``fn``
-      drawing random numbers from a key that is not in a batch argument; an
+      drawing random numbers per row from a key that is not in a batch
+      argument; ``global_stats`` that are not sums over the rows; an
       operation that cannot be evaluated in float64; a gradient with NaN or
       Inf; a difference that too few gradient entries cannot explain.
     TypeError: (when called) when ``fn`` does not return ``(value, grads)``
@@ -277,30 +306,36 @@ def check_large_batch(
     if global_stats is not None:  # (pooled like microbatched's, the float64 sum in float64)
       pooled = _global_stats.summable(global_stats, args, b_nums, rows // k)
       own = {**kwargs, "stats": jax.tree.map(jnp.asarray, pooled(*args))}
-      wide = {**kwargs, "stats": _in_float64(pooled, args, {}, b_nums, programs)(args)}
+      wide = {**kwargs, "stats": _in_float64(pooled, args, {}, b_nums, programs)[0](args)}
+      on_part = _in_float64(pooled, micro(0), {}, b_nums, programs)[0]
+      _check_sums(wide["stats"], [on_part(micro(j)) for j in range(k)])
     native = grads(fn(*args, **own), "the whole batch")  # fn as it runs: what training sees
-    on_whole = _in_float64(fn, args, own, b_nums, programs)  # refuses hidden randomness
-    on_micro = _in_float64(fn, micro(0), own, b_nums, programs)
+    on_micro, seen = _in_float64(fn, micro(0), own, b_nums, programs)
+    on_whole, found = _in_float64(fn, args, own, b_nums, programs, seen)  # refuses draws per row
     whole = grads(on_whole(args, wide), "the whole batch")
     order = np.random.default_rng(0).permutation(rows)
     permuted = whole.distance(grads(on_whole(rows_of(lambda x: _rows(x, order)), wide),
                                     "the permuted batch"))
     stats = _Stats.of(whole, micro_batches(), normalize, k)
-    on_accumulated = _in_float64(accumulated, args, kwargs, b_nums, programs)
+    on_accumulated = _in_float64(accumulated, args, kwargs, b_nums, programs)[0]
     acc = _Grads.of(on_accumulated(args)[1], "microbatched")
     native_errors = _Grads.of(accumulated(*args, **kwargs)[1], "microbatched").distance(native)
-    return _classify(k, normalize, whole, permuted, acc, stats, micro_batches, native_errors)
+    return _classify(k, normalize, whole, permuted, acc, stats, micro_batches, native_errors,
+                     found)
 
   return check
 
 
 def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                b_nums: tuple[int, ...], programs: dict[Any, Any]) -> Callable[..., Any]:
+                b_nums: tuple[int, ...], programs: dict[Any, Any],
+                other: _Trail | None = None) -> tuple[Callable[..., Any], _Trail]:
   """``f``'s outputs in float64 on arguments shaped like ``args`` (``_float64.evaluate``).
 
-  ``f`` is traced on ``args`` as they are (raising where it draws random numbers from a
-  key no batch argument feeds), once per types of its arguments: ``programs`` keeps the
-  float64 program of each, so a check called again on new batches compiles nothing.
+  ``f`` is traced on ``args`` as they are, once per types of its arguments: ``programs``
+  keeps the float64 program of each, so a check called again on new batches compiles
+  nothing. Its walk (:class:`_Trail`) is compared with ``other``'s, the trace of a
+  micro-batch, when given: raises where ``f`` draws random numbers per row from a key no
+  batch argument feeds.
   """
   inputs = _arrays.ArrayLeaves.of((args, kwargs))
   static = tuple(x for x in inputs.leaves if not isinstance(x, (jax.Array, np.ndarray)))
@@ -311,11 +346,24 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
       return f(*a, **kw)
 
     closed, shape = jax.make_jaxpr(traced, return_shape=True)(*inputs.arrays)
-    _walk(closed.jaxpr, [frozenset({_source(path, b_nums)}) for path in inputs.paths])
-    programs[key] = _float64.evaluate(closed), jax.tree.structure(shape)
-  run, out = programs[key]
-  return lambda new, kw=kwargs: jax.tree.unflatten(
-      out, run(*_arrays.ArrayLeaves.of((new, kw)).arrays))
+    trail = _Trail(other)
+    _walk(closed.jaxpr, [frozenset({_source(path, b_nums)}) for path in inputs.paths], trail)
+    programs[key] = _float64.evaluate(closed), jax.tree.structure(shape), trail
+  run, out, trail = programs[key]
+  return (lambda new, kw=kwargs: jax.tree.unflatten(
+      out, run(*_arrays.ArrayLeaves.of((new, kw)).arrays))), trail
+
+
+def _check_sums(whole: Any, parts: list[Any]) -> None:
+  """Raises unless ``global_stats`` on the whole batch is its sum over the micro-batches."""
+  for (path, w), *ps in zip(jax.tree_util.tree_flatten_with_path(whole)[0],
+                            *map(jax.tree.leaves, parts), strict=True):
+    terms = np.stack([np.asarray(x) for x in ps])
+    if np.any(np.abs(np.asarray(w) - terms.sum(0)) > 1e-9 * np.abs(terms).sum(0)):
+      raise ValueError(
+          f"`global_stats` is not a sum over rows: its {jax.tree_util.keystr(path)} on the"
+          " whole batch is not the sum of the micro-batches' that `microbatched` gives the"
+          " loss. Return sums and counts (not a mean or a max) and divide in the loss.")
 
 
 def _rows(x: Any, order: np.ndarray) -> jax.Array:
@@ -433,6 +481,54 @@ class _Stats(NamedTuple):
 # ------------------------------------------------------------------------------ keys
 _RANDOM = ("random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform")
 _BATCH, _CAPTURED = "a batch argument", "captured"
+_STAT = "a statistic of the batch"  # of the batch, and its shape does not follow the rows
+_SELECT = {"top_k": "axis", "sort": "dimension", "argmax": "axes", "argmin": "axes",
+           "reduce_max": "axes", "reduce_min": "axes"}  # pick among the rows on these axes
+
+
+class _Trail:
+  """What a walk of one trace found, beside the trace of a micro-batch (``other``).
+
+  The two traces hold the same equations in the same order (checked: ``aligned``), and
+  a value's shape tells whether it follows the rows: a value of the batch whose shape
+  does not is a statistic of the batch (labelled ``_STAT``). Compared with ``other``, it
+  raises at random numbers drawn per row (their shape differs from the micro-batch's, or
+  a loop over the rows or a ``while`` draws them) from a key no batch argument feeds, and
+  records each selection among the rows or by a statistic of the batch (``cond``,
+  ``select_n``, ``_SELECT``) and each rounding (``round``, a cast to an 8-bit type: fp8,
+  int8) of a value that a statistic of the batch scales. Without ``other`` (the
+  micro-batch itself, ``microbatched``) it only records the shapes.
+  """
+
+  def __init__(self, other: _Trail | None = None) -> None:
+    self.shapes: list[Any] = []  # (primitive, operand shapes, result shapes), in walk order
+    self.other, self.aligned = (iter(other.shapes) if other else None), other is not None
+    self.in_loop = False  # inside a loop whose trip count may follow the rows
+    self.at = ""  # the user's line of the equation being walked (inner ones have JAX's)
+    self.selections: list[str] = []
+    self.roundings: list[str] = []
+
+  def visit(self, eqn: Any, ins: list[frozenset]) -> tuple[Any, ...] | None:
+    """Records ``eqn``; returns the micro-batch's shapes of it (None: not comparable)."""
+    mine = (eqn.primitive.name, *([v.aval.shape for v in vs] for vs in (eqn.invars,
+                                                                        eqn.outvars)))
+    self.shapes.append(mine)
+    theirs = next(self.other, None) if self.aligned else None
+    self.aligned = theirs is not None and theirs[0] == mine[0]
+    theirs = theirs if self.aligned else None
+    name, p = mine[0], eqn.params
+    where = self.at = source_info_util.summarize(eqn.source_info) or self.at
+    first = ins[0] if ins and name != "rng_uniform" else frozenset()  # a key, a predicate
+    if name in _RANDOM and self.other is not None and (self.in_loop or theirs != mine):
+      _check_key(first)  # a draw per row
+    axes = np.atleast_1d(p.get(_SELECT.get(name, ""), ())).tolist()
+    among_rows = theirs and _BATCH in first and any(mine[1][0][a] != theirs[1][0][a] for a in axes)
+    if among_rows or (_STAT in first and name in ("cond", "select_n")):
+      self.selections.append(f"`{name}` at {where}")
+    narrow = name == "convert_element_type" and np.dtype(p["new_dtype"]).itemsize == 1  # fp8, int8
+    if _STAT in first and (name == "round" or narrow):
+      self.roundings.append(f"`{name}` to {p.get('new_dtype', 'integers')} at {where}")
+    return theirs
 
 
 def _source(path: Any, b_nums: tuple[int, ...]) -> str:
@@ -445,12 +541,12 @@ def _source(path: Any, b_nums: tuple[int, ...]) -> str:
   return f"keyword `{rest[0].key}`{at}"
 
 
-def _walk(jaxpr: jax_core.Jaxpr, labels: list[frozenset]) -> list[frozenset]:
+def _walk(jaxpr: jax_core.Jaxpr, labels: list[frozenset], trail: _Trail) -> list[frozenset]:
   """Propagates the input labels through ``jaxpr``; returns its outputs' labels.
 
   Each variable carries the inputs it comes from (a batch argument, another argument, a
-  captured constant; none for a constant made inside); raises where random bits are
-  drawn from a key no batch argument feeds.
+  captured constant; none for a constant made inside), and ``_STAT`` for a statistic of
+  the batch; ``trail`` records what the check needs of each equation.
   """
   env = dict(zip(jaxpr.invars, labels, strict=True))
   env.update((v, frozenset({_CAPTURED})) for v in jaxpr.constvars)
@@ -461,15 +557,21 @@ def _walk(jaxpr: jax_core.Jaxpr, labels: list[frozenset]) -> list[frozenset]:
   for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
     every = frozenset().union(*ins)
-    name = eqn.primitive.name
-    if name in _RANDOM:
-      _check_key(ins[0] if ins and name != "rng_uniform" else frozenset())
-    outs = _walk_inner(eqn, ins, every)
-    env.update(zip(eqn.outvars, outs or [every] * len(eqn.outvars), strict=True))
+    in_loop, at = trail.in_loop, trail.at
+    theirs = trail.visit(eqn, ins)  # sets trail.at for the inner jaxprs
+    trail.in_loop |= eqn.primitive.name == "while" or (
+        eqn.primitive.name == "scan" and theirs != trail.shapes[-1])
+    outs = _walk_inner(eqn, ins, every, trail) or [every] * len(eqn.outvars)
+    trail.in_loop, trail.at = in_loop, at
+    if theirs is not None:  # a value of the batch that the rows do not shape: a statistic
+      outs = [o | {_STAT} if _BATCH in o and v.aval.shape == s else o
+              for o, v, s in zip(outs, eqn.outvars, theirs[2], strict=True)]
+    env.update(zip(eqn.outvars, outs, strict=True))
   return [read(v) for v in jaxpr.outvars]
 
 
-def _walk_inner(eqn: Any, ins: list[frozenset], every: frozenset) -> list[frozenset] | None:
+def _walk_inner(eqn: Any, ins: list[frozenset], every: frozenset,
+                trail: _Trail) -> list[frozenset] | None:
   """The labels of an equation's outputs, from its inner jaxprs (None: ``every`` on each).
 
   A call (jit, checkpoint, custom rules, shard_map, a scan's body) maps its operands one
@@ -482,44 +584,36 @@ def _walk_inner(eqn: Any, ins: list[frozenset], every: frozenset) -> list[frozen
   subs = list(jax_core.jaxprs_in_params(eqn.params))
   name = eqn.primitive.name
   if name == "cond":
-    outs = [_walk(s, ins[1:]) for s in subs]
+    outs = [_walk(s, ins[1:], trail) for s in subs]
     # Not the branch index's labels: a value the batch only chooses carries no rows, and a
     # key it chooses is drawn the same for every micro-batch (refused).
     return [frozenset().union(*o) for o in zip(*outs, strict=True)]
   if name == "while":
     c, b = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
     carry = ins[c + b:]
-    _walk(eqn.params["cond_jaxpr"].jaxpr, ins[:c] + carry)
-    outs = _walk(eqn.params["body_jaxpr"].jaxpr, ins[c:c + b] + carry)
+    _walk(eqn.params["cond_jaxpr"].jaxpr, ins[:c] + carry, trail)
+    outs = _walk(eqn.params["body_jaxpr"].jaxpr, ins[c:c + b] + carry, trail)
     return [a | b for a, b in zip(outs, carry, strict=True)]
   if len(subs) == 1 and len(subs[0].invars) == len(ins):
-    outs = _walk(subs[0], ins)
+    outs = _walk(subs[0], ins, trail)
     if len(outs) == len(eqn.outvars):
       return outs
   for s in subs:
-    _walk(s, [every] * len(s.invars))
+    _walk(s, [every] * len(s.invars), trail)
   return None
 
 
 def _check_key(labels: frozenset) -> None:
-  """Raises unless the key random bits are drawn from comes from a batch argument."""
+  """Raises for random numbers per row unless their key comes from a batch argument."""
   if _BATCH in labels:
     return  # per-example keys, split with the batch: the same draws for each example
   named = sorted(x for x in labels if x != _CAPTURED)
-  if named:
-    where = f"{named[0]} is a PRNG key `fn` draws random numbers from"
-  elif labels:
-    where = ("`fn` draws random numbers from a key it captured (a closure, a global, a"
-             " module's Rngs)")
-  else:
-    where = "`fn` draws random numbers from a key it makes itself (jax.random.key(seed) inside)"
+  key = named[0] if named else "a key it captured" if labels else "a key it makes itself"
   raise ValueError(
-      f"{where}: the whole batch and every micro-batch then draw from the same key, other"
-      " random numbers for the same examples (dropout masks), which no accumulation can"
-      " match, and the check would blame the loss. Check a deterministic call (dropout off,"
-      " e.g. `deterministic=True`); to train, pass the key as an argument and name it in"
-      " `microbatched(..., rng_argnums=...)`, which folds it per micro-batch, or put"
-      " per-example keys in a batch argument.")
+      f"`fn` draws random numbers per row (a dropout mask) from {key}: the whole batch and"
+      " each micro-batch draw other numbers for the same examples, which no accumulation"
+      " matches. Check with dropout off (`deterministic=True`); to train, name the key in"
+      " `microbatched(..., rng_argnums=...)`, or put per-example keys in a batch argument.")
 
 
 # ---------------------------------------------------------------------- the verdict
@@ -528,11 +622,13 @@ _TOLERANCE = 1e-9  # of a leaf's size: float64 leaves about 1e-15 of it, the alg
 
 def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: _Grads,
               stats: _Stats, micro_batches: Callable[[], Iterator[_Grads]],
-              native: np.ndarray) -> LargeBatchReport:
+              native: np.ndarray, found: _Trail) -> LargeBatchReport:
   """The cause: equal, accumulation, order, scale, weights or coupling, in that order.
 
   ``permuted``: each leaf's distance of the permuted batch's gradient from the whole's;
-  ``native``: each leaf's distance in ``fn``'s own dtypes (shown, not decisive).
+  ``native``: each leaf's distance in ``fn``'s own dtypes (shown, not decisive). For
+  ``"weights"`` and ``"coupling"`` the fix names a rounding on a statistic of the batch
+  first, then (``"weights"``) a selection by the batch's values (``found``).
   """
   leaves = range(len(whole.leaves))
   combined = stats.combined
@@ -551,8 +647,14 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
 
   def report(cause: str, weights: np.ndarray | None, fix: str) -> LargeBatchReport:
     w = None if weights is None else tuple(float(x) for x in weights)
+    if cause in ("weights", "coupling") and found.roundings:
+      fix = _ROUNDING_FIX.format(", ".join(list(dict.fromkeys(found.roundings))[:2]))
+    elif cause == "weights" and found.selections:
+      fix = _SELECTION_FIX.format(", ".join(list(dict.fromkeys(found.selections))[:2]))
+    on = sorted({f"{d.platform}:{d.id}" for leaf in acc.leaves for d in leaf.devices()})
     return LargeBatchReport(cause == "equal", cause, table[worst].relative_error,
-                            table[worst].tolerance, w, fix, table, k)
+                            table[worst].tolerance, w, fix, table, k,
+                            on[0] if len(on) == 1 else f"{len(on)} devices ({on[0]}, ...)")
 
   def off(fit: list[np.ndarray], factor: float = 1.0) -> np.ndarray:
     """Each leaf's distance of ``factor`` times ``fit`` from the whole batch's gradient."""
@@ -572,11 +674,10 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
   entries = sum(x.size for x in combined)
   if entries <= k:  # k vectors of that few entries combine into any gradient
     raise ValueError(
-        f"check_large_batch: the accumulated gradient is not the whole batch's (relative"
-        f" error {table[worst].relative_error:.3g} > tolerance {table[worst].tolerance:.3g}),"
-        f" but with {entries} gradient entries for num_microbatches={k} unequal weights"
-        f" cannot be told from coupling. Check with num_microbatches < {entries}, or on a"
-        " model with more parameters.")
+        f"check_large_batch: the accumulated gradient is not the whole batch's (relative error"
+        f" {table[worst].relative_error:.3g}), but {entries} gradient entries for"
+        f" num_microbatches={k} cannot tell unequal weights from coupling: check with"
+        f" num_microbatches < {entries}, or a model with more parameters.")
   # Non-negative weights only: the least-squares fit clamped at 0, then checked exactly.
   w = np.maximum(np.linalg.lstsq(stats.sketches.T, _sketch(whole), rcond=None)[0], 0.0)
   if w.sum() > 0:
@@ -591,49 +692,46 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
 
 
 def _scale_fix(k: int, normalize: str, scale: float) -> str:
-  said = f"The whole batch's gradient is {scale:.4g} times the accumulated one."
+  said = f"The whole batch's gradient is {scale:.4g} times the accumulated one"
   if normalize == "mean" and np.isclose(scale, k, rtol=1e-2):
-    return (f"{said} The loss sums over the examples and the micro-batches are averaged again:"
-            " use `microbatched(..., normalize='sum')` (`accumulate(k, opt, reduction='sum')`"
-            " across steps), or make the loss a mean.")
+    return (f"{said}: the loss is a sum, averaged again: use `normalize='sum'`"
+            " (`reduction='sum'` across steps), or make the loss a mean.")
   if normalize == "sum" and np.isclose(scale, 1 / k, rtol=1e-2):
-    return (f"{said} The loss is a mean and the micro-batches are summed: use"
-            " `normalize='mean'` (`reduction='mean'` across steps).")
-  return (f"{said} The loss's normalisation depends on the batch size (a constant divided by"
-          " the number of rows it sees?): divide by the whole batch's size, or scale the loss.")
+    return f"{said}: the loss is a mean, summed again: use `normalize='mean'` (`reduction='mean'`)."
+  return (f"{said}: the loss's normalisation depends on the batch size (a constant divided by"
+          " the rows it sees?): divide by the whole batch's size, or scale the loss.")
 
 
 _ACCUMULATION_FIX = (
-    "The micro-batch gradients, combined in float64 as `microbatched` combines them, are the"
-    " whole batch's, but `microbatched` returned another gradient. With the batch sharded over"
-    " devices, `microbatched` runs `fn` on each device's rows: a loss normalised over the rows"
-    " it sees is then normalised per device; return (sum, count), normalize='weighted'. If not,"
-    " a bug in optax_accum: please report it with this table, jax's version and the loss.")
+    "The micro-batch gradients combine into the whole batch's, but `microbatched` returned"
+    " another. On a sharded batch it runs `fn` per device: a loss normalised over the rows it"
+    " sees is normalised per device (return (sum, count), normalize='weighted'). If not, a"
+    " bug in optax_accum: please report it with this table, jax's version and the loss.")
 _ORDER_FIX = (
-    "`fn` gives another gradient on the same rows in another order: the loss reads the batch"
-    " axis as more than a set of examples (two views at rows 2i and 2i + 1, time-major [T, B]"
-    " data, sequences packed across rows, rows picked by position: ties broken by index, one"
-    " random draw for the batch), and the strided micro-batches (rows i, i + k, ...) cut"
-    " through it. Make axis 0 the examples: views as [B, 2, ...], time after the batch"
-    " ([B, T, ...]), a key per example; then each micro-batch holds whole examples.")
+    "`fn` gives another gradient on the same rows in another order: it reads the batch axis"
+    " as more than a set of examples (views at rows 2i and 2i + 1, time-major [T, B] data,"
+    " rows picked by position), which the strided micro-batches (rows i, i + k, ...) cut."
+    " Make axis 0 the examples (views as [B, 2, ...], time as [B, T, ...]).")
 _WEIGHTED_FIX = (
     "The whole batch weighs the micro-batches unequally, and not by the denominators"
     " `fn` returns: return (sum of the per-example losses, the count they are divided"
     " by) so that the whole batch's loss is their ratio.")
 _WEIGHTS_FIX = (
     "The whole batch weighs the micro-batches unequally (the weights above): the loss is"
-    " normalised per micro-batch, e.g. a mean over its own real tokens. Return (sum of"
-    " per-token losses, number of real tokens) and use"
-    " `microbatched(jax.value_and_grad(loss, has_aux=True), k, normalize='weighted')`;"
-    " across steps `accumulate(k, opt, reduction='weighted')` with"
-    " `update(..., weight=count)`.")
+    " normalised per micro-batch, e.g. over its own real tokens. Return (sum of per-token"
+    " losses, number of real tokens) and use `microbatched(..., normalize='weighted')`"
+    " (`accumulate(k, opt, reduction='weighted')`, `update(..., weight=count)` across steps).")
+_ROUNDING_FIX = (
+    "{} rounds on a scale taken from the batch (fp8 current scaling: amax(|x|) / 448): each"
+    " micro-batch rounds on its own grid. Scale per row or per channel of the weights, or"
+    " from the previous step (delayed scaling): the same for every micro-batch.")
+_SELECTION_FIX = (
+    "`fn` selects by the values of the batch it sees ({}): each micro-batch selects among its"
+    " own rows, which no normalisation mends. Select per example, or on the whole batch's"
+    " statistics (`microbatched(..., global_stats=)`).")
 _COUPLING_FIX = (
     "No combination of the micro-batch gradients gives the whole batch's: the loss or the"
-    " model couples the examples of a batch, and each micro-batch sees only its own. A loss"
-    " that compares embeddings across the batch (CLIP, SigLIP, in-batch negatives): use"
-    " `cached_microbatched(embed_fn, loss_fn, k)`, the whole batch's gradient exactly. A loss"
-    " reading a statistic of the whole batch (a mixture of experts' balancing loss on expert"
-    " counts): `microbatched(fn, k, global_stats=stats_fn)` gives it the whole batch's, exactly."
-    " BatchNorm in training mode normalises each micro-batch with its own statistics"
-    " (ghost batch norm): that is what accumulation gives in every framework; keep it if"
-    " training is fine, or use GroupNorm / LayerNorm where the large batch must be exact.")
+    " model couples the examples of a batch. Comparing embeddings across the batch (CLIP,"
+    " in-batch negatives): `cached_microbatched(embed_fn, loss_fn, k)`. A statistic of the"
+    " batch (expert counts): `microbatched(fn, k, global_stats=stats_fn)`. BatchNorm in"
+    " training mode: ghost batch norm, as in every framework; GroupNorm / LayerNorm are exact.")

@@ -41,14 +41,29 @@ def test_narrow_sums_dots_and_casts_are_float64():
   def fn(x, w):
     h = jnp.dot(x.astype(BF16), w.astype(BF16), preferred_element_type=BF16)
     s = jnp.sum(jnp.tanh(h), dtype=BF16)
-    q = x.astype(jnp.float8_e4m3fn).astype(jnp.float32)  # an fp8 round trip
     r = jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=2)
-    return s, jnp.sum(q), jnp.sum(r), jnp.arange(4, dtype=jnp.float16) / 3
-  s, q, r, a = in_float64(fn, X, W)
+    return s, jnp.sum(r), jnp.arange(4, dtype=jnp.float16) / 3
+  s, r, a = in_float64(fn, X, W)
   np.testing.assert_allclose(s, np.tanh(f64(X) @ f64(W)).sum(), rtol=1e-13)
-  np.testing.assert_allclose([q, r], [f64(X).sum()] * 2, rtol=1e-13)
+  np.testing.assert_allclose(r, f64(X).sum(), rtol=1e-13)
   np.testing.assert_allclose(a, np.arange(4) / 3, rtol=1e-15)
   assert abs(float(fn(X, W)[0]) - s) > 1e-3 * abs(s)  # what bfloat16 itself gives
+
+
+def test_an_fp8_cast_is_a_quantisation_and_the_rest_float64():
+  """``x / s`` rounded to float8_e4m3fn (numpy's ml_dtypes rounds the reference), then
+  multiplied back and summed in float64; a float16 round trip is widened away."""
+  s = jnp.max(jnp.abs(X)) / 448
+
+  def fn(x):
+    q = (x / s).astype(jnp.float8_e4m3fn).astype(BF16) * s
+    return jnp.sum(q), jnp.sum(x.astype(jnp.float16).astype(jnp.float32))
+
+  q, h = in_float64(fn, X)
+  grid = (np.asarray(X) / np.float32(s)).astype(jnp.float8_e4m3fn).astype(np.float64)
+  np.testing.assert_allclose(q, (grid * f64(s)).sum(), rtol=1e-13)
+  assert abs(q - f64(X).sum()) > 1e-3 * np.abs(f64(X)).sum()  # fp8's grid, not widened away
+  np.testing.assert_allclose(h, f64(X).sum(), rtol=1e-13)
 
 
 def test_a_bfloat16_embedding_gradient_is_a_float64_scatter_add():
