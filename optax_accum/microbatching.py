@@ -26,6 +26,7 @@ where the loop is run inside a ``shard_map`` over them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -443,7 +444,7 @@ def microbatched(
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
     call = functools.partial(fn, **kwargs)
-    with _arrays.mesh_context(args):
+    with _arrays.mesh_context(args), _named_mesh(config.axis_name, args):
       batch = _batch.of(args, config.batch_argnums, config.rng_argnums,
                         axis_name=config.axis_name, in_step=True)
       batch.check_divides(config.k)
@@ -459,6 +460,20 @@ def microbatched(
   # `filter_value_and_grad` wrapper has a bool): keep the name, not the link.
   del wrapped.__wrapped__
   return wrapped
+
+
+def _named_mesh(axis_name: Any, args: tuple[Any, ...]) -> Any:
+  """Enters the inputs' mesh that has the axes ``axis_name`` names, when none is set.
+
+  The pjit idiom places arrays with ``NamedSharding`` on an Auto mesh and sets
+  none: under ``jit`` that mesh is in their types only.
+  """
+  if axis_name is not None and jax.sharding.get_abstract_mesh().empty:
+    for x in _arrays.ArrayLeaves.of(args).arrays:
+      mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+      if set(_arrays.axis_names(axis_name)) <= set(getattr(mesh, "axis_names", ())):
+        return jax.sharding.use_abstract_mesh(mesh)
+  return contextlib.nullcontext()
 
 
 # ------------------------------------------------- stage 1: split the batch
@@ -540,7 +555,8 @@ def _sum_stats(config: _Config, inputs: _Inputs, leaves: _arrays.ArrayLeaves,
   at = functools.partial(_call_microbatch, config.global_stats, config)
   shapes = jax.eval_shape(lambda *a: at(leaves.rebuild(a), jnp.zeros([], jnp.int32)),
                           *leaves.arrays)
-  init = jax.tree.map(lambda s: _filled(s, _acc_dtype(s.dtype, config.acc_dtype)), shapes)
+  init = jax.tree.map(lambda s: _filled(s, _global_stats.sum_dtype(s.dtype, config.acc_dtype)),
+                      shapes)
   total = _loop(config, lambda c, i: jax.tree.map(
       lambda t, x: t + jnp.asarray(x).astype(t.dtype), c, at(inputs, i)), init, varying)
   if config.axis_name is not None:
@@ -770,7 +786,14 @@ def _run_on_mesh(call: Callable[..., Any], config: _Config, args: tuple[Any, ...
   axes = batch.axes
   rows = batch.per_device_rows // config.k  # per device and micro-batch
   inner = dataclasses.replace(config, axis_name=_arrays.spec_entry(axes))
-  shapes = _abstract_outputs(call, config, args, batch.positions, rows)
+  try:
+    shapes = _abstract_outputs(call, config, args, batch.positions, rows)
+  except ValueError as on_one_device:  # e.g. `fn` runs its own shard_map over the data axes
+    whole = dataclasses.replace(config, axis_name=None)
+    try:  # as written: each micro-batch holds every device's rows
+      return _run(call, whole, _split_inputs(whole, args, batch))
+    except ValueError:
+      raise on_one_device from None
   targets = scatter = None
   if _arrays.axis_kind(axes) == "Explicit":
     targets = _batch.param_specs(args[_batch.PARAMS], shapes.grads)

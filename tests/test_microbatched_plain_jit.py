@@ -274,3 +274,44 @@ def test_axis_name_other_than_the_batch_split_raises():
     fn = microbatched(jax.value_and_grad(mean_loss), 2, axis_name="model")
     with pytest.raises(ValueError, match=r"sharded over \('data',\).*Name the axes"):
       jax.jit(fn)(p, b)
+
+
+# ------------------------------------------- mesh idioms of the loss and the caller
+def own_shard_map_loss(params, batch):
+  """A mean loss that runs its own ``shard_map`` over the data axis (a per-device kernel)."""
+  def per_device(p, b):
+    return lax.psum(jnp.sum(per_example(p, b)), "data")
+  total = jax.shard_map(per_device, in_specs=(P(), P("data")), out_specs=P())(params, batch)
+  return total / batch["y"].shape[0]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_loss_with_its_own_shard_map_gets_whole_micro_batches(k):
+  """Each micro-batch holds every device's rows, as the loss's ``shard_map`` expects."""
+  params, batch = make_params(), make_batch()
+  ref = jax.value_and_grad(mean_loss)(params, batch)
+  with jax.set_mesh(explicit_mesh()):
+    p, b = jax.device_put(params, P()), jax.device_put(batch, P("data"))
+    assert_close(jax.jit(jax.value_and_grad(own_shard_map_loss))(p, b), ref)  # the idiom
+    assert_close(jax.jit(microbatched(jax.value_and_grad(own_shard_map_loss), k))(p, b), ref)
+
+
+def test_axis_name_of_an_auto_mesh_without_set_mesh_is_read_from_the_inputs():
+  """The pjit idiom: arrays placed with ``NamedSharding`` on an Auto mesh, no ``jax.set_mesh``."""
+  params, batch = make_params(), make_batch()
+  ref = jax.value_and_grad(mean_loss)(params, batch)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  b = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data")))
+  p = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
+  fn = microbatched(jax.value_and_grad(mean_loss), 4, axis_name="data")
+  assert_close(jax.jit(fn)(p, b), ref)
+  ops = collectives(fn, p, b)
+  assert [(c.op, c.context) for c in ops] == [("all-reduce", ())], ops  # once, after the loop
+
+
+def test_an_axis_name_bound_nowhere_raises_naming_the_fix():
+  params, batch = make_params(), make_batch()
+  fn = microbatched(jax.value_and_grad(mean_loss), 4, axis_name="data")
+  with pytest.raises(ValueError,
+                     match=r"axis_name='data'.*bound nowhere.*microbatched.*jax\.set_mesh"):
+    jax.jit(fn)(params, batch)
