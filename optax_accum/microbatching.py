@@ -285,8 +285,10 @@ def microbatched(
       is summed over them. It costs a forward per micro-batch, no gradient
       (XLA drops what the statistics do not read). A statistic that is not
       an array of numbers, has a gradient (``jax.lax.stop_gradient`` takes
-      it as a constant on purpose) or follows the rows on no one axis
-      raises.
+      it as a constant on purpose), follows the rows on no one axis, or is
+      a max, min or mean over the rows (return sums and counts, divide in
+      the loss) raises. Integers narrower than int32 are summed in int32
+      (``stats=`` holds int32); other dtypes as ``accumulate`` sums them.
     **deprecated_options: 0.2's ``split``, ``rng_mode``, ``accumulator_dtype``
       and ``unroll``, accepted with a ``DeprecationWarning`` until 0.4.
       ``split="contiguous"`` and ``rng_mode="split"`` only reorder which rows
@@ -311,7 +313,11 @@ def microbatched(
   not for statistics across examples; per-example aux (``"concat"``, and
   ``"last"``/``"stack"`` of per-example values) comes back in batch order,
   other per-device aux raises. Without the name, Auto axes hide the split
-  and ``jit`` reduces the gradients once per micro-batch.
+  and ``jit`` reduces the gradients once per micro-batch. An Auto mesh that
+  ``axis_name`` names is the one set, or the one the inputs are placed on.
+  A ``fn`` that cannot run on one device's rows (its loss runs its own
+  ``shard_map`` over the data axes) gets whole micro-batches, as without a
+  mesh: its own collectives then run once per micro-batch.
 
   Raises:
     ValueError: when called with a batch whose size ``num_microbatches`` does
@@ -322,10 +328,10 @@ def microbatched(
     TypeError: when called with complex values and a real
       ``accumulator_dtype`` (a deprecated option).
     ValueError: under plain ``jit``, for batch leaves split differently over
-      the mesh, ``axis_name`` naming axes the batch is not split over or of
-      mixed kinds, a mesh mixing Auto and Explicit axes where a split could
-      not be seen, or a batch not divisible into ``k`` micro-batches per
-      device.
+      the mesh, ``axis_name`` naming axes the batch is not split over, of
+      mixed kinds or bound nowhere (no mesh set or on the inputs), a mesh
+      mixing Auto and Explicit axes where a split could not be seen, or a
+      batch not divisible into ``k`` micro-batches per device.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -788,12 +794,9 @@ def _run_on_mesh(call: Callable[..., Any], config: _Config, args: tuple[Any, ...
   inner = dataclasses.replace(config, axis_name=_arrays.spec_entry(axes))
   try:
     shapes = _abstract_outputs(call, config, args, batch.positions, rows)
-  except ValueError as on_one_device:  # e.g. `fn` runs its own shard_map over the data axes
-    whole = dataclasses.replace(config, axis_name=None)
-    try:  # as written: each micro-batch holds every device's rows
-      return _run(call, whole, _split_inputs(whole, args, batch))
-    except ValueError:
-      raise on_one_device from None
+  except ValueError:  # not on one device's rows (`fn` runs its own shard_map over the data axes)
+    whole = dataclasses.replace(config, axis_name=None)  # as written: every device's rows
+    return _run(call, whole, _split_inputs(whole, args, batch))
   targets = scatter = None
   if _arrays.axis_kind(axes) == "Explicit":
     targets = _batch.param_specs(args[_batch.PARAMS], shapes.grads)
