@@ -69,22 +69,39 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], positions: tuple
              rows: int) -> Callable[..., Any]:
   """``microbatched``'s ``stats_fn``, checked on micro-batches of ``rows`` and ``2 * rows`` rows.
 
-  Raises for a leaf that is not an array of numbers, that changes with the
-  params, or that is a max, a min or a mean over the rows (its sum over the
-  micro-batches is not the whole batch's): :func:`_check_flows`. A leaf whose
-  shape follows the rows is a statistic per row: the function returned pools
-  it, summed over the axis that holds the rows.
+  Its two jaxprs (read together by :func:`_walk`) give the shapes and the
+  checks. Raises for a leaf that is not an array of numbers; that is a max, a
+  min or a mean over the rows (its sum over the micro-batches is not the
+  whole batch's); or that has a gradient: a float that a float param reaches
+  through floats (a counted choice, an integer, or ``stop_gradient``, do
+  not). A leaf whose shape follows the rows is a statistic per row: the
+  function returned pools it, summed over the axis that holds the rows.
   """
   def checked(*a: Any) -> Any:
     out = stats_fn(*a)
     check_summable(out, "The statistics `global_stats` returns")
     return out
 
-  small, large = _check_flows(checked, args, positions, rows)
-  found, treedef = jax.tree_util.tree_flatten_with_path(small)
-  where = [jax.tree_util.keystr(p) or "its root" for p, _ in found]
-  axes = [_rows_axis(a, b, rows, w) for (_, a), b, w in
-          zip(found, jax.tree.leaves(large), where, strict=True)]
+  (small, shapes), (large, large_shapes) = (
+      _batch.at_rows(checked, args, positions, r, jaxpr=True) for r in (rows, 2 * rows))
+  leaves = _arrays.ArrayLeaves.of(tuple(args))
+  flows = _walk(small.jaxpr, large.jaxpr, [_Flow(None, p[0].idx == _batch.PARAMS and jnp.issubdtype(
+      x.dtype, jnp.inexact)) for p, x in zip(leaves.paths, leaves.arrays, strict=True)])
+  found, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  axes = []
+  for (path, a), b, flow in zip(found, jax.tree.leaves(large_shapes), flows, strict=True):
+    where = jax.tree_util.keystr(path) or "its root"
+    if flow.why:
+      raise ValueError(
+          f"`global_stats`'s statistic at {where} is a {flow.why} over the rows, not a sum of"
+          " them: return sums and counts, divide in the loss.")
+    if flow.grad:
+      raise ValueError(
+          f"`global_stats`'s statistic at {where} has a gradient, which the gradient pass (the"
+          " statistics are constants) would drop. Compute a differentiable term (the router"
+          " probabilities) in the loss from its rows, counts in the statistics; or wrap it in"
+          " `jax.lax.stop_gradient` to take it as a constant on purpose.")
+    axes.append(_rows_axis(a, b, rows, where))
   if all(axis is None for axis in axes):
     return stats_fn
 
@@ -114,35 +131,6 @@ def _rows_axis(a: Any, b: Any, rows: int, where: str) -> int | None:
   raise ValueError(
       f"`global_stats`'s statistic at {where} has shape {a.shape} on {rows} rows and {b.shape}"
       f" on {2 * rows}: no one axis holds the rows, to pool it over. Sum it over the rows.")
-
-
-def _check_flows(stats_fn: Callable[..., Any], args: Sequence[Any], positions: tuple[int, ...],
-                 rows: int) -> tuple[Any, Any]:
-  """The statistics' shapes on ``rows`` and ``2 * rows`` rows, read from their two jaxprs.
-
-  Raises for a statistic that :func:`_walk` finds made by a max, a min or a
-  mean over the rows, or with a gradient: a float that a float param reaches
-  through floats (a counted choice, an integer, or ``stop_gradient``, do not).
-  """
-  (small, shapes), (large, large_shapes) = (
-      _batch.at_rows(stats_fn, args, positions, r, jaxpr=True) for r in (rows, 2 * rows))
-  leaves = _arrays.ArrayLeaves.of(tuple(args))
-  flows = _walk(small.jaxpr, large.jaxpr, [_Flow(None, p[0].idx == _batch.PARAMS and jnp.issubdtype(
-      x.dtype, jnp.inexact)) for p, x in zip(leaves.paths, leaves.arrays, strict=True)])
-  for (path, _), flow in zip(jax.tree_util.tree_flatten_with_path(shapes)[0], flows, strict=True):
-    where = jax.tree_util.keystr(path) or "its root"
-    if flow.why:
-      raise ValueError(
-          f"`global_stats`'s statistic at {where} is a {flow.why} over the rows, which a sum"
-          " over micro-batches and devices does not give: return sums and counts, divide in"
-          " the loss.")
-    if flow.grad:
-      raise ValueError(
-          f"`global_stats`'s statistic at {where} has a gradient, which the gradient pass (the"
-          " statistics are constants) would drop. Compute a differentiable term (the router"
-          " probabilities) in the loss from its rows, counts in the statistics; or wrap it in"
-          " `jax.lax.stop_gradient` to take it as a constant on purpose.")
-  return shapes, large_shapes
 
 
 _CONSTANT = ("stop_gradient", "floor", "ceil", "round", "sign")  # no gradient flows through
