@@ -144,9 +144,6 @@ class _Flow(NamedTuple):
   grad: bool  # a float that a float param reaches through floats
 
 
-_NOTHING = _Flow(None, False)
-
-
 def _walk(small: Any, large: Any, flows: list[_Flow]) -> list[_Flow]:
   """The flows of the outputs of ``large``, the jaxpr ``small`` is on half the rows.
 
@@ -155,10 +152,10 @@ def _walk(small: Any, large: Any, flows: list[_Flow]) -> list[_Flow]:
   by a number that does. What follows the rows is not a statistic's value yet:
   it carries no ``why`` (a micro-batch's BatchNorm means are not checked).
   Where the two jaxprs differ in their equations, ``large`` is read alone:
-  ``why`` is not looked for.
+  ``why`` is not looked for. Literals and constants carry neither.
   """
   env = dict(zip(large.invars, flows, strict=True))
-  read = lambda v: _NOTHING if isinstance(v, Literal) else env.get(v, _NOTHING)  # (constants)
+  read = lambda v: _Flow(None, False) if isinstance(v, Literal) else env.get(v, _Flow(None, False))
   same = [e.primitive for e in small.eqns] == [e.primitive for e in large.eqns]
   for a, b in zip(small.eqns if same else large.eqns, large.eqns, strict=True):
     ins, name = [read(v) for v in b.invars], b.primitive.name

@@ -26,7 +26,6 @@ where the loop is run inside a ``shard_map`` over them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import warnings
@@ -313,11 +312,12 @@ def microbatched(
   not for statistics across examples; per-example aux (``"concat"``, and
   ``"last"``/``"stack"`` of per-example values) comes back in batch order,
   other per-device aux raises. Without the name, Auto axes hide the split
-  and ``jit`` reduces the gradients once per micro-batch. An Auto mesh that
-  ``axis_name`` names is the one set, or the one the inputs are placed on.
-  A ``fn`` that cannot run on one device's rows (its loss runs its own
-  ``shard_map`` over the data axes) gets whole micro-batches, as without a
-  mesh: its own collectives then run once per micro-batch.
+  and ``jit`` reduces the gradients once per micro-batch; set that mesh
+  (``jax.set_mesh``): under ``jit`` an Auto mesh the inputs are placed on is
+  not in scope, and ``axis_name`` raises. A ``fn`` that cannot run on one
+  device's rows (its loss runs its own ``shard_map`` over the data axes)
+  gets whole micro-batches, as without a mesh: its own collectives then run
+  once per micro-batch.
 
   Raises:
     ValueError: when called with a batch whose size ``num_microbatches`` does
@@ -329,7 +329,7 @@ def microbatched(
       ``accumulator_dtype`` (a deprecated option).
     ValueError: under plain ``jit``, for batch leaves split differently over
       the mesh, ``axis_name`` naming axes the batch is not split over, of
-      mixed kinds or bound nowhere (no mesh set or on the inputs), a mesh
+      mixed kinds or bound nowhere (no mesh set, no shard_map), a mesh
       mixing Auto and Explicit axes where a split could not be seen, or a
       batch not divisible into ``k`` micro-batches per device.
 
@@ -450,7 +450,7 @@ def microbatched(
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
     call = functools.partial(fn, **kwargs)
-    with _arrays.mesh_context(args), _named_mesh(config.axis_name, args):
+    with _arrays.mesh_context(args):
       batch = _batch.of(args, config.batch_argnums, config.rng_argnums,
                         axis_name=config.axis_name, in_step=True)
       batch.check_divides(config.k)
@@ -466,20 +466,6 @@ def microbatched(
   # `filter_value_and_grad` wrapper has a bool): keep the name, not the link.
   del wrapped.__wrapped__
   return wrapped
-
-
-def _named_mesh(axis_name: Any, args: tuple[Any, ...]) -> Any:
-  """Enters the inputs' mesh that has the axes ``axis_name`` names, when none is set.
-
-  The pjit idiom places arrays with ``NamedSharding`` on an Auto mesh and sets
-  none: under ``jit`` that mesh is in their types only.
-  """
-  if axis_name is not None and jax.sharding.get_abstract_mesh().empty:
-    for x in _arrays.ArrayLeaves.of(args).arrays:
-      mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-      if set(_arrays.axis_names(axis_name)) <= set(getattr(mesh, "axis_names", ())):
-        return jax.sharding.use_abstract_mesh(mesh)
-  return contextlib.nullcontext()
 
 
 # ------------------------------------------------- stage 1: split the batch
@@ -556,7 +542,7 @@ def _sum_stats(config: _Config, inputs: _Inputs, leaves: _arrays.ArrayLeaves,
   """``global_stats`` summed over the micro-batches, then over ``axis_name`` (one ``psum``).
 
   Each micro-batch's statistics, on the rows and key ``fn`` gets, added in the
-  dtypes ``microbatched`` sums values in (integers exact); no gradient.
+  dtypes ``_global_stats.sum_dtype`` gives (integers in int32 or wider); no gradient.
   """
   at = functools.partial(_call_microbatch, config.global_stats, config)
   shapes = jax.eval_shape(lambda *a: at(leaves.rebuild(a), jnp.zeros([], jnp.int32)),
