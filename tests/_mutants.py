@@ -362,8 +362,8 @@ def non_additive_statistic_unseen(patch: pytest.MonkeyPatch) -> None:
 
 @mutant
 def narrow_statistic_summed_in_its_type(patch: pytest.MonkeyPatch) -> None:
-  """Integer statistics narrower than int32 are summed in their own dtype: 512 int8 counts
-  wrap to 0 (``microbatched``), and ``accumulate``'s running sum keeps the narrow dtype."""
+  """``microbatched`` sums integer statistics narrower than int32 in their own dtype: 512 int8
+  counts wrap to 0."""
   def microbatched(fn: Any, k: int, **options: Any) -> Any:
     stats_fn = options.get("global_stats")
     if stats_fn is None:

@@ -466,8 +466,8 @@ def test_narrow_integer_statistics_are_summed_in_int32() -> None:
 
 
 def test_the_statistics_are_traced_four_times_a_call() -> None:
-  """Their shapes on a micro-batch, their checks on twice its rows, and the pass (shapes and
-  loop body): no trace of their own for the checks of additivity."""
+  """Two jaxprs, on a micro-batch and on twice its rows (the shapes, the pooling and every
+  check), then the pass (its shapes and its loop body): 5 before the check of additivity."""
   traced = []
 
   def counted(p: Any, b: Any) -> Any:
