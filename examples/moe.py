@@ -8,12 +8,13 @@ The model is a Flax Linen decoder whose blocks (causal attention, then a
 top-2 routed expert layer) are rematerialised (``nn.remat``). Its loss is the
 next-token cross-entropy, plus the load-balancing loss ``N_E * sum_i f_i P_i``
 (``f_i``: the share of the routed tokens expert ``i`` gets, a count;
-``P_i``: the mean router probability of expert ``i``; averaged over the
-layers) and the router z-loss. The data come from 8 synthetic "domains"
-(Markov chains over the same tokens) and every micro-batch holds one domain,
-as when each data-parallel rank or micro-batch reads a narrow shard: balancing
-per micro-batch forbids experts to specialise by domain; balancing over the
-whole batch allows it (Qiu et al. 2025, arXiv 2501.11873).
+``P_i``: the router's probability for expert ``i``, averaged over the
+micro-batch's tokens in the loss; averaged over the layers) and the router
+z-loss. The data come from 8 synthetic "domains" (Markov chains over the same
+tokens) and every micro-batch holds one domain, as when each data-parallel
+rank or micro-batch reads a narrow shard: balancing per micro-batch forbids
+experts to specialise by domain; balancing over the whole batch allows it
+(Qiu et al. 2025, arXiv 2501.11873).
 
 The four ways differ only in where ``f`` comes from:
 

@@ -169,6 +169,11 @@ def _data_axes(axis_name: Any, split: tuple[Any, ...], args: Sequence[Any],
     return split
   named = _arrays.axis_names(axis_name)
   if _arrays.axis_kind(axis_name) is None:  # inside shard_map, or pmap
+    if _arrays.axis_indices(named) is None:
+      raise ValueError(
+          f"`axis_name={axis_name!r}` is bound nowhere: no mesh is set (under jit, the mesh of"
+          " inputs placed with NamedSharding is not), no shard_map or pmap binds it. Call"
+          " `microbatched` under `with jax.set_mesh(mesh):` or inside a `jax.shard_map` over it.")
     if split:
       raise ValueError(
           f"The batch is sharded over the Explicit mesh axes {split} while"
@@ -312,7 +317,7 @@ def unpack(out: Any, normalize: str, has_aux: bool) -> Out:
 
 def at_rows(f: Callable[..., Any], args: Sequence[Any], positions: tuple[int, ...], rows: int,
             jaxpr: bool = False) -> Any:
-  """``jax.eval_shape`` (or ``jax.make_jaxpr``) of ``f`` on ``args`` holding ``rows`` rows.
+  """``jax.eval_shape`` of ``f`` on ``args`` holding ``rows`` rows (``jaxpr``: and its jaxpr).
 
   Every leaf of the arguments at ``positions`` gets ``rows`` rows; only the
   array leaves are abstract (an Equinox module's functions stay static).
@@ -322,7 +327,7 @@ def at_rows(f: Callable[..., Any], args: Sequence[Any], positions: tuple[int, ..
                                  else jnp.shape(x), jnp.result_type(x))
             for path, x in zip(leaves.paths, leaves.arrays, strict=True)]
   g = lambda *v: f(*leaves.rebuild(v))
-  return jax.make_jaxpr(g)(*shapes) if jaxpr else jax.eval_shape(g, *shapes)
+  return jax.make_jaxpr(g, return_shape=True)(*shapes) if jaxpr else jax.eval_shape(g, *shapes)
 
 
 def param_specs(params: Any, grads: Any) -> list[Any] | None:

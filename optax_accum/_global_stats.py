@@ -18,13 +18,14 @@ the same values; it has nothing to advance.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
+from jax.extend import core as jax_core
 from jax.extend.core import Literal
 
 from optax_accum import _arrays, _batch
@@ -66,24 +67,41 @@ def check_fn(stats_fn: Any) -> Callable[..., Any] | None:
 
 def summable(stats_fn: Callable[..., Any], args: Sequence[Any], positions: tuple[int, ...],
              rows: int) -> Callable[..., Any]:
-  """``microbatched``'s ``stats_fn``, checked on a micro-batch of ``rows`` rows.
+  """``microbatched``'s ``stats_fn``, checked on micro-batches of ``rows`` and ``2 * rows`` rows.
 
-  Raises for a leaf that is not an array of numbers, or that changes with the
-  params. A leaf whose shape follows the rows (it is traced on ``rows`` and on
-  ``2 * rows``) is a statistic per row: the function returned pools it, summed
-  over the axis that holds the rows.
+  Its two jaxprs (read together by :func:`_walk`) give the shapes and the
+  checks. Raises for a leaf that is not an array of numbers; that is a max, a
+  min or a mean over the rows (its sum over the micro-batches is not the
+  whole batch's); or that has a gradient: a float that a float param reaches
+  through floats (a counted choice, an integer, or ``stop_gradient``, do
+  not). A leaf whose shape follows the rows is a statistic per row: the
+  function returned pools it, summed over the axis that holds the rows.
   """
   def checked(*a: Any) -> Any:
     out = stats_fn(*a)
     check_summable(out, "The statistics `global_stats` returns")
     return out
 
-  small, large = (_batch.at_rows(checked, args, positions, r) for r in (rows, 2 * rows))
-  found, treedef = jax.tree_util.tree_flatten_with_path(small)
-  where = [jax.tree_util.keystr(p) or "its root" for p, _ in found]
-  axes = [_rows_axis(a, b, rows, w) for (_, a), b, w in
-          zip(found, jax.tree.leaves(large), where, strict=True)]
-  _check_no_gradient(checked, args, positions, rows, where)
+  (small, shapes), (large, large_shapes) = (
+      _batch.at_rows(checked, args, positions, r, jaxpr=True) for r in (rows, 2 * rows))
+  leaves = _arrays.ArrayLeaves.of(tuple(args))
+  flows = _walk(small.jaxpr, large.jaxpr, [_Flow(None, p[0].idx == _batch.PARAMS and jnp.issubdtype(
+      x.dtype, jnp.inexact)) for p, x in zip(leaves.paths, leaves.arrays, strict=True)])
+  found, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  axes = []
+  for (path, a), b, flow in zip(found, jax.tree.leaves(large_shapes), flows, strict=True):
+    where = jax.tree_util.keystr(path) or "its root"
+    if flow.why:
+      raise ValueError(
+          f"`global_stats`'s statistic at {where} is a {flow.why} over the rows, not a sum of"
+          " them: return sums and counts, divide in the loss.")
+    if flow.grad:
+      raise ValueError(
+          f"`global_stats`'s statistic at {where} has a gradient, which the gradient pass (the"
+          " statistics are constants) would drop. Compute a differentiable term (the router"
+          " probabilities) in the loss from its rows, counts in the statistics; or wrap it in"
+          " `jax.lax.stop_gradient` to take it as a constant on purpose.")
+    axes.append(_rows_axis(a, b, rows, where))
   if all(axis is None for axis in axes):
     return stats_fn
 
@@ -92,6 +110,14 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], positions: tuple
     return treedef.unflatten([x if axis is None else jnp.sum(x, axis)
                               for x, axis in zip(leaves, axes, strict=True)])
   return pooled
+
+
+def sum_dtype(dtype: Any, requested: Any = None) -> jnp.dtype:
+  """The dtype statistics of ``dtype`` are summed in: floats as ``accumulate`` sums them,
+  integers narrower than int32 in int32 (512 int8 counts would wrap to 0)."""
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return _arrays.accumulator_dtype(dtype, requested)
+  return jnp.promote_types(dtype, jnp.int32) if jnp.dtype(dtype).itemsize < 4 else jnp.dtype(dtype)
 
 
 def _rows_axis(a: Any, b: Any, rows: int, where: str) -> int | None:
@@ -107,41 +133,52 @@ def _rows_axis(a: Any, b: Any, rows: int, where: str) -> int | None:
       f" on {2 * rows}: no one axis holds the rows, to pool it over. Sum it over the rows.")
 
 
-def _check_no_gradient(stats_fn: Callable[..., Any], args: Sequence[Any],
-                       positions: tuple[int, ...], rows: int, where: list[str]) -> None:
-  """Raises for a statistic with a gradient: its first-order change with the params.
+_CONSTANT = ("stop_gradient", "floor", "ceil", "round", "sign")  # no gradient flows through
+_NOT_SUMS = {"reduce_max": "max", "reduce_min": "min", "argmax": "argmax", "argmin": "argmin"}
 
-  Read from the jaxpr of ``stats_fn``'s JVP: an output that the tangents of
-  the params reach (a counted choice, an integer, or ``stop_gradient``, do not).
+
+class _Flow(NamedTuple):
+  """What :func:`_walk` knows of a value."""
+
+  why: str | None  # over no rows, made by a max, min or mean over them: not a sum
+  grad: bool  # a float that a float param reaches through floats
+
+
+def _walk(small: Any, large: Any, flows: list[_Flow]) -> list[_Flow]:
+  """The flows of the outputs of ``large``, the jaxpr ``small`` is on half the rows.
+
+  A value follows the rows where its shape differs between the two. A max (or
+  min, argmax, argmin) is over the rows where its extent does; a mean divides
+  by a number that does. What follows the rows is not a statistic's value yet:
+  it carries no ``why`` (a micro-batch's BatchNorm means are not checked).
+  Where the two jaxprs differ in their equations, ``large`` is read alone:
+  ``why`` is not looked for. Literals and constants carry neither.
   """
-  floats = [x for x in jax.tree.leaves(args[_batch.PARAMS]) if isinstance(
-      x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)]
-  if not floats:
-    return
+  env = dict(zip(large.invars, flows, strict=True))
+  read = lambda v: _Flow(None, False) if isinstance(v, Literal) else env.get(v, _Flow(None, False))
+  same = [e.primitive for e in small.eqns] == [e.primitive for e in large.eqns]
+  for a, b in zip(small.eqns if same else large.eqns, large.eqns, strict=True):
+    ins, name = [read(v) for v in b.invars], b.primitive.name
+    calls = list(zip(*(jax_core.jaxprs_in_params(e.params) for e in (a, b)), strict=True))
+    if len(calls) == 1 and (len(calls[0][1].invars), len(calls[0][1].outvars)) == (
+        len(ins), len(b.outvars)):  # a call: jit, checkpoint, custom rules
+      env.update(zip(b.outvars, _walk(*calls[0], ins), strict=True))
+      continue
+    why = next((f.why for f in ins if f.why), None)
+    if name in _NOT_SUMS and _extent(a) != _extent(b):
+      why = _NOT_SUMS[name]
+    if name == "div" and all(isinstance(e.invars[1], Literal) for e in (a, b)) and (
+        a.invars[1].val != b.invars[1].val):
+      why = "mean"
+    grad = any(f.grad for f in ins) and name not in _CONSTANT
+    env.update((w, _Flow(None if v.aval.shape != w.aval.shape else why, grad and jnp.issubdtype(
+        w.aval.dtype, jnp.inexact))) for v, w in zip(a.outvars, b.outvars, strict=True))
+  return [read(v) for v in large.outvars]
 
-  def tangents(*a: Any) -> Any:
-    *a, t = a
-    leaves, treedef = jax.tree.flatten(a[_batch.PARAMS])
-    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and jnp.issubdtype(
-        x.dtype, jnp.inexact)]
 
-    def of_floats(*values: Any) -> Any:
-      new = dict(zip(at, values, strict=True))
-      return stats_fn(treedef.unflatten([new.get(i, x) for i, x in enumerate(leaves)]), *a[1:])
-    return jax.jvp(of_floats, tuple(leaves[i] for i in at), tuple(t))[1]
-
-  jaxpr = _batch.at_rows(tangents, (*args, floats), positions, rows, jaxpr=True).jaxpr
-  reached = set(jaxpr.invars[len(jaxpr.invars) - len(floats):])
-  for eqn in jaxpr.eqns:
-    if any(not isinstance(v, Literal) and v in reached for v in eqn.invars):
-      reached.update(eqn.outvars)
-  for w, v in zip(where, jaxpr.outvars, strict=True):
-    if not isinstance(v, Literal) and v in reached:
-      raise ValueError(
-          f"`global_stats`'s statistic at {w} has a gradient, which the gradient pass (the"
-          " statistics are constants) would drop. Compute a differentiable term (the mean router"
-          " probability) in the loss from its rows, counts in the statistics; or wrap it in"
-          " `jax.lax.stop_gradient` to take it as a constant on purpose.")
+def _extent(eqn: Any) -> int:
+  """How many elements each output of a reduction ``eqn`` reduces."""
+  return math.prod(eqn.invars[0].aval.shape[d] for d in eqn.params["axes"])
 
 
 # ------------------------------------------------------- across steps: accumulate
@@ -150,8 +187,8 @@ def check_like(like: Any) -> Any:
   if like is None:
     return None
   check_summable(like, "`global_stats`")
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), _arrays.accumulator_dtype(
-      jnp.result_type(x))), like)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), sum_dtype(jnp.result_type(x))),
+                      like)
 
 
 def init(like: Any) -> GlobalStats | tuple[()]:

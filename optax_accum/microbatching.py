@@ -284,8 +284,10 @@ def microbatched(
       is summed over them. It costs a forward per micro-batch, no gradient
       (XLA drops what the statistics do not read). A statistic that is not
       an array of numbers, has a gradient (``jax.lax.stop_gradient`` takes
-      it as a constant on purpose) or follows the rows on no one axis
-      raises.
+      it as a constant on purpose), follows the rows on no one axis, or is
+      a max, min or mean over the rows (return sums and counts, divide in
+      the loss) raises. Integers narrower than int32 are summed in int32
+      (``stats=`` holds int32); other dtypes as ``accumulate`` sums them.
     **deprecated_options: 0.2's ``split``, ``rng_mode``, ``accumulator_dtype``
       and ``unroll``, accepted with a ``DeprecationWarning`` until 0.4.
       ``split="contiguous"`` and ``rng_mode="split"`` only reorder which rows
@@ -310,7 +312,12 @@ def microbatched(
   not for statistics across examples; per-example aux (``"concat"``, and
   ``"last"``/``"stack"`` of per-example values) comes back in batch order,
   other per-device aux raises. Without the name, Auto axes hide the split
-  and ``jit`` reduces the gradients once per micro-batch.
+  and ``jit`` reduces the gradients once per micro-batch; set that mesh
+  (``jax.set_mesh``): under ``jit`` an Auto mesh the inputs are placed on is
+  not in scope, and ``axis_name`` raises. A ``fn`` that cannot run on one
+  device's rows (its loss runs its own ``shard_map`` over the data axes)
+  gets whole micro-batches, as without a mesh: its own collectives then run
+  once per micro-batch.
 
   Raises:
     ValueError: when called with a batch whose size ``num_microbatches`` does
@@ -321,10 +328,10 @@ def microbatched(
     TypeError: when called with complex values and a real
       ``accumulator_dtype`` (a deprecated option).
     ValueError: under plain ``jit``, for batch leaves split differently over
-      the mesh, ``axis_name`` naming axes the batch is not split over or of
-      mixed kinds, a mesh mixing Auto and Explicit axes where a split could
-      not be seen, or a batch not divisible into ``k`` micro-batches per
-      device.
+      the mesh, ``axis_name`` naming axes the batch is not split over, of
+      mixed kinds or bound nowhere (no mesh set, no shard_map), a mesh
+      mixing Auto and Explicit axes where a split could not be seen, or a
+      batch not divisible into ``k`` micro-batches per device.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -535,12 +542,13 @@ def _sum_stats(config: _Config, inputs: _Inputs, leaves: _arrays.ArrayLeaves,
   """``global_stats`` summed over the micro-batches, then over ``axis_name`` (one ``psum``).
 
   Each micro-batch's statistics, on the rows and key ``fn`` gets, added in the
-  dtypes ``microbatched`` sums values in (integers exact); no gradient.
+  dtypes ``_global_stats.sum_dtype`` gives (integers in int32 or wider); no gradient.
   """
   at = functools.partial(_call_microbatch, config.global_stats, config)
   shapes = jax.eval_shape(lambda *a: at(leaves.rebuild(a), jnp.zeros([], jnp.int32)),
                           *leaves.arrays)
-  init = jax.tree.map(lambda s: _filled(s, _acc_dtype(s.dtype, config.acc_dtype)), shapes)
+  init = jax.tree.map(lambda s: _filled(s, _global_stats.sum_dtype(s.dtype, config.acc_dtype)),
+                      shapes)
   total = _loop(config, lambda c, i: jax.tree.map(
       lambda t, x: t + jnp.asarray(x).astype(t.dtype), c, at(inputs, i)), init, varying)
   if config.axis_name is not None:
@@ -770,7 +778,11 @@ def _run_on_mesh(call: Callable[..., Any], config: _Config, args: tuple[Any, ...
   axes = batch.axes
   rows = batch.per_device_rows // config.k  # per device and micro-batch
   inner = dataclasses.replace(config, axis_name=_arrays.spec_entry(axes))
-  shapes = _abstract_outputs(call, config, args, batch.positions, rows)
+  try:
+    shapes = _abstract_outputs(call, config, args, batch.positions, rows)
+  except ValueError:  # not on one device's rows (`fn` runs its own shard_map over the data axes)
+    whole = dataclasses.replace(config, axis_name=None)  # as written: every device's rows
+    return _run(call, whole, _split_inputs(whole, args, batch))
   targets = scatter = None
   if _arrays.axis_kind(axes) == "Explicit":
     targets = _batch.param_specs(args[_batch.PARAMS], shapes.grads)

@@ -345,3 +345,33 @@ def offload_jit_emits_every_call(patch: pytest.MonkeyPatch) -> None:
   """``offload.jit`` runs the closing step's program on every call: each micro-batch
   takes an optimizer step."""
   patch.setattr(offload, "jit", lambda step, **kw: _offload_jit(step, **kw).closing_step)
+
+
+@mutant
+def non_additive_statistic_unseen(patch: pytest.MonkeyPatch) -> None:
+  """``microbatched`` sums a ``global_stats`` statistic that is a max or a mean over the rows
+  without a word: the check of additivity cannot see into the function (a ``lax.cond``)."""
+  def microbatched(fn: Any, k: int, **options: Any) -> Any:
+    stats_fn = options.get("global_stats")
+    if stats_fn is not None:
+      options["global_stats"] = lambda *a: jax.lax.cond(
+          jnp.ones((), bool), lambda: stats_fn(*a), lambda: stats_fn(*a))
+    return _microbatched(fn, k, **options)
+  patch.setattr(oa, "microbatched", microbatched)
+
+
+@mutant
+def narrow_statistic_summed_in_its_type(patch: pytest.MonkeyPatch) -> None:
+  """``microbatched`` sums integer statistics narrower than int32 in their own dtype: 512 int8
+  counts wrap to 0."""
+  def microbatched(fn: Any, k: int, **options: Any) -> Any:
+    stats_fn = options.get("global_stats")
+    if stats_fn is None:
+      return _microbatched(fn, k, **options)
+
+    def in_their_type(*a: Any, stats: Any, **kw: Any) -> Any:
+      own = jax.eval_shape(stats_fn, *a)
+      return fn(*a, stats=jax.tree.map(lambda s, o: s.astype(o.dtype) if o.ndim == jnp.ndim(
+          s) else s, stats, own), **kw)
+    return _microbatched(in_their_type, k, **options)
+  patch.setattr(oa, "microbatched", microbatched)

@@ -19,6 +19,7 @@ integers, under ``shard_map`` on 8 devices, through orbax and
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import jax
@@ -392,3 +393,86 @@ def test_the_float64_large_batch_check_says_equal() -> None:
       stats_fn(p, b)))))
   report = check_large_batch(own, 4, normalize="sum")(params, batch)
   assert not report.equal and report.max_relative_error > 1e-2, str(report)
+
+
+# ------------------------------------------------------ statistics that are not sums
+def router_probs(p: Any, b: Any) -> jax.Array:
+  """The first layer's router probabilities, ``[rows * T, E]``."""
+  return forward(p, b)[1][0][1]
+
+
+@pytest.mark.parametrize("not_a_sum", [
+    pytest.param(lambda p, b: {"P": lax.stop_gradient(router_probs(p, b).mean(0))},
+                 marks=pytest.mark.catches("non_additive_statistic_unseen"), id="mean"),
+    pytest.param(lambda p, b: {"most": jnp.max(b["mask"].sum(1))}, id="max"),
+    pytest.param(lambda p, b: {"least": jnp.min(b["tokens"], axis=0)}, id="min"),
+    pytest.param(lambda p, b: {"busiest": jnp.argmax(b["mask"].sum(1))}, id="argmax"),
+    pytest.param(lambda p, b: {"share": b["mask"].sum() / b["mask"].size}, id="sum / rows"),
+    pytest.param(lambda p, b: {"lse": lax.stop_gradient(jax.nn.logsumexp(router_probs(p, b), 0))},
+                 id="logsumexp"),
+])
+def test_a_max_or_a_mean_over_the_rows_raises_naming_the_fix(not_a_sum: Any) -> None:
+  """Summed over micro-batches, a max or a mean of each is not the whole batch's."""
+  fn = oa.microbatched(jax.value_and_grad(lambda p, b, stats: loss(
+      p, b, stats=stats_fn(p, b))), 4, normalize="sum", global_stats=not_a_sum)
+  try:  # (not pytest.raises: under the mutant, an assertion must fail)
+    fn(init_params(), make_batch())
+    message = "no error"
+  except ValueError as e:
+    message = str(e)
+  assert re.search(r"`global_stats`'s statistic at \['\w+'\] is a (max|min|argmax|argmin|mean)"
+                   " over the rows.*return sums and counts, divide in the loss", message), message
+
+
+def test_reductions_over_other_axes_or_unread_are_sums() -> None:
+  """A max over the experts (per token), summed over the rows, is a sum; so is a statistic
+  next to a max over the rows that it does not read."""
+  params, batch = init_params(), make_batch()
+
+  def peaks(p: Any, b: Any) -> Any:
+    probs = router_probs(p, b)
+    unread = jnp.max(probs, 0)  # over the rows, but no statistic reads it
+    return {"peak": lax.stop_gradient(jnp.max(probs, -1).sum()), "n": unread.shape[0]
+            * stats_fn(p, b)["tokens"]}
+
+  def fn(p: Any, b: Any, stats: Any) -> tuple[jax.Array, Any]:
+    return loss(p, b, stats=stats_fn(p, b)), stats
+  (_, found), _ = oa.microbatched(jax.value_and_grad(fn, has_aux=True), 4, normalize="sum",
+                                  has_aux=True, aux_rules="mean", global_stats=peaks)(
+                                      params, batch)
+  whole = peaks(params, batch)
+  assert np.isclose(found["peak"], whole["peak"], rtol=1e-5)
+  assert int(found["n"]) == int(whole["n"])
+
+
+@pytest.mark.catches("narrow_statistic_summed_in_its_type")
+def test_narrow_integer_statistics_are_summed_in_int32() -> None:
+  """512 rows of int8 counts: 64 per micro-batch, 512 in all, which int8 would wrap to 0."""
+  batch = {"x": jnp.ones((512, 2)), "real": jnp.ones(512, jnp.int8)}
+  counts = lambda w, b: {"n": jnp.sum(b["real"], dtype=jnp.int8), "pos": b["real"]}
+
+  def fn(w: Any, b: Any, stats: Any) -> tuple[jax.Array, Any]:
+    return jnp.mean(b["x"] @ w), stats
+  (_, seen), _ = oa.microbatched(jax.value_and_grad(fn, has_aux=True), 8, has_aux=True,
+                                 aux_rules="last", global_stats=counts)(jnp.ones(2), batch)
+  assert seen["n"].dtype == jnp.int32 and int(seen["n"]) == 512
+  assert seen["pos"].dtype == jnp.int32 and int(seen["pos"]) == 512
+  # Across steps too: `accumulate`'s running sum of int8 statistics is an int32.
+  tx = oa.accumulate(8, optax.sgd(0.1), global_stats=jnp.zeros((), jnp.int8))
+  state, params = tx.init({"w": jnp.zeros(2)}), {"w": jnp.zeros(2)}
+  for _ in range(4):
+    _, state = tx.update({"w": jnp.zeros(2)}, state, params, stats=jnp.int8(64))
+  assert state.global_stats.running.dtype == jnp.int32 and int(state.global_stats.running) == 256
+
+
+def test_the_statistics_are_traced_four_times_a_call() -> None:
+  """Two jaxprs, on a micro-batch and on twice its rows (the shapes, the pooling and every
+  check), then the pass (its shapes and its loop body): 5 before the check of additivity."""
+  traced = []
+
+  def counted(p: Any, b: Any) -> Any:
+    traced.append(1)
+    return stats_fn(p, b)
+  jax.jit(oa.microbatched(jax.value_and_grad(loss), 4, normalize="sum", global_stats=counted))(
+      init_params(), make_batch())
+  assert len(traced) <= 4

@@ -274,3 +274,39 @@ def test_axis_name_other_than_the_batch_split_raises():
     fn = microbatched(jax.value_and_grad(mean_loss), 2, axis_name="model")
     with pytest.raises(ValueError, match=r"sharded over \('data',\).*Name the axes"):
       jax.jit(fn)(p, b)
+
+
+# ------------------------------------------- mesh idioms of the loss and the caller
+def own_shard_map_loss(params, batch):
+  """A mean loss that runs its own ``shard_map`` over the data axis (a per-device kernel)."""
+  def per_device(p, b):
+    return lax.psum(jnp.sum(per_example(p, b)), "data")
+  total = jax.shard_map(per_device, in_specs=(P(), P("data")), out_specs=P())(params, batch)
+  return total / batch["y"].shape[0]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_loss_with_its_own_shard_map_gets_whole_micro_batches(k):
+  """Each micro-batch holds every device's rows, as the loss's ``shard_map`` expects."""
+  params, batch = make_params(), make_batch()
+  ref = jax.value_and_grad(mean_loss)(params, batch)
+  with jax.set_mesh(explicit_mesh()):
+    p, b = jax.device_put(params, P()), jax.device_put(batch, P("data"))
+    assert_close(jax.jit(jax.value_and_grad(own_shard_map_loss))(p, b), ref)  # the idiom
+    assert_close(jax.jit(microbatched(jax.value_and_grad(own_shard_map_loss), k))(p, b), ref)
+
+
+@pytest.mark.parametrize("placed", ["on no mesh", "on an Auto mesh, none set"])
+def test_an_axis_name_bound_nowhere_raises_naming_the_fix(placed):
+  """Under jit without `jax.set_mesh`, `axis_name` names no axis in scope (it was JAX's
+  NameError from inside the package); under `jax.set_mesh` the same call is the full batch's."""
+  params, batch = make_params(), make_batch()
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  if placed != "on no mesh":  # the pjit idiom: NamedSharding, no jax.set_mesh
+    batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data")))
+  fn = microbatched(jax.value_and_grad(mean_loss), 4, axis_name="data")
+  with pytest.raises(ValueError,
+                     match=r"axis_name='data'.*bound nowhere.*microbatched.*jax\.set_mesh"):
+    jax.jit(fn)(params, batch)
+  with jax.set_mesh(mesh):
+    assert_close(jax.jit(fn)(params, batch), jax.value_and_grad(mean_loss)(params, batch))
