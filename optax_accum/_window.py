@@ -26,7 +26,6 @@ Each compiler-facing choice names, at its line, the section of
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -48,19 +47,9 @@ KSchedule = Callable[[jax.Array], Any]
 SCOPES = {"add": "optax_accum_add", "mid": "optax_accum_mid", "emit": "optax_accum_emit"}
 
 # Set by `offload.jit` while it traces a window's mid-step or its closing step, each a
-# program of its own: the window's conditional becomes the branch that program runs.
-PHASE: contextvars.ContextVar[Any] = contextvars.ContextVar("optax_accum_phase", default=None)
-# True while `emit` runs the inner optimizer, whose operands (the window's sum among them)
-# exist before it starts: a conditional's operands, or those of `offload.jit`'s barrier.
-EMITTING: contextvars.ContextVar[bool] = contextvars.ContextVar("optax_accum_emit", default=False)
-
-
-def in_context(var: contextvars.ContextVar[Any], value: Any, fn: Callable[..., Any], /,
-               *args: Any, **kwargs: Any) -> Any:
-  """``fn(*args, **kwargs)`` with ``var`` set to ``value`` (in a copy of the context)."""
-  context = contextvars.copy_context()
-  context.run(var.set, value)
-  return context.run(fn, *args, **kwargs)
+# program of its own: the window's conditional becomes the branch that program runs. A
+# JAX context: part of JAX's cache keys, so a nested `jax.jit` traces once per phase.
+PHASE = jax.make_user_context(None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +235,7 @@ def micro_step(
       buffer_after, config, mini_step=window.mini_step, accept=accept, weight=weight, seed=seed))
 
   # 3. Emit or not: one lax.cond (one branch in a program of `offload.jit`'s: `PHASE`).
-  cond = lax.cond if PHASE.get() is None else PHASE.get().cond(config, accept, emit_now)
+  cond = lax.cond if PHASE.value is None else PHASE.value.cond(config, accept, emit_now)
   # Under jax.jit the trace that gives the types of the updates (or params) is cached: the
   # conditional's branch binds it again, and the inner optimizer's Python runs once.
   run_emit = jax.jit(functools.partial(emit, config, apply=apply, extra_args=extra_args or {}))
@@ -407,8 +396,7 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
 
   out, new_inner = reduced, ops.inner_state  # the chain form emits the reduced gradient
   if config.inner is not None:
-    updates, new_inner = in_context(EMITTING, True, config.inner.update, reduced,
-                                    ops.inner_state, ops.params, **extra_args)
+    updates, new_inner = config.inner.update(reduced, ops.inner_state, ops.params, **extra_args)
     # Optimizers may promote their state (Adam's f16 moments on f32 gradients);
     # both branches of the cond, and lax.scan, need stable dtypes.
     new_inner = optax.tree.cast_like(new_inner, ops.inner_state)

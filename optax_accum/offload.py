@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import jax
 import optax
-from jax import lax
+from jax._src import compute_on  # private: see `on_host`
 
 from optax_accum import _arrays, _window
 
@@ -94,21 +94,61 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
             f" {device.platform} ({device.device_kind}) does not offer with jax {jax.__version__}"
             f" and jaxlib {importlib.metadata.version('jaxlib')}: its memory kinds are {kinds}."
             " Use the optimizer without `host_state` there (its state then stays on the device).")
-    return HostState(jax.device_put(inner.init(params), jax.memory.Space.Host))
+    state = inner.init(params)  # (a traced one's placement is its program's out_shardings)
+    return HostState(jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host if getattr(
+        x, "sharding", None) is None else in_host_memory(x.sharding)), state))
 
   def update_fn(updates: optax.Updates, state: HostState, params: optax.Params | None = None,
                 **extra_args: Any) -> tuple[optax.Updates, HostState]:
-    # Not before the updates exist: XLA would otherwise move the state in early (during
-    # `microbatched`'s loop, say), where it sits beside the activations. In a window's
-    # emitting step they exist first already, and a barrier would hold them in a buffer of
-    # their own (the closing step's peak: `python benchmarks/bench_host_state.py --h200`).
-    updates, inner_state = (updates, state.inner_state) if _window.EMITTING.get() else (
-        lax.optimization_barrier((updates, state.inner_state)))
-    on_device = jax.device_put(inner_state, jax.memory.Space.Device)
-    updates, new = inner.update(updates, on_device, params, **extra_args)
-    return updates, HostState(jax.device_put(new, jax.memory.Space.Host))
+    # In: what `inner` reads (the gradients; the params, extra args where it reads them).
+    # Out: the updates, to the device; the new state, in host memory.
+    run = lambda u, s, p, kw: inner.update(u, s, p, **kw)
+    updates, new = on_host(run, (jax.memory.Space.Device, jax.memory.Space.Host), updates,
+                           state.inner_state, params, extra_args)
+    return updates, HostState(new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def in_host_memory(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+  """``sharding`` in ``pinned_host``; a single device's as a ``NamedSharding``.
+
+  JAX (0.10.2 to 0.12) types a value in host memory from a ``NamedSharding`` alone: a
+  ``ShapeDtypeStruct`` or an array orbax restores with a ``SingleDeviceSharding`` in
+  ``pinned_host`` is typed on the device, and a step returns it there.
+  """
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(list(sharding.device_set), (
+        "host_state",)), jax.sharding.PartitionSpec())
+  return sharding.with_memory_kind(HOST)
+
+
+def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any) -> Any:
+  """``fn(*args)`` computed on the host, its outputs in ``out_spaces`` (a prefix tree).
+
+  Only the arguments ``fn`` reads go to host memory. ``jax.experimental.compute_on`` would
+  type ``fn``'s values like its arguments (host) and the arrays ``fn`` creates on the
+  device, which JAX refuses to mix (``zeros_like``, ``where``: clipping, Adafactor, Lamb,
+  Adagrad fail on JAX 0.10.2 to 0.12). So ``fn`` is traced on device types and bound to
+  the host values with ``compute_on``'s primitive: the same arguments from JAX 0.10.2
+  (where ``compute_on`` is a context manager) to 0.12 (where it takes ``out_memory_spaces``).
+  """
+  host, leaves = jax.memory.Space.Host, jax.tree.leaves(args)
+  typed = jax.tree.map(lambda x: jax.typeof(x).update(memory_space=jax.memory.Space.Device), args)
+  closed, shape = jax.make_jaxpr(fn, return_shape=True)(*typed)
+  jaxpr = closed.jaxpr
+  read = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, jax.extend.core.Var)}
+  keep = [v in read or v in jaxpr.outvars for v in jaxpr.invars]
+  spaces = jax.tree.map(lambda space, out: jax.tree.map(lambda _: space, out), out_spaces, shape,
+                        is_leaf=lambda x: isinstance(x, jax.memory.Space))
+  outs = compute_on.compute_on_p.bind(
+      *[x if jax.typeof(x).memory_space == host else jax.device_put(x, host)
+        for x, k in zip(leaves, keep, strict=True) if k],
+      jaxpr=jax.extend.core.ClosedJaxpr(jaxpr.replace(invars=[
+          v for v, k in zip(jaxpr.invars, keep, strict=True) if k]), closed.consts),
+      compute_type="device_host", out_memory_spaces=tuple(jax.tree.leaves(spaces)),
+      compiler_options_json=None)
+  return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
 
 class _Phase:
@@ -116,7 +156,7 @@ class _Phase:
 
   ``cond`` is what the window's conditional becomes in that program: one branch, picked
   statically; it records the window's ``k`` (the count :func:`jit` dispatches on).
-  ``trace`` checks that each trace of the step reaches exactly one conditional.
+  ``trace`` checks that the step reaches exactly one conditional.
   """
 
   def __init__(self, emits: bool):
@@ -124,15 +164,12 @@ class _Phase:
 
   def trace(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     self.seen = False
-    out = _window.in_context(_window.PHASE, self, step, *args, **kwargs)
-    if not self.seen:
-      # A nested jax.jit reuses its trace whatever the phase: it may now hold this
-      # program's branch alone, and a later `jax.jit(step)` must not reuse that.
-      jax.clear_caches()
+    with _window.PHASE(self):
+      out = step(*args, **kwargs)
+    if not self.seen and self.k is None:  # (a nested jax.jit traced in this phase before: seen)
       raise ValueError(
           f"`offload.jit`: the {'closing' if self.emits else 'mid'}-step program reached no window"
-          " conditional: the step runs no `accumulate`, or runs it in a function JAX traced already"
-          " (a nested `jax.jit` keeps one trace for both programs). Call it in the step itself.")
+          " conditional: the step runs no `accumulate`. Compile it with `jax.jit`.")
     return out
 
   def cond(self, config: _window.Config, accept: Any, emit_now: Any) -> Callable[..., Any]:
@@ -144,15 +181,7 @@ class _Phase:
           " `skip_nonfinite`, `should_skip_update_fn`, `reduction='weighted'`, `emit_now`, `flush`,"
           " a schedule of `k` or two accumulations in one step. Compile the step with `jax.jit`.")
     self.k, self.seen = config.k, True
-    # The closing step: its operands (the window's sum among them) ready before it starts,
-    # as a conditional's are: `host_state` moves the state in after the gradients exist
-    # (XLA starts a move as early as it can: `python benchmarks/bench_host_state.py --h200`,
-    # its scan row, 32 device bytes per parameter without the barrier against 24). Not under
-    # shard_map: a barrier over replicated and per-device values leaves the replicated ones
-    # untyped there (JAX 0.10.2), and the step's out_specs refuse them.
-    barrier = lax.optimization_barrier if not config.layout.manual else lambda ops: ops
-    return lambda pred, emitting, waiting, *ops: emitting(
-        *barrier(ops)) if self.emits else waiting(*ops)
+    return lambda pred, emitting, waiting, *ops: (emitting if self.emits else waiting)(*ops)
 
 
 def _window_of(tree: Any) -> Any:

@@ -332,11 +332,23 @@ def host_state_on_device(patch: pytest.MonkeyPatch) -> None:
   """``host_state`` keeps the state on the device: a silent fallback (same values, same
   state type, no memory saved)."""
   def host_state(inner: Any) -> optax.GradientTransformationExtraArgs:
-    real = _host_state(inner)
-    to_device = lambda s: jax.device_put(s, jax.memory.Space.Device)
+    inner = optax.with_extra_args_support(inner)
     return optax.GradientTransformationExtraArgs(
-        lambda p: to_device(real.init(p)),
-        lambda g, s, p=None, **kw: (lambda u, s: (u, to_device(s)))(*real.update(g, s, p, **kw)))
+        lambda p: offload.HostState(inner.init(p)), lambda g, s, p=None, **kw: (
+            lambda u, s: (u, offload.HostState(s)))(*inner.update(g, s.inner_state, p, **kw)))
+  patch.setattr(oa, "host_state", host_state)
+
+
+@mutant
+def host_state_moves_the_state_in(patch: pytest.MonkeyPatch) -> None:
+  """``host_state`` updates on the device: the state moved in and out around the update
+  (the same values and memory kinds between steps; the state's bytes on the device)."""
+  def host_state(inner: Any) -> optax.GradientTransformationExtraArgs:
+    inner, real = optax.with_extra_args_support(inner), _host_state(inner)
+    put = lambda tree, space: jax.device_put(tree, getattr(jax.memory.Space, space))
+    return optax.GradientTransformationExtraArgs(real.init, lambda g, s, p=None, **kw: (
+        lambda u, s: (u, offload.HostState(put(s, "Host"))))(
+            *inner.update(g, put(s.inner_state, "Device"), p, **kw)))
   patch.setattr(oa, "host_state", host_state)
 
 
