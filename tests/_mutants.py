@@ -353,6 +353,18 @@ def host_state_moves_the_state_in(patch: pytest.MonkeyPatch) -> None:
 
 
 @mutant
+def host_state_single_device_placement(patch: pytest.MonkeyPatch) -> None:
+  """``host_state`` places a one-device state with a ``SingleDeviceSharding`` in host
+  memory: a ``ShapeDtypeStruct`` of its shardings, or an array restored into them, is
+  typed on the device (JAX types host memory from a ``NamedSharding`` alone)."""
+  def host_state(inner: Any) -> optax.GradientTransformationExtraArgs:
+    real = _host_state(inner)
+    return optax.GradientTransformationExtraArgs(lambda p: offload.HostState(jax.device_put(
+        inner.init(p), jax.memory.Space.Host)), real.update)
+  patch.setattr(oa, "host_state", host_state)
+
+
+@mutant
 def offload_jit_emits_every_call(patch: pytest.MonkeyPatch) -> None:
   """``offload.jit`` runs the closing step's program on every call: each micro-batch
   takes an optimizer step."""

@@ -64,8 +64,11 @@ def inner_of(state: Any) -> Any:
 
 
 def assert_on_host(state: Any) -> None:
-  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(inner_of(state))}
-  assert kinds == {HOST}, kinds
+  """Every leaf of the inner state placed in ``pinned_host`` and typed there (a step
+  returns a leaf typed on the device to the device)."""
+  kinds = {(x.sharding.memory_kind, str(jax.typeof(x).memory_space))
+           for x in jax.tree.leaves(inner_of(state))}
+  assert kinds == {(HOST, "MemorySpace.Host")}, kinds
 
 
 def assert_bitwise(a: Any, b: Any) -> None:
@@ -336,20 +339,76 @@ def test_orbax_and_reshard_state_bring_the_state_back_to_the_host(tmp_path: Path
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(tmp_path / "ckpt", run[1])
         checkpointer.wait_until_finished()
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          run[1], state_shardings(tx, run[0]))
-    restored = checkpointer.restore(tmp_path / "ckpt", target)
-    assert_on_host(restored)
-    assert_bitwise(restored, saved[1])
-    resumed = (saved[0], restored)
-    for i in range(3, 6):
-      resumed = step(*resumed, x * (i + 1))
-  assert_bitwise(resumed, run)
+    structs = lambda shardings: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=s), run[1], shardings)
+    for target in (structs(state_shardings(tx, run[0])), tx.init(on_mesh(mesh))):
+      restored = checkpointer.restore(tmp_path / "ckpt", target)
+      assert_on_host(restored)
+      assert_bitwise(restored, saved[1])
+      resumed = (saved[0], restored)
+      for i in range(3, 6):
+        resumed = step(*resumed, x * (i + 1))
+        assert_on_host(resumed[1])
+      assert_bitwise(resumed, run)
   like = tx.init(on_mesh(data_mesh(2)))
   moved = reshard_state(jax.device_get(saved[1]), like)
   assert_on_host(moved)
   assert_bitwise(inner_of(moved), inner_of(saved[1]))
   assert {x.sharding.mesh.size for x in jax.tree.leaves(inner_of(moved))} == {2}
+
+
+@pytest.mark.catches("host_state_single_device_placement")
+def test_a_restored_state_stays_home(tmp_path: Path) -> None:
+  """Saved by orbax mid-window on one device, restored into either target (the state
+  ``tx.init`` builds, or ``ShapeDtypeStruct`` s of ``state_shardings``), resumed with
+  ``jax.jit`` and with ``offload.jit``: in host memory after every resumed step, and the
+  run ends as the uninterrupted one, bit for bit."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  tx, step = across_steps(4, adam, host=True)
+  run = (fresh(PARAMS), tx.init(fresh(PARAMS)))
+  for i in range(6):
+    run = jax.jit(step)(*run, batch(i))
+    if i == 2:
+      saved, checkpointer = run, ocp.StandardCheckpointer()
+      checkpointer.save(tmp_path / "ckpt", run[1], force=True)
+      checkpointer.wait_until_finished()
+  structs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         run[1], state_shardings(tx, run[0]))
+  for target in (tx.init(fresh(PARAMS)), structs):
+    for form in (jax.jit, oa.offload.jit):
+      resumed = (fresh(saved[0]), checkpointer.restore(tmp_path / "ckpt", target))
+      assert_on_host(resumed[1])
+      for i in range(3, 6):
+        resumed = form(step)(*resumed, batch(i))
+        assert_on_host(resumed[1])
+      assert_bitwise(resumed, run)
+
+
+@pytest.mark.catches("host_state_single_device_placement")
+def test_ahead_of_time_compilation_from_the_state_s_own_shardings() -> None:
+  """``ShapeDtypeStruct`` s with the state's own shardings (one device) are typed in host
+  memory, lower, compile (``memory_analysis``) and return the state in ``pinned_host``;
+  ``plan_k`` plans a step with ``host_state`` from them."""
+  from optax_accum.planning import plan_k
+
+  tx = oa.host_state(adam())
+  structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                         (fresh(PARAMS), tx.init(fresh(PARAMS)), batch(0, 16)))
+  in_avals = jax.jit(lambda s: s).trace(structs[1]).jaxpr.in_avals
+  assert {str(a.memory_space) for a in in_avals} == {"MemorySpace.Host"}, in_avals
+
+  def make_step(k: int) -> Callable:
+    def step(p: Any, x: jax.Array, s: Any) -> tuple[Any, Any]:
+      updates, s = tx.update(oa.microbatched(jax.value_and_grad(loss), k)(p, x)[1], s, p)
+      return optax.apply_updates(p, updates), s
+    return jax.jit(step, donate_argnums=(0, 2))
+
+  compiled = make_step(2).lower(structs[0], structs[2], structs[1]).compile()
+  assert compiled.memory_analysis() is not None
+  kinds = {s.memory_kind for s in jax.tree.leaves(compiled.output_shardings[1])}
+  assert kinds == {HOST}, kinds
+  plan = plan_k(make_step, structs[0], structs[2], structs[1], memory_limit=1 << 30)
+  assert plan.k == 1 and plan.peak_bytes <= 1 << 30
 
 
 def test_a_platform_without_host_memory_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
