@@ -1,16 +1,17 @@
-"""The inner optimizer's state in host memory between optimizer steps.
+"""The inner optimizer's state in host memory, and its update run there.
 
 An accumulation reads the inner optimizer's state once per window. Between
 optimizer steps Adam's ``mu`` and ``nu`` (8 bytes per float32 parameter) sit
 idle on the device; :func:`host_state` keeps them (every leaf of the state) in
-host memory (``pinned_host``) and brings them to the device only for the
-update. Two ways to compile a train step with such a state:
+host memory (``pinned_host``) and runs the update on the host: the state never
+enters the device; the gradients go to the host, the updates come back. Two
+ways to compile a train step with such a state:
 
-* **one program** (``jax.jit`` as usual): the state moves in and out inside
-  the emitting branch of the window's ``lax.cond``; mid-steps pass it through.
+* **one program** (``jax.jit`` as usual): the update runs inside the emitting
+  branch of the window's ``lax.cond``; mid-steps pass the state through.
 * **two programs** (:func:`jit`): the window's mid-steps compiled without the
-  conditional (they never read the state) and its closing step compiled
-  apart; the package picks one per call from the window's count.
+  conditional and its closing step compiled apart; the package picks one per
+  call from the window's count.
 """
 
 from __future__ import annotations
@@ -43,19 +44,22 @@ class HostState(NamedTuple):
 
 
 def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-  """``inner`` with its state kept in host memory between updates.
+  """``inner`` with its state in host memory and its update computed there.
 
   ``init`` places ``inner``'s state in host memory (``pinned_host``, sharded
-  like the params); ``update`` moves it to the device, runs ``inner``'s
-  update and moves the new state back. Inside
-  :func:`~optax_accum.accumulate` the moves run only in the window's emitting
-  branch, once per optimizer step; in a chain or a step of its own, once per
-  call. The updates, and the state's values, are bit for bit ``inner``'s
-  inside ``accumulate``; in a step of their own, the barrier that orders the
-  move after the gradients may change XLA's rounding (1 ulp seen, JAX 0.12).
-  On a mesh, build the state with ``jax.jit(init, out_shardings=...)`` from
-  :func:`~optax_accum.sharding.state_shardings` (a plain ``init`` puts the
-  scalar counters on one device).
+  like the params; a one-device state with a ``NamedSharding``, so that a
+  ``jax.ShapeDtypeStruct`` of its shardings, or an array orbax restores into
+  them, is typed in host memory too). ``update`` runs ``inner``'s update on
+  the host (``compute_on``'s ``"device_host"``): the gradients (and the params
+  or extra arguments, where ``inner`` reads them) go to host memory, the
+  updates come back to the device, the new state stays on the host. Inside
+  :func:`~optax_accum.accumulate` that is the window's emitting branch, once per
+  optimizer step. The updates and the state are bit for bit ``inner``'s on
+  XLA:CPU. On a mesh, build the state with ``jax.jit(init, out_shardings=...)``
+  from :func:`~optax_accum.sharding.state_shardings` (a plain ``init`` puts the
+  scalar counters on one device). Donating the state: JAX (0.10.2 to 0.12)
+  pairs a donated argument with an output by shape alone, so return the params
+  and the state in the order they are donated (or give ``out_shardings``).
 
   Args:
     inner: the optimizer whose state lives on the host.
@@ -208,9 +212,9 @@ def jit(step: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
   The window must close after exactly ``k`` micro-batches (an int): not with
   ``skip_nonfinite``, ``should_skip_update_fn``, ``reduction="weighted"``,
   ``emit_now``, a schedule of ``k`` or a second accumulation in the step (a
-  ``ValueError`` when traced); use ``jax.jit`` there. The accumulation must be
-  traced with the step: inside a ``jax.jit`` nested in the step, JAX keeps one
-  trace for both programs, and the first call raises ``ValueError``.
+  ``ValueError`` when traced); use ``jax.jit`` there. The phase each program is
+  traced in is a JAX context (``jax.make_user_context``): a ``jax.jit`` nested
+  in the step is traced once per program.
 
   Args:
     step: the train step; its arguments and results are pytrees holding the
