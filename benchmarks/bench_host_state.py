@@ -217,6 +217,9 @@ def tpu(quick):
   limit = 8 << 20 if quick else jax.devices()[0].memory_stats()["bytes_limit"]
   d = 128 if quick else 4096
   fits = {s: largest(s == HOST, d, limit, 64 if quick else 160) for s in ("device", HOST)}
+  same = fits["device"]["layers"]  # the price of the fit: host_state at the device's size
+  fits[f"{HOST}, {same} layers"] = {"layers": same, "params": same * d * d,
+                                     **(real_run(same, d, True, limit, True) or {})}
   host = fits[HOST]
   closing, mid = (host["ms"][1], host["ms"][0]) if host["layers"] else (0.0, 0.0)
   return {"limit": limit, "d": d, "fits": fits, "ratio": round(

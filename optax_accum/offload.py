@@ -137,10 +137,12 @@ def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any) -> Any:
   the host values with ``compute_on``'s primitive: the same arguments from JAX 0.10.2
   (where ``compute_on`` is a context manager) to 0.12 (where it takes ``out_memory_spaces``).
   """
-  host, leaves = jax.memory.Space.Host, jax.tree.leaves(args)
+  host = jax.memory.Space.Host
   typed = jax.tree.map(lambda x: jax.typeof(x).update(memory_space=jax.memory.Space.Device), args)
   closed, shape = jax.make_jaxpr(fn, return_shape=True)(*typed)
-  jaxpr = closed.jaxpr
+  # Its constants are operands too (a learning rate traced in the step, say).
+  jaxpr = closed.jaxpr.replace(constvars=[], invars=[*closed.jaxpr.constvars, *closed.jaxpr.invars])
+  leaves = [*closed.consts, *jax.tree.leaves(args)]
   read = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, jax.extend.core.Var)}
   keep = [v in read or v in jaxpr.outvars for v in jaxpr.invars]
   spaces = jax.tree.map(lambda space, out: jax.tree.map(lambda _: space, out), out_spaces, shape,
@@ -149,7 +151,7 @@ def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any) -> Any:
       *[x if jax.typeof(x).memory_space == host else jax.device_put(x, host)
         for x, k in zip(leaves, keep, strict=True) if k],
       jaxpr=jax.extend.core.ClosedJaxpr(jaxpr.replace(invars=[
-          v for v, k in zip(jaxpr.invars, keep, strict=True) if k]), closed.consts),
+          v for v, k in zip(jaxpr.invars, keep, strict=True) if k]), []),
       compute_type="device_host", out_memory_spaces=tuple(jax.tree.leaves(spaces)),
       compiler_options_json=None)
   return jax.tree.unflatten(jax.tree.structure(shape), outs)

@@ -209,6 +209,25 @@ def test_the_link_carries_what_the_update_reads(opt: str) -> None:
   assert to_host(jaxpr) == sorted(SHAPES * (1 if opt == "adam" else 2))
 
 
+def test_an_optimizer_built_in_the_step_from_a_traced_learning_rate() -> None:
+  """The update closes over a value traced in the step: an operand of the host computation
+  like the gradients; the same run as on the device."""
+  def make_step(host: bool) -> Callable:
+    def step(p: Any, s: Any, x: jax.Array, lr: jax.Array) -> tuple[Any, Any]:
+      tx = oa.host_state(optax.adam(lr)) if host else optax.adam(lr)
+      updates, s = tx.update(jax.grad(loss)(p, x), s, p)
+      return optax.apply_updates(p, updates), s
+    return jax.jit(step)
+
+  runs = {host: (fresh(PARAMS), (oa.host_state(adam()) if host else adam()).init(fresh(PARAMS)))
+          for host in (False, True)}
+  for i in range(3):
+    runs = {host: make_step(host)(*run, batch(i), jnp.float32(1e-2 * (i + 1)))
+            for host, run in runs.items()}
+    assert_on_host(runs[True][1])
+    assert_bitwise((runs[True][0], inner_of(runs[True][1])), runs[False])
+
+
 def test_flax_train_state_keeps_the_state_on_the_host() -> None:
   linen = pytest.importorskip("flax.linen")
   from optax_accum.flax import TrainState
