@@ -2,7 +2,7 @@
 
 Device bytes per parameter (arguments + temporaries - the state's in pinned_host) of compiled
 steps, params and state donated, adam: ``accumulate(k, adam)`` against ``accumulate(k,
-host_state(adam))``, ``jax.jit`` (one program) and ``offload.jit`` (two); the update alone (k = 4);
+host_state(adam))``, compiled with ``jax.jit`` (one program); the update alone (k = 4);
 an MLP's step, 4 layers of d x d (3 in a lax.scan in one row), micro-batches of d rows (k = 8).
 ``--tpu`` (on the chip; ``--quick`` checks it on the CPU): the largest MLP that trains with the
 state on the device and with ``host_state``, bisected by compiling (f32 adam, k = 4), each run for
@@ -26,7 +26,7 @@ from jax import lax
 
 import optax_accum as oa
 
-K, HOST, FORMS = 4, "pinned_host", ("one program", "micro-step", "closing step")
+K, HOST, FORMS = 4, "pinned_host", ("one program",)
 CPU = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
 
 
@@ -77,13 +77,10 @@ def forms(row, step, params, batch, dev, h200):
   args = args_of(params, batch, dev, on_host, across, not h200)
   n = sum(x.size for x in jax.tree.leaves(params))
   host = 8 * n * (row["params"] == "float32" or 0.5) if on_host else 0  # adam's mu and nu
-  split = oa.offload.jit(step, donate_argnums=(0, 1))
-  programs = dict(zip(FORMS, (jax.jit(step, donate_argnums=(0, 1)), split.mid_step,
-                              split.closing_step)[:3 if on_host and across else 1], strict=False))
+  programs = {"one program": jax.jit(step, donate_argnums=(0, 1))}
   if h200 and on_host:
     typed = args_of(params, batch, CPU, True, across, True)
-    vessel = lambda: (oa.offload.jit(step, donate_argnums=(0, 1)).closing_step if across
-                      else jax.jit(step, donate_argnums=(0, 1)))  # (the closing step: its window)
+    vessel = lambda: jax.jit(step, donate_argnums=(0, 1))
     programs = {form: functools.partial(typed_h200, fn, typed, vessel)
                 for form, fn in programs.items()}
   for form, fn in programs.items():
@@ -136,9 +133,9 @@ def at_scale(dev):
     for state, opt in (("device", optax.adam(1e-3)), (HOST, oa.host_state(optax.adam(1e-3)))):
       step = update_step(opt)
       args = args_of(params, params, dev, state == HOST, True, False)
-      closing = oa.offload.jit(step, donate_argnums=(0, 1)).closing_step
+      closing = jax.jit(step, donate_argnums=(0, 1))
       m = (typed_h200(closing, args_of(params, params, CPU, True, True, False), lambda step=step: (
-          oa.offload.jit(step, donate_argnums=(0, 1)).closing_step), args) if (
+          jax.jit(step, donate_argnums=(0, 1))), args) if (
           state == HOST) else jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile(
           )).memory_analysis()
       row[state] = round(device_bytes(m, 8 * n if state == HOST else 0) / 1e9, 1)  # GB
@@ -150,10 +147,9 @@ def gpu_times(quick, rounds):
   """Median ms of the micro-steps and of the closing step of each form, a window a round."""
   params = {f"w{i}": jnp.full((1 << (14 if quick else 26),), 0.01) for i in range(4)}
   runs, times = {}, {}
-  for name in ("device state, one program", "host state, two programs", "host state, one program"):
+  for name in ("device state", "host state"):
     tx = oa.accumulate(K, oa.host_state(optax.adam(1e-3)) if "host" in name else optax.adam(1e-3))
-    step = (oa.offload.jit if "two" in name else jax.jit)(
-        lambda p, s, g, tx=tx: oa.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
+    step = jax.jit(lambda p, s, g, tx=tx: oa.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
     runs[name], times[name] = [step, jax.tree.map(jnp.copy, params), tx.init(params)], ([], [])
 
   def window(name):

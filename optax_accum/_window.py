@@ -46,12 +46,6 @@ KSchedule = Callable[[jax.Array], Any]
 # emitting steps.
 SCOPES = {"add": "optax_accum_add", "mid": "optax_accum_mid", "emit": "optax_accum_emit"}
 
-# Set by `offload.jit` while it traces a window's mid-step or its closing step, each a
-# program of its own: the window's conditional becomes the branch that program runs. A
-# JAX context: part of JAX's cache keys, so a nested `jax.jit` traces once per phase.
-PHASE = jax.make_user_context(None)
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Everything a micro-step needs to know, validated once.
@@ -234,8 +228,8 @@ def micro_step(
   add = jax.named_scope(SCOPES["add"])(functools.partial(
       buffer_after, config, mini_step=window.mini_step, accept=accept, weight=weight, seed=seed))
 
-  # 3. Emit or not: one lax.cond (one branch in a program of `offload.jit`'s: `PHASE`).
-  cond = lax.cond if PHASE.value is None else PHASE.value.cond(config, accept, emit_now)
+  # 3. Emit or not: one lax.cond.
+  cond = lax.cond
   # Under jax.jit the trace that gives the types of the updates (or params) is cached: the
   # conditional's branch binds it again, and the inner optimizer's Python runs once.
   run_emit = jax.jit(functools.partial(emit, config, apply=apply, extra_args=extra_args or {}))

@@ -4,19 +4,13 @@ An accumulation reads the inner optimizer's state once per window. Between
 optimizer steps Adam's ``mu`` and ``nu`` (8 bytes per float32 parameter) sit
 idle on the device; :func:`host_state` keeps them (every leaf of the state) in
 host memory (``pinned_host``) and runs the update on the host: the state never
-enters the device; the gradients go to the host, the updates come back. Two
-ways to compile a train step with such a state:
-
-* **one program** (``jax.jit`` as usual): the update runs inside the emitting
-  branch of the window's ``lax.cond``; mid-steps pass the state through.
-* **two programs** (:func:`jit`): the window's mid-steps compiled without the
-  conditional and its closing step compiled apart; the package picks one per
-  call from the window's count.
+enters the device; the gradients go to the host, the updates come back. A
+train step compiles as usual (``jax.jit``): the update runs inside the emitting
+branch of the window's ``lax.cond``; mid-steps pass the state through.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -25,9 +19,7 @@ import jax
 import optax
 from jax._src import compute_on  # private: see `on_host`
 
-from optax_accum import _arrays, _window
-
-__all__ = ["HostState", "host_state", "jit"]
+__all__ = ["HostState", "host_state"]
 
 HOST = "pinned_host"
 
@@ -155,109 +147,3 @@ def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any) -> Any:
       compute_type="device_host", out_memory_spaces=tuple(jax.tree.leaves(spaces)),
       compiler_options_json=None)
   return jax.tree.unflatten(jax.tree.structure(shape), outs)
-
-
-class _Phase:
-  """What :func:`jit` traces: a window's mid-step (``emits`` False) or its closing step.
-
-  ``cond`` is what the window's conditional becomes in that program: one branch, picked
-  statically; it records the window's ``k`` (the count :func:`jit` dispatches on).
-  ``trace`` checks that the step reaches exactly one conditional.
-  """
-
-  def __init__(self, emits: bool):
-    self.emits, self.k, self.seen = emits, None, False
-
-  def trace(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    self.seen = False
-    with _window.PHASE(self):
-      out = step(*args, **kwargs)
-    if not self.seen and self.k is None:  # (a nested jax.jit traced in this phase before: seen)
-      raise ValueError(
-          f"`offload.jit`: the {'closing' if self.emits else 'mid'}-step program reached no window"
-          " conditional: the step runs no `accumulate`. Compile it with `jax.jit`.")
-    return out
-
-  def cond(self, config: _window.Config, accept: Any, emit_now: Any) -> Callable[..., Any]:
-    if self.seen or not (isinstance(config.k, int) and accept is True and emit_now is False
-                         and config.reduction != "weighted" and self.k in (None, config.k)):
-      raise ValueError(
-          "`offload.jit` compiles a window's mid-steps and its closing step apart, which needs"
-          " one window that closes after exactly `k` micro-batches, `k` an int: not with"
-          " `skip_nonfinite`, `should_skip_update_fn`, `reduction='weighted'`, `emit_now`, `flush`,"
-          " a schedule of `k` or two accumulations in one step. Compile the step with `jax.jit`.")
-    self.k, self.seen = config.k, True
-    return lambda pred, emitting, waiting, *ops: (emitting if self.emits else waiting)(*ops)
-
-
-def _window_of(tree: Any) -> Any:
-  return _arrays.first_node(tree, lambda n: hasattr(n, "mini_step") and hasattr(
-      n, "gradient_step"))
-
-
-def jit(step: Callable[..., Any], **jit_kwargs: Any) -> Callable[..., Any]:
-  """``jax.jit(step)`` as two programs: the window's mid-steps, and its closing step.
-
-  ``step`` is a train step holding one :func:`~optax_accum.accumulate` (or
-  :class:`~optax_accum.MultiSteps`) whose state it takes and returns. The
-  mid-step program is compiled without the window's conditional: it adds the
-  micro-batch to the buffer and passes the inner optimizer's state through,
-  never reading it (with :func:`host_state`, it stays on the host untouched).
-  The closing step's program runs the inner optimizer. Each call runs the one
-  its window's count asks for, read from the state the first time and
-  counted on the host after (read again when a state comes in that the last
-  call did not return). The results are ``jax.jit(step)``'s: bit for bit with
-  :func:`~optax_accum.update_and_apply`; through ``update`` and
-  ``optax.apply_updates`` XLA fuses the closing step apart and may round the
-  update differently (AdamW: one element in 64 off by 1 ulp).
-
-  The window must close after exactly ``k`` micro-batches (an int): not with
-  ``skip_nonfinite``, ``should_skip_update_fn``, ``reduction="weighted"``,
-  ``emit_now``, a schedule of ``k`` or a second accumulation in the step (a
-  ``ValueError`` when traced); use ``jax.jit`` there. The phase each program is
-  traced in is a JAX context (``jax.make_user_context``): a ``jax.jit`` nested
-  in the step is traced once per program.
-
-  Args:
-    step: the train step; its arguments and results are pytrees holding the
-      accumulation's state.
-    **jit_kwargs: passed to ``jax.jit`` for both programs (``donate_argnums``,
-      shardings).
-
-  Returns:
-    A function called like ``step``; its ``mid_step`` and ``closing_step``
-    are the two ``jax.jit`` programs (to ``.lower(...)`` each, for its memory).
-
-  Example:
-    >>> import jax.numpy as jnp, optax, optax_accum as oa
-    >>> tx = oa.accumulate(2, oa.host_state(optax.adam(1e-2)))
-    >>> step = oa.offload.jit(lambda p, s, g: oa.update_and_apply(tx, g, s, p))
-    >>> params = {"w": jnp.ones(3)}
-    >>> state = tx.init(params)
-    >>> for _ in range(2):
-    ...   params, state = step(params, state, {"w": jnp.ones(3)})
-    >>> int(state.gradient_step), [round(w, 4) for w in params["w"].tolist()]
-    (1, [0.99, 0.99, 0.99])
-  """
-  phases = {emits: _Phase(emits) for emits in (False, True)}
-  programs = {e: jax.jit(functools.partial(p.trace, step), **jit_kwargs)
-              for e, p in phases.items()}
-  last: dict[str, Any] = {"mini_step": None, "count": 0}
-
-  def run(*args: Any, **kwargs: Any) -> Any:
-    window = _window_of((args, kwargs))
-    if window is None:
-      raise TypeError("`offload.jit`: the step takes no state of `accumulate` or `MultiSteps`"
-                      " (the window's count picks the program).")
-    if phases[False].k is None:  # the window's k, and each program checked: from a trace
-      for program in programs.values():
-        program.trace(*args, **kwargs)
-    count = last["count"] if window.mini_step is last["mini_step"] else int(window.mini_step)
-    emits = count + 1 >= phases[False].k
-    out = programs[emits](*args, **kwargs)
-    last.update(mini_step=getattr(_window_of(out), "mini_step", None),
-                count=0 if emits else count + 1)
-    return out
-
-  run.mid_step, run.closing_step = programs[False], programs[True]
-  return run

@@ -34,7 +34,7 @@ MUTANTS: dict[str, Mutant] = {}
 _accumulate, _microbatched = oa.accumulate, oa.microbatched  # the real ones
 _clip_loss, _siglip_loss = contrastive.clip_loss, contrastive.siglip_loss
 _ppermute = jax.lax.ppermute
-_host_state, _offload_jit = oa.host_state, offload.jit
+_host_state = oa.host_state
 _MISSING = object()
 
 
@@ -362,10 +362,3 @@ def host_state_single_device_placement(patch: pytest.MonkeyPatch) -> None:
     return optax.GradientTransformationExtraArgs(lambda p: offload.HostState(jax.device_put(
         inner.init(p), jax.memory.Space.Host)), real.update)
   patch.setattr(oa, "host_state", host_state)
-
-
-@mutant
-def offload_jit_emits_every_call(patch: pytest.MonkeyPatch) -> None:
-  """``offload.jit`` runs the closing step's program on every call: each micro-batch
-  takes an optimizer step."""
-  patch.setattr(offload, "jit", lambda step, **kw: _offload_jit(step, **kw).closing_step)

@@ -95,17 +95,14 @@ def across_steps(k: int, make: Callable[[], Any], host: bool) -> tuple[Any, Call
   return tx, lambda p, s, x: oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p)
 
 
-@pytest.mark.parametrize("k", [1, pytest.param(4, marks=pytest.mark.catches(
-    "offload_jit_emits_every_call"))])
+@pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 @pytest.mark.catches("host_state_on_device")
 def test_across_steps_equals_the_device_run_bit_for_bit(k: int, opt: str) -> None:
-  """Both forms, the one program (``jax.jit``, params and state donated) and the two
-  programs (``offload.jit``), over two windows and one micro-batch more."""
+  """``jax.jit``, params and state donated, over two windows and one micro-batch more."""
   _, on_device = across_steps(k, OPTIMIZERS[opt], host=False)
   tx, on_host = across_steps(k, OPTIMIZERS[opt], host=True)
-  steps = {"one program": jax.jit(on_host, donate_argnums=(0, 1)),
-           "two programs": oa.offload.jit(on_host, donate_argnums=(0, 1))}
+  steps = {"one program": jax.jit(on_host, donate_argnums=(0, 1))}
   runs = {name: (fresh(PARAMS), tx.init(fresh(PARAMS))) for name in steps}
   ref_tx = oa.accumulate(k, OPTIMIZERS[opt]())
   ref = (fresh(PARAMS), ref_tx.init(fresh(PARAMS)))
@@ -173,8 +170,7 @@ SHAPES = sorted(np.shape(x) for x in jax.tree.leaves(PARAMS))
 def test_the_update_runs_on_the_host_and_the_state_never_enters_the_device() -> None:
   """One program: the window's emitting branch runs adam on the host (one ``compute_on``
   on values in host memory), fed the gradients alone (adam reads no params); the updates
-  come out on the device, the new state in host memory; nothing moves to the device.
-  Two programs: the mid-step holds no move, no host computation and no conditional."""
+  come out on the device, the new state in host memory; nothing moves to the device."""
   tx = oa.accumulate(4, oa.host_state(adam()))
   step = lambda p, s, g: oa.update_and_apply(tx, g, s, p)
   args = (fresh(PARAMS), tx.init(fresh(PARAMS)), fresh(PARAMS))
@@ -188,15 +184,6 @@ def test_the_update_runs_on_the_host_and_the_state_never_enters_the_device() -> 
   assert spaces == ["Device"] * 2 + ["Host"] * 5  # the updates; adam's count, mu and nu
   assert to_host(jaxpr) == SHAPES
   assert '_xla_compute_type="host"' in jax.jit(step).lower(*args).compile().as_text()
-  split = oa.offload.jit(step)
-  mid = split.mid_step.trace(*args).jaxpr
-  assert not eqns(mid.jaxpr, "device_put") and not eqns(mid.jaxpr, "compute_on")
-  assert "cond" not in str(mid)
-  assert len(eqns(split.closing_step.trace(*args).jaxpr.jaxpr, "compute_on")) == 1
-  # On XLA:CPU: the mid-step passes the state through, aliased (params and state donated);
-  # its temporaries are a few scalars, none the size of a state's leaf (96 bytes).
-  compiled = jax.jit(split.mid_step, donate_argnums=(0, 1)).lower(*args).compile()
-  assert compiled.memory_analysis().temp_size_in_bytes < 96
 
 
 @pytest.mark.parametrize("opt", ["adam", "adamw"])
@@ -244,14 +231,12 @@ def test_flax_train_state_keeps_the_state_on_the_host() -> None:
     return TrainState.create(apply_fn=model.apply, params=fresh(params), tx=oa.accumulate(
         4, oa.host_state(inner) if host else inner))
 
-  ref, one, two = make(False), make(True), make(True)
-  steps = (jax.jit(train_step), jax.jit(train_step, donate_argnums=0),
-           oa.offload.jit(train_step, donate_argnums=0))
+  ref, run = make(False), make(True)
+  ref_step, step = jax.jit(train_step), jax.jit(train_step, donate_argnums=0)
   for i in range(5):
-    ref, one, two = (step(s, batch(i)) for step, s in zip(steps, (ref, one, two), strict=True))
-    for run in (one, two):
-      assert_on_host(run.opt_state)
-      assert_bitwise((run.params, inner_of(run.opt_state)), (ref.params, inner_of(ref.opt_state)))
+    ref, run = ref_step(ref, batch(i)), step(run, batch(i))
+    assert_on_host(run.opt_state)
+    assert_bitwise((run.params, inner_of(run.opt_state)), (ref.params, inner_of(ref.opt_state)))
 
 
 def test_nnx_optimizer_keeps_the_state_on_the_host() -> None:
@@ -300,8 +285,8 @@ def test_on_8_devices_the_state_is_sharded_on_the_host_like_on_the_device() -> N
   params = on_mesh(mesh)
   state = jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)
   ref = (on_mesh(mesh), ref_tx.init(on_mesh(mesh)))
-  runs = {"one": (params, state), "two": (on_mesh(mesh), tx.init(on_mesh(mesh)))}
-  steps = {"one": jax.jit(mesh_step(tx)), "two": oa.offload.jit(mesh_step(tx))}
+  runs = {"one": (params, state)}
+  steps = {"one": jax.jit(mesh_step(tx))}
   x = jax.device_put(batch(0, 16), NamedSharding(mesh, P("data")))
   with jax.set_mesh(mesh):
     for i in range(3):
@@ -317,45 +302,43 @@ def test_on_8_devices_the_state_is_sharded_on_the_host_like_on_the_device() -> N
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
-@pytest.mark.parametrize("host", [False, True])
-def test_under_shard_map_offload_jit_is_jax_jit_bit_for_bit(host: bool) -> None:
-  """The step inside ``shard_map`` (``accumulate(..., axis_name=)``, per-device state): both
-  programs, with the state on the device and on the host, against ``jax.jit``."""
+def test_under_shard_map_equals_the_device_run_bit_for_bit() -> None:
+  """The step inside ``shard_map`` (``accumulate(..., axis_name=)``, per-device state)."""
   from optax_accum.sharding import per_device_state, shard_map_specs
 
-  mesh = jax.make_mesh((8,), ("data",))
-  tx = per_device_state(oa.accumulate(2, oa.host_state(adam()) if host else adam(),
-                                      axis_name="data"), "data")
-  specs = shard_map_specs(tx, PARAMS, "data")
+  mesh, runs, steps = jax.make_mesh((8,), ("data",)), {}, {}
+  for host in (False, True):
+    tx = per_device_state(oa.accumulate(2, oa.host_state(adam()) if host else adam(),
+                                        axis_name="data"), "data")
+    specs = shard_map_specs(tx, PARAMS, "data")
 
-  def body(p: Any, s: Any, x: jax.Array) -> tuple[Any, Any]:
-    grads = jax.grad(loss)(jax.lax.pcast(p, "data", to="varying"), x)
-    return oa.update_and_apply(tx, grads, s, p)
+    def body(p: Any, s: Any, x: jax.Array, tx: Any = tx) -> tuple[Any, Any]:
+      grads = jax.grad(loss)(jax.lax.pcast(p, "data", to="varying"), x)
+      return oa.update_and_apply(tx, grads, s, p)
 
-  step = jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
-  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
-  runs = {f: (fresh(PARAMS), init(fresh(PARAMS))) for f in (jax.jit, oa.offload.jit)}
-  steps = {f: f(step) for f in runs}
+    steps[host] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P("data")),
+                                        out_specs=(P(), specs)))
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+    runs[host] = (fresh(PARAMS), init(fresh(PARAMS)))
   for i in range(5):
     x = jax.device_put(batch(i, 16), NamedSharding(mesh, P("data")))
-    for f in runs:
-      runs[f] = steps[f](*runs[f], x)
-      if host:
-        assert_on_host(runs[f][1])
-    assert_bitwise(runs[jax.jit], runs[oa.offload.jit])
-  assert int(runs[oa.offload.jit][1].gradient_step) == 2
+    runs = {host: steps[host](*runs[host], x) for host in runs}
+    assert_on_host(runs[True][1])
+    assert_bitwise((runs[True][0], inner_of(runs[True][1])),
+                   (runs[False][0], inner_of(runs[False][1])))
+  assert int(runs[True][1].gradient_step) == 2
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_orbax_and_reshard_state_bring_the_state_back_to_the_host(tmp_path: Path) -> None:
   """Saved mid-window with orbax; restored into the abstract target of
-  ``state_shardings``: in host memory, bit for bit, and the resumed run (``offload.jit``:
-  it reads the restored window's count) ends as the uninterrupted one. ``reshard_state``
+  ``state_shardings``: in host memory, bit for bit, and the resumed run ends as the
+  uninterrupted one. ``reshard_state``
   onto 2 devices: the inner state in host memory again, bit for bit."""
   ocp = pytest.importorskip("orbax.checkpoint")
   mesh = data_mesh(8)
   tx = oa.accumulate(4, oa.host_state(adam()), axis_name="data")
-  step = oa.offload.jit(mesh_step(tx))
+  step = jax.jit(mesh_step(tx))
   x = jax.device_put(batch(0, 16), NamedSharding(mesh, P("data")))
   run = (on_mesh(mesh), tx.init(on_mesh(mesh)))
   with jax.set_mesh(mesh):
@@ -387,9 +370,8 @@ def test_orbax_and_reshard_state_bring_the_state_back_to_the_host(tmp_path: Path
 @pytest.mark.catches("host_state_single_device_placement")
 def test_a_restored_state_stays_home(tmp_path: Path) -> None:
   """Saved by orbax mid-window on one device, restored into either target (the state
-  ``tx.init`` builds, or ``ShapeDtypeStruct`` s of ``state_shardings``), resumed with
-  ``jax.jit`` and with ``offload.jit``: in host memory after every resumed step, and the
-  run ends as the uninterrupted one, bit for bit."""
+  ``tx.init`` builds, or ``ShapeDtypeStruct`` s of ``state_shardings``), resumed: in host
+  memory after every resumed step, and the run ends as the uninterrupted one, bit for bit."""
   ocp = pytest.importorskip("orbax.checkpoint")
   tx, step = across_steps(4, adam, host=True)
   run = (fresh(PARAMS), tx.init(fresh(PARAMS)))
@@ -402,13 +384,12 @@ def test_a_restored_state_stays_home(tmp_path: Path) -> None:
   structs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          run[1], state_shardings(tx, run[0]))
   for target in (tx.init(fresh(PARAMS)), structs):
-    for form in (jax.jit, oa.offload.jit):
-      resumed = (fresh(saved[0]), checkpointer.restore(tmp_path / "ckpt", target))
+    resumed = (fresh(saved[0]), checkpointer.restore(tmp_path / "ckpt", target))
+    assert_on_host(resumed[1])
+    for i in range(3, 6):
+      resumed = jax.jit(step)(*resumed, batch(i))
       assert_on_host(resumed[1])
-      for i in range(3, 6):
-        resumed = form(step)(*resumed, batch(i))
-        assert_on_host(resumed[1])
-      assert_bitwise(resumed, run)
+    assert_bitwise(resumed, run)
 
 
 @pytest.mark.catches("host_state_single_device_placement")
@@ -452,35 +433,3 @@ def test_a_platform_without_host_memory_is_named(monkeypatch: pytest.MonkeyPatch
   with pytest.raises(ValueError, match="someplatform") as raised:
     oa.host_state(adam()).init(PARAMS)
   assert f"jax {jax.__version__}" in str(raised.value) and "'device'" in str(raised.value)
-
-
-def test_offload_jit_refuses_a_window_it_cannot_count() -> None:
-  tx = oa.accumulate(2, oa.host_state(adam()), skip_nonfinite=True)
-  step = oa.offload.jit(lambda p, s, x: oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p))
-  with pytest.raises(ValueError, match="skip_nonfinite"):
-    step(fresh(PARAMS), tx.init(fresh(PARAMS)), batch(0))
-
-
-def test_offload_jit_refuses_two_windows_and_splits_a_nested_jit(
-    monkeypatch: pytest.MonkeyPatch) -> None:
-  """Two accumulations count two windows (one program for both would close the wrong one):
-  they raise on the first call, before any step runs. A ``jax.jit`` nested in the step is
-  traced once per program (the phase is a JAX context, part of its cache keys): the same
-  run as ``jax.jit``'s, bit for bit, and no cache of JAX's is cleared."""
-  monkeypatch.setattr(jax, "clear_caches", lambda: pytest.fail("jax.clear_caches called"))
-  tx = oa.accumulate(2, oa.host_state(adam()))
-  two = lambda p, s, q, r, x: (*oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p),
-                               *oa.update_and_apply(tx, jax.grad(loss)(q, x), r, q))
-  args = (fresh(PARAMS), tx.init(fresh(PARAMS)), fresh(PARAMS), tx.init(fresh(PARAMS)), batch(0))
-  with pytest.raises(ValueError, match="two accumulations in one step"):
-    oa.offload.jit(two)(*args)
-  inner = jax.jit(lambda p, s, x: oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p))
-  nested = lambda p, s, x: inner(p, s, x)
-  runs = {f: (fresh(PARAMS), tx.init(fresh(PARAMS))) for f in (jax.jit, oa.offload.jit)}
-  steps = {f: f(nested) for f in runs}
-  for i in range(3):  # the window closes at the second call
-    for f in runs:
-      runs[f] = steps[f](*runs[f], batch(i))
-    assert_bitwise(runs[jax.jit], runs[oa.offload.jit])
-  assert int(runs[oa.offload.jit][1].gradient_step) == 1
-  assert not np.array_equal(runs[oa.offload.jit][0]["w"], PARAMS["w"])
