@@ -1,12 +1,16 @@
-"""The optimizer state in host memory (``oa.host_state``): device bytes, and the time on a GPU.
+"""The optimizer state in host memory (``oa.host_state``): device bytes, the largest model, time.
 
 Device bytes per parameter (arguments + temporaries - the state's in pinned_host) of compiled
 steps, params and state donated, adam: ``accumulate(k, adam)`` against ``accumulate(k,
-host_state(adam))``, ``jax.jit`` (one program) and ``offload.jit`` (two); the update alone (k = 4);
+host_state(adam))``, compiled with ``jax.jit`` (one program); the update alone (k = 4);
 an MLP's step, 4 layers of d x d (3 in a lax.scan in one row), micro-batches of d rows (k = 8).
+``--tpu`` (on the chip; ``--quick`` checks it on the CPU): the largest MLP that trains with the
+state on the device and with ``host_state``, bisected by compiling (f32 adam, k = 4), each run for
+two windows; the host update's ns/param and threads; ``host_state_tpu.{md,json}`` in ``--out``.
 """
 
 import functools
+import os
 import re
 import sys
 import time
@@ -16,12 +20,13 @@ if "--h200" in sys.argv:  # it sets, before jax: no GPU runtime, no check for a 
 import harness
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
 import optax_accum as oa
 
-K, HOST, FORMS = 4, "pinned_host", ("one program", "micro-step", "closing step")
+K, HOST, FORMS = 4, "pinned_host", ("one program",)
 CPU = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
 
 
@@ -31,7 +36,7 @@ def args_of(params, batch, dev, on_host, across, concrete):
   inner = oa.offload.HostState(state.inner_opt_state) if on_host else state.inner_opt_state
   put = lambda t, s: jax.tree.map(lambda x: jax.device_put(jnp.zeros(x.shape, x.dtype), s) if (
       concrete) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t)
-  inner = put(inner, dev.with_memory_kind(HOST) if on_host else dev)
+  inner = put(inner, oa.offload.in_host_memory(dev) if on_host else dev)
   return put(params, dev), put(state, dev)._replace(inner_opt_state=inner) if across else (
       inner), put(batch, dev)
 
@@ -72,13 +77,10 @@ def forms(row, step, params, batch, dev, h200):
   args = args_of(params, batch, dev, on_host, across, not h200)
   n = sum(x.size for x in jax.tree.leaves(params))
   host = 8 * n * (row["params"] == "float32" or 0.5) if on_host else 0  # adam's mu and nu
-  split = oa.offload.jit(step, donate_argnums=(0, 1))
-  programs = dict(zip(FORMS, (jax.jit(step, donate_argnums=(0, 1)), split.mid_step,
-                              split.closing_step)[:3 if on_host and across else 1], strict=False))
+  programs = {"one program": jax.jit(step, donate_argnums=(0, 1))}
   if h200 and on_host:
     typed = args_of(params, batch, CPU, True, across, True)
-    vessel = lambda: (oa.offload.jit(step, donate_argnums=(0, 1)).closing_step if across
-                      else jax.jit(step, donate_argnums=(0, 1)))  # (the closing step: its window)
+    vessel = lambda: jax.jit(step, donate_argnums=(0, 1))
     programs = {form: functools.partial(typed_h200, fn, typed, vessel)
                 for form, fn in programs.items()}
   for form, fn in programs.items():
@@ -131,9 +133,9 @@ def at_scale(dev):
     for state, opt in (("device", optax.adam(1e-3)), (HOST, oa.host_state(optax.adam(1e-3)))):
       step = update_step(opt)
       args = args_of(params, params, dev, state == HOST, True, False)
-      closing = oa.offload.jit(step, donate_argnums=(0, 1)).closing_step
+      closing = jax.jit(step, donate_argnums=(0, 1))
       m = (typed_h200(closing, args_of(params, params, CPU, True, True, False), lambda step=step: (
-          oa.offload.jit(step, donate_argnums=(0, 1)).closing_step), args) if (
+          jax.jit(step, donate_argnums=(0, 1))), args) if (
           state == HOST) else jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile(
           )).memory_analysis()
       row[state] = round(device_bytes(m, 8 * n if state == HOST else 0) / 1e9, 1)  # GB
@@ -145,10 +147,9 @@ def gpu_times(quick, rounds):
   """Median ms of the micro-steps and of the closing step of each form, a window a round."""
   params = {f"w{i}": jnp.full((1 << (14 if quick else 26),), 0.01) for i in range(4)}
   runs, times = {}, {}
-  for name in ("device state, one program", "host state, two programs", "host state, one program"):
+  for name in ("device state", "host state"):
     tx = oa.accumulate(K, oa.host_state(optax.adam(1e-3)) if "host" in name else optax.adam(1e-3))
-    step = (oa.offload.jit if "two" in name else jax.jit)(
-        lambda p, s, g, tx=tx: oa.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
+    step = jax.jit(lambda p, s, g, tx=tx: oa.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
     runs[name], times[name] = [step, jax.tree.map(jnp.copy, params), tx.init(params)], ([], [])
 
   def window(name):
@@ -160,6 +161,67 @@ def gpu_times(quick, rounds):
   harness.interleaved({name: functools.partial(window, name) for name in runs}, rounds, warmup=2)
   return {name: [round(1e3 * harness.median(t[-rounds * n:]), 3) for t, n in zip(
       ts, (K - 1, 1), strict=True)] for name, ts in times.items()}
+
+
+def real_run(layers, d, host, limit, run_it):
+  """Compiles (and with ``run_it`` runs two windows of) the step of an MLP of ``layers`` tanh
+  layers of d x d in a lax.scan, f32 adam, k = 4: its device bytes, or None where it does not
+  fit ``limit``; with ``run_it``, the median seconds of its mid-steps and of its closing step."""
+  loss = lambda p, x: jnp.mean(lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p)[0] ** 2)
+  tx = oa.accumulate(K, oa.host_state(optax.adam(1e-4)) if host else optax.adam(1e-4))
+  step = jax.jit(lambda p, s, x: oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p),
+                 donate_argnums=(0, 1))
+  dev, n = jax.sharding.SingleDeviceSharding(jax.devices()[0]), layers * d * d
+  params = jax.ShapeDtypeStruct((layers, d, d), jnp.float32, sharding=dev)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       jax.eval_shape(tx.init, params), oa.sharding.state_shardings(tx, params))
+  x = jax.ShapeDtypeStruct((4 * K, d), jnp.float32, sharding=dev)
+  try:
+    held = device_bytes(step.lower(params, state, x).compile().memory_analysis(), 8 * n * host)
+  except Exception:  # over the chip's memory: the compiler refuses it
+    return None
+  if held > limit or not run_it:
+    return None if held > limit else {"device bytes": held}
+  p = jax.random.normal(jax.random.key(0), (layers, d, d)) / d**0.5
+  # Adam's and the window's initial state is zeros: placed from the host (tx.init would build
+  # the inner state on the device first, where the largest host_state model has no room).
+  run, times = [p, jax.tree.map(lambda x, s: jax.device_put(np.zeros(x.shape, x.dtype), s.sharding),
+                                state, state)], ([], [])
+  for i in range(2 * K):
+    xs = jax.random.normal(jax.random.key(i), (4 * K, d))
+    t0 = time.perf_counter()
+    run = jax.block_until_ready(step(*run, xs))
+    times[i % K == K - 1].append(time.perf_counter() - t0)
+  return {"device bytes": held, "ms": [round(1e3 * harness.median(t[1:]), 1) for t in times]}
+
+
+def largest(host, d, limit, top):
+  """The most layers (of d x d) whose step compiles within ``limit`` and trains two windows."""
+  lo, hi = 0, top  # lo fits (0: nothing), hi + 1 does not
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    lo, hi = (mid, hi) if real_run(mid, d, host, limit, False) else (lo, mid - 1)
+  for _ in range(3):  # a step down where the runtime needs more than the compiler said
+    if not lo or (run := real_run(lo, d, host, limit, True)) is not None:
+      break
+    lo -= 1
+  return {"layers": lo, "params": lo * d * d, **(run if lo else {})}
+
+
+def tpu(quick):
+  """The real run on the chip: the largest model each way; the host update's pace."""
+  limit = 8 << 20 if quick else jax.devices()[0].memory_stats()["bytes_limit"]
+  d = 128 if quick else 4096
+  fits = {s: largest(s == HOST, d, limit, 64 if quick else 160) for s in ("device", HOST)}
+  same = fits["device"]["layers"]  # the price of the fit: host_state at the device's size
+  fits[f"{HOST}, {same} layers"] = {"layers": same, "params": same * d * d,
+                                     **(real_run(same, d, True, limit, True) or {})}
+  host = fits[HOST]
+  closing, mid = (host["ms"][1], host["ms"][0]) if host["layers"] else (0.0, 0.0)
+  return {"limit": limit, "d": d, "fits": fits, "ratio": round(
+      host["params"] / max(fits["device"]["params"], 1), 2),
+          "host ns/param": round(1e6 * (closing - mid) / max(host["params"], 1), 2),
+          "threads": len(os.sched_getaffinity(0)), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
 
 
 def markdown(r):
@@ -175,7 +237,20 @@ def markdown(r):
                             [[x["fill"], f"{x['params']:.3g}", x["device"], x[HOST]]
                              for x in r["at scale"]]), ""] if "at scale" in r else []),
       *(harness.table("median ms on the device | micro-step | closing step", "lrr", [
-          [k, *v] for k, v in r["gpu"].items()]) if "gpu" in r else [])])
+          [k, *v] for k, v in r["gpu"].items()]) if "gpu" in r else []),
+      *(tpu_markdown(r["tpu"]) if "tpu" in r else [])])
+
+
+def tpu_markdown(t):
+  return ["", f"The largest MLP (layers of {t['d']} x {t['d']}, f32 adam, k = {K}) that trains"
+          f" within {t['limit'] / 2**30:.2f} GiB, bisected by compiling, then two windows run:", "",
+          *harness.table("state | layers | params | device B/param | ms micro-step | ms closing",
+                         "lrrrrr", [[s, f["layers"], f"{f['params']:.4g}", round(f.get(
+                             "device bytes", 0) / max(f["params"], 1), 2), *f.get("ms", ["-"] * 2)]
+                                    for s, f in t["fits"].items()]), "",
+          f"{t['ratio']:.2f}x as many parameters with host_state. The host update (closing step"
+          f" minus micro-step, the link included): {t['host ns/param']} ns/param, {t['threads']}"
+          f" threads (XLA_FLAGS: {t['XLA_FLAGS'] or 'none'})."]
 
 
 def plot(r):
@@ -201,6 +276,7 @@ def main():
   ap = harness.parser(__doc__, quick="small sizes (checks the script)")
   ap.add_argument("--h200", action="store_true", help="the H200 compiler (gpu_hlo.py's venv)")
   ap.add_argument("--gpu", action="store_true", help="also time both forms on this device")
+  ap.add_argument("--tpu", action="store_true", help="also the real run on the chip (--quick: CPU)")
   args = ap.parse_args()
   dev = gpu_hlo.target(None)[0] if args.h200 else jax.sharding.SingleDeviceSharding(
       jax.devices()[0])
@@ -209,8 +285,11 @@ def main():
        "compiler": "the H200 compiler" if args.h200 else f"XLA on {jax.devices()[0].device_kind}",
        **({"gpu": gpu_times(args.quick, 3 if args.quick else 21)} if args.gpu else {}),
        **({"at scale": at_scale(dev)} if args.h200 and not args.quick else {})}
-  harness.write(args.out, "host_state_" + ("h200" if args.h200 else "gpu" if args.gpu else "cpu"),
-                r, markdown(r), plot)
+  stem = "h200" if args.h200 else "tpu" if args.tpu else "gpu" if args.gpu else "cpu"
+  if args.tpu:  # the memory rows first: a run stopped in the real run still leaves them
+    harness.write(args.out, "host_state_tpu", r, markdown(r))
+    r["tpu"] = tpu(args.quick)
+  harness.write(args.out, "host_state_" + stem, r, markdown(r), plot)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ Each compiler-facing choice names, at its line, the section of
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -47,22 +46,6 @@ KSchedule = Callable[[jax.Array], Any]
 # profile tells which kernels run on mid-steps (add, mid) and which on
 # emitting steps.
 SCOPES = {"add": "optax_accum_add", "mid": "optax_accum_mid", "emit": "optax_accum_emit"}
-
-# Set by `offload.jit` while it traces a window's mid-step or its closing step, each a
-# program of its own: the window's conditional becomes the branch that program runs.
-PHASE: contextvars.ContextVar[Any] = contextvars.ContextVar("optax_accum_phase", default=None)
-# True while `emit` runs the inner optimizer, whose operands (the window's sum among them)
-# exist before it starts: a conditional's operands, or those of `offload.jit`'s barrier.
-EMITTING: contextvars.ContextVar[bool] = contextvars.ContextVar("optax_accum_emit", default=False)
-
-
-def in_context(var: contextvars.ContextVar[Any], value: Any, fn: Callable[..., Any], /,
-               *args: Any, **kwargs: Any) -> Any:
-  """``fn(*args, **kwargs)`` with ``var`` set to ``value`` (in a copy of the context)."""
-  context = contextvars.copy_context()
-  context.run(var.set, value)
-  return context.run(fn, *args, **kwargs)
-
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -246,10 +229,9 @@ def micro_step(
   add = functools.partial(buffer_after, config, mini_step=window.mini_step, accept=accept,
                           weight=weight, seed=seed)
 
-  # 3. Emit or not: the update's conditional, then the add's (on mid-steps). Each passes what
-  # it does not write through as branch 0, the one whose operands the TPU compiler keeps in
-  # place (docs/development/compiler_evidence.md, "Two conditionals").
-  cond = lax.cond if PHASE.get() is None else PHASE.get().cond(config, accept, emit_now)
+  # 3. Emit or not: the add's conditional (mid-steps), then the update's. Each passes what it
+  # does not write through as branch 0, the one whose operands the TPU compiler keeps in place
+  # (docs/development/compiler_evidence.md, "Two conditionals").
   # Under jax.jit the trace that gives the types of the updates (or params) is cached: the
   # conditional's branch binds it again, and the inner optimizer's Python runs once.
   run_emit = jax.jit(functools.partial(emit, config, apply=apply, extra_args=extra_args or {}))
@@ -267,7 +249,7 @@ def micro_step(
       updates, buffer = park(emitted.out, window_sum, parks)
       return emitted._replace(out=updates), buffer
 
-    (out, new_inner, new_noise), buffer = cond(
+    (out, new_inner, new_noise), buffer = lax.cond(
         decision.emits, jax.named_scope(SCOPES["emit"])(emitting),
         jax.named_scope(SCOPES["mid"])(lambda ops, acc: (waiting(ops), add(acc, ops.grads))),
         ops, window.acc_grads)
@@ -276,12 +258,9 @@ def micro_step(
     # The add's conditional writes the buffer on mid-steps; the emitting branch adds the
     # micro-batch where the inner optimizer reads it (no pass of its own, no write of the
     # buffer, dead once the window closed).
-    phase = PHASE.get()  # a program of `offload.jit`'s knows which branch it runs
-    add_cond = lax.cond if phase is None else lambda _, adds, keeps, *ops: (
-        keeps if phase.emits else adds)(*ops)
-    buffer = add_cond(jnp.logical_not(decision.emits), jax.named_scope(SCOPES["add"])(add),
+    buffer = lax.cond(jnp.logical_not(decision.emits), jax.named_scope(SCOPES["add"])(add),
                       lambda acc, grads: acc, window.acc_grads, grads)
-    out, new_inner, new_noise = cond(
+    out, new_inner, new_noise = lax.cond(
         decision.emits, jax.named_scope(SCOPES["emit"])(
             lambda ops, acc: run_emit(ops, add(acc, ops.grads))),
         jax.named_scope(SCOPES["mid"])(lambda ops, acc: waiting(ops)), ops, buffer)
@@ -418,8 +397,7 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
 
   out, new_inner = reduced, ops.inner_state  # the chain form emits the reduced gradient
   if config.inner is not None:
-    updates, new_inner = in_context(EMITTING, True, config.inner.update, reduced,
-                                    ops.inner_state, ops.params, **extra_args)
+    updates, new_inner = config.inner.update(reduced, ops.inner_state, ops.params, **extra_args)
     # Optimizers may promote their state (Adam's f16 moments on f32 gradients);
     # both branches of the cond, and lax.scan, need stable dtypes.
     new_inner = optax.tree.cast_like(new_inner, ops.inner_state)

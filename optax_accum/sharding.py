@@ -225,9 +225,8 @@ def state_shardings(
   else:
     layout = _lay_out_like_params(tx, params, shardings, _replicated_like(sharding_leaves[0]))[1]
   # The state of `host_state` in host memory (its memory kind: `eval_shape` drops it).
-  return jax.tree.map(lambda n: jax.tree.map(lambda s: s.with_memory_kind(
-      offload.HOST), n) if isinstance(n, offload.HostState) else n, layout, is_leaf=lambda n: (
-          isinstance(n, offload.HostState)))
+  return jax.tree.map(lambda n: jax.tree.map(offload.in_host_memory, n) if isinstance(
+      n, offload.HostState) else n, layout, is_leaf=lambda n: isinstance(n, offload.HostState))
 
 
 def _map_per_device(fn: Any, state: Any, **kw: Any) -> Any:

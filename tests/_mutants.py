@@ -34,7 +34,7 @@ MUTANTS: dict[str, Mutant] = {}
 _accumulate, _microbatched = oa.accumulate, oa.microbatched  # the real ones
 _clip_loss, _siglip_loss = contrastive.clip_loss, contrastive.siglip_loss
 _ppermute = jax.lax.ppermute
-_host_state, _offload_jit = oa.host_state, offload.jit
+_host_state = oa.host_state
 _MISSING = object()
 
 
@@ -332,19 +332,11 @@ def host_state_on_device(patch: pytest.MonkeyPatch) -> None:
   """``host_state`` keeps the state on the device: a silent fallback (same values, same
   state type, no memory saved)."""
   def host_state(inner: Any) -> optax.GradientTransformationExtraArgs:
-    real = _host_state(inner)
-    to_device = lambda s: jax.device_put(s, jax.memory.Space.Device)
+    inner = optax.with_extra_args_support(inner)
     return optax.GradientTransformationExtraArgs(
-        lambda p: to_device(real.init(p)),
-        lambda g, s, p=None, **kw: (lambda u, s: (u, to_device(s)))(*real.update(g, s, p, **kw)))
+        lambda p: offload.HostState(inner.init(p)), lambda g, s, p=None, **kw: (
+            lambda u, s: (u, offload.HostState(s)))(*inner.update(g, s.inner_state, p, **kw)))
   patch.setattr(oa, "host_state", host_state)
-
-
-@mutant
-def offload_jit_emits_every_call(patch: pytest.MonkeyPatch) -> None:
-  """``offload.jit`` runs the closing step's program on every call: each micro-batch
-  takes an optimizer step."""
-  patch.setattr(offload, "jit", lambda step, **kw: _offload_jit(step, **kw).closing_step)
 
 
 @mutant
@@ -375,3 +367,28 @@ def narrow_statistic_summed_in_its_type(patch: pytest.MonkeyPatch) -> None:
           s) else s, stats, own), **kw)
     return _microbatched(in_their_type, k, **options)
   patch.setattr(oa, "microbatched", microbatched)
+
+
+@mutant
+def host_state_moves_the_state_in(patch: pytest.MonkeyPatch) -> None:
+  """``host_state`` updates on the device: the state moved in and out around the update
+  (the same values and memory kinds between steps; the state's bytes on the device)."""
+  def host_state(inner: Any) -> optax.GradientTransformationExtraArgs:
+    inner, real = optax.with_extra_args_support(inner), _host_state(inner)
+    put = lambda tree, space: jax.device_put(tree, getattr(jax.memory.Space, space))
+    return optax.GradientTransformationExtraArgs(real.init, lambda g, s, p=None, **kw: (
+        lambda u, s: (u, offload.HostState(put(s, "Host"))))(
+            *inner.update(g, put(s.inner_state, "Device"), p, **kw)))
+  patch.setattr(oa, "host_state", host_state)
+
+
+@mutant
+def host_state_single_device_placement(patch: pytest.MonkeyPatch) -> None:
+  """``host_state`` places a one-device state with a ``SingleDeviceSharding`` in host
+  memory: a ``ShapeDtypeStruct`` of its shardings, or an array restored into them, is
+  typed on the device (JAX types host memory from a ``NamedSharding`` alone)."""
+  def host_state(inner: Any) -> optax.GradientTransformationExtraArgs:
+    real = _host_state(inner)
+    return optax.GradientTransformationExtraArgs(lambda p: offload.HostState(jax.device_put(
+        inner.init(p), jax.memory.Space.Host)), real.update)
+  patch.setattr(oa, "host_state", host_state)

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 import optax_accum as oa
 from optax_accum.debug import hlo_collectives
 from optax_accum.sharding import per_device_state, reshard_state, shard_map_specs
+from tests._reference import on_cpu
 
 E, TOPK, D, H, V, L = 4, 2, 6, 8, 5, 2  # experts, routed per token, widths, vocab, layers
 B, T = 64, 3  # rows (sequences) and tokens per row
@@ -137,7 +138,7 @@ def float64_whole_batch() -> tuple[Any, Any, Any]:
     pytest.param(8, 1, marks=pytest.mark.catches("global_stats_per_microbatch")),
     pytest.param(8, 8, marks=[needs_8, pytest.mark.catches("global_stats_per_microbatch")])])
 def test_the_exact_mode_is_the_whole_batch_in_float64(k: int, devices: int) -> None:
-  with jax.enable_x64(True):
+  with on_cpu():  # float64 on the host CPU on every backend (a TPU emulates it)
     params, batch, expected = float64_whole_batch()
     fn = oa.microbatched(jax.value_and_grad(loss), k, normalize="sum", global_stats=stats_fn)
     if devices == 1:  # no mesh: what a laptop runs (OPTAX_ACCUM_TEST_DEVICES=1)

@@ -53,7 +53,7 @@ def test_a_mutant_is_undone_after_its_test() -> None:
   monkeypatch is undone."""
   def patched() -> tuple:
     return (oa.accumulate, oa.microbatched, jax.lax.cond, jax.lax.ppermute,
-            contrastive.clip_loss, contrastive.siglip_loss, oa.host_state, oa.offload.jit)
+            contrastive.clip_loss, contrastive.siglip_loss, oa.host_state)
   real = patched()
   for apply in _mutants.MUTANTS.values():
     with pytest.MonkeyPatch.context() as patch:
