@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 import sys
 import tempfile
@@ -32,8 +33,7 @@ from optax_accum.planning import HEADROOM, compiled_peak_bytes
 TRANSFORMER = {"d_model": 1024, "heads": 16, "layers": 4, "seq": 512, "vocab": 8192, "batch": 64}
 SMOKE = {"d_model": 32, "heads": 2, "layers": 1, "seq": 16, "vocab": 64, "batch": 512}
 LIMITS = {"update_and_apply_mid": 1.15, "accumulate_mid": 1.7, "update_and_apply_emit": 1.15}
-PRECISION = {"tpu": "bf16 passes for f32 matmuls", "cpu": "full f32",
-             "gpu": "TF32 for f32 matmuls (NVIDIA, Ampere and later)"}
+PRECISION = {"tpu": "bf16 passes for f32 matmuls", "gpu": "TF32 (NVIDIA)", "cpu": "full f32"}
 
 
 def gib(n_bytes: float | None) -> str:
@@ -42,13 +42,11 @@ def gib(n_bytes: float | None) -> str:
 
 def oom_bytes(error: Exception) -> int | None:
   """The bytes an out-of-memory error names (TPU compiler: "Used 23.65G of 15.48G hbm";
-  allocators: "allocate N bytes"), None if none; any other error is raised again."""
+  allocators: "allocate 1.00G", "allocate N bytes"), None if none; other errors are raised."""
   if not any(marker in str(error).lower() for marker in ("resource_exhausted", "out of memory")):
     raise error
-  m = re.search(r"Used ([\d.]+)([KMGT]?) of|allocate (\d+) bytes", str(error))
-  if m is None:
-    return None
-  return int(m[3]) if m[3] else int(float(m[1]) * 1024 ** " KMGT".index(m[2] or " "))
+  m = re.search(r"(?:Used|allocate) ([\d.]+)([KMGT]?)", str(error))
+  return None if m is None else int(float(m[1]) * 1024 ** " KMGT".index(m[2] or " "))
 
 
 def compile_fit(fn: Callable[..., Any], args: Any, donate: tuple[int, ...] = ()) -> dict:
@@ -76,7 +74,9 @@ def accumulation(limit: int, rounds: int, log: Callable[[str], None]) -> dict[st
     peaks = [fit["peak"] if fit["compiled"] else math.inf for fit in probed[size].values()]
     return max(peaks) + 4 * size + copy.bytes_moved
 
-  largest = 2 ** math.ceil(math.log2(budget / 16))  # adam's arguments alone: 16 bytes a param
+  largest = 2 ** round(math.log2(budget / 40))  # a guess, so that two sizes compile: 40 B a param
+  while need(largest) <= budget and need(2 * largest) <= budget:
+    largest *= 2
   while need(largest) > budget:
     largest //= 2
   key, fit = max(probed[2 * largest].items(), key=lambda kv: kv[1]["peak"] or math.inf)
@@ -142,7 +142,6 @@ def transformer(tf: dict[str, int], limit: int, iters: int, log: Callable[[str],
       secs = harness.interleaved({0: lambda: jax.block_until_ready(fit["compiled"](*args))}, iters)
     except Exception as e:
       return {**row, "status": f"out of memory at run time ({gib(oom_bytes(e))} GiB asked)"}
-    log(f"{name}: ran")
     return {**row, "ran": True, "status": "ran", "step_ms": 1e3 * harness.median(secs[0])}
 
   rows = [row("full batch", 1, full)]
@@ -166,10 +165,8 @@ def markdown(result: dict[str, Any]) -> str:
       f" jax {meta['jax']}, optax {meta['optax']}, {meta['date']}, {meta['wall_s']} s. Memory"
       f" {gib(meta['memory_limit'])} GiB, programs planned within {HEADROOM} of it. Matmul"
       f" precision: {result['precision']}.", "",
-      "## Train steps: adam, window k = 4, params and state donated", "",
-      *[f"- {line}" for line in result["sizing"]], "",
-      f"One program at a time, {meta['rounds']} rounds, each with the copy: a ratio is the median"
-      " of a program's time over its round's 3P floor, over the other's.", "",
+      f"## Train steps: adam, k = 4, donated, one program at a time with its copy, {meta['rounds']}"
+      " rounds", "", *[f"- {line}" for line in result["sizing"]], "",
       *ba.sections(result, limits="; issue 62's limits"),
       "## A transformer too large for one step, trained microbatched", "",
       f"`bench_microbatched.py`'s model ({json.dumps(tf['config'])[1:-1]}), {tf['params']:,}"
@@ -190,9 +187,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   ap = harness.parser(__doc__)
   ap.set_defaults(out=None)  # benchmarks/results, or a temp dir with --cpu-smoke
   ap.add_argument("--cpu-smoke", "--quick", dest="smoke", action="store_true", help="tiny sizes"
-                  " within --memory-gib (default 1/64), 3 rounds: checks the script")
+                  " within --memory-gib (default 1/64), 2 rounds: checks the script")
   ap.add_argument("--memory-gib", type=float, help="in place of the device's bytes_limit")
-  args, t_start, backend = ap.parse_args(argv), time.perf_counter(), jax.default_backend()
+  args = ap.parse_args(argv)
+  if args.smoke:  # checks the script, not its numbers: XLA:CPU compiles twice as fast unoptimized
+    os.environ["XLA_FLAGS"] = os.getenv("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+  t_start, backend = time.perf_counter(), jax.default_backend()
   memory_gib = args.memory_gib or (1 / 64 if args.smoke else None)
   limit = int(memory_gib * 2**30) if memory_gib else (
       jax.devices()[0].memory_stats() or {}).get("bytes_limit")
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)
 
   log(f"{jax.devices()[0].device_kind}: {gib(limit)} GiB; matmul precision {precision}")
-  result = {**accumulation(limit, 3 if args.smoke else 15, log), "precision": precision}
+  result = {**accumulation(limit, 2 if args.smoke else 15, log), "precision": precision}
   result["meta"].update(argv=sys.argv[1:] if argv is None else argv, smoke=args.smoke,
                         memory_limit=limit)
   out.mkdir(parents=True, exist_ok=True)
