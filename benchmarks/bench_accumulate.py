@@ -16,7 +16,7 @@ import functools
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import harness
@@ -134,10 +134,11 @@ class Timer:
       self.samples.setdefault(phase, []).append(statistics.fmean(ts))
 
 
-def compile_program(prog: Program, params: Tree, grads: Tree) -> Timer:
-  """Compiles ``prog`` (params and state donated) and returns its timer."""
+def compile_program(prog: Program, params: Tree, grads: Tree, compiled: Any = None) -> Timer:
+  """``prog``'s timer; its program ``compiled``, or compiled here (params and state donated)."""
   state = prog.init(params)
-  compiled = jax.jit(prog.step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+  compiled = compiled or jax.jit(prog.step, donate_argnums=(0, 1)).lower(
+      params, state, grads).compile()
   info = {"temps_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
           "conditionals": conditionals(compiled)}
   return Timer(prog, compiled, [jax.tree.map(jnp.copy, params), state], grads, info)
@@ -179,27 +180,30 @@ def run_rounds(timers: Sequence[Timer], copy: CopyTimer, rounds: int, windows: i
   return copy.samples[start:]
 
 
-def summarize(timers: Sequence[Timer], copy_samples: Sequence[float], copy_bytes: int,
+def summarize(timers: Sequence[Timer], copies: Mapping[str, Sequence[float]], copy_bytes: int,
               n_params: int, opt_name: str) -> list[dict[str, Any]]:
-  """One record per row: time, same-round ratios to the anchors, program facts."""
+  """One record per row: time, ratios to the anchors, program facts. ``copies``: per program,
+  the copy's time in each of its rounds; programs compare through their rounds' 3P floors."""
   pbytes = 4 * n_params
   by_prog = {t.program.key: t for t in timers}
-  floor = [FLOOR_PASSES * pbytes * c / copy_bytes for c in copy_samples]
   special = {"floor": (None, "mid"), "plain": ("plain", "step")}  # the rest: program_phase
   sources = {r: special.get(r, tuple(r.rsplit("_", 1))) for r, _ in ROWS}
-  samples = {r: floor if p is None else by_prog[p].samples[ph] for r, (p, ph) in sources.items()}
+  floors = {p: [FLOOR_PASSES * pbytes * c / copy_bytes for c in cs] for p, cs in copies.items()}
+  samples = {r: floors["plain"] if p is None else by_prog[p].samples[ph]
+             for r, (p, ph) in sources.items()}
+  over = {r: [s / f for s, f in zip(samples[r], floors[p or "plain"], strict=True)]
+          for r, (p, _) in sources.items()}
   out = []
   for row, (program, phase) in sources.items():
-    s = samples[row]
     info = by_prog[program].info if program else None
     anchor = "optax_multisteps_mid" if phase == "mid" else "optax_multisteps_emit"
     out.append({
         "size": n_params, "param_bytes": pbytes, "optimizer": opt_name, "row": row,
         "label": LABELS[row], "program": program, "phase": phase,
-        "time_s": harness.median(s), "ratio_floor": harness.paired_ratio(s, floor),
-        "ratio_plain": harness.paired_ratio(s, samples["plain"]),
-        "ratio_optax_multisteps": harness.paired_ratio(s, samples[anchor]),
-        "rounds": len(s), "temps_ratio": info and info["temps_bytes"] / pbytes,
+        "time_s": harness.median(samples[row]), "ratio_floor": harness.median(over[row]),
+        "ratio_plain": harness.paired_ratio(over[row], over["plain"]),
+        "ratio_optax_multisteps": harness.paired_ratio(over[row], over[anchor]),
+        "rounds": len(samples[row]), "temps_ratio": info and info["temps_bytes"] / pbytes,
         "conditionals": info and info["conditionals"]})
   return out
 
@@ -214,12 +218,13 @@ def host_overhead(opt_name: str, rounds: int, windows: int) -> list[dict[str, An
           for t in timers]
 
 
-def tracked(records: Sequence[dict[str, Any]], size: int) -> list[dict[str, Any]]:
-  """The tracked rows from the records at ``size``, adam."""
+def tracked(records: Sequence[dict[str, Any]], size: int,
+            limits: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
+  """The tracked rows from the records at ``size``, adam; ``limits`` replace ``TRACKED``'s."""
   by_row = {r["row"]: r for r in records if (r["size"], r["optimizer"]) == (size, "adam")}
   out = []
   for name, row, measure, limit in TRACKED:
-    value = by_row.get(row, {}).get(measure)
+    value, limit = by_row.get(row, {}).get(measure), (limits or {}).get(row, limit)
     out.append({"name": name, "row": row, "measure": measure, "value": value, "limit": limit,
                 "size": size, "optimizer": "adam",
                 "passed": None if limit is None else value is not None and value <= limit})
@@ -301,20 +306,11 @@ def windows_for(size: int) -> int:
   return max(1, (8 * 2**20) // (size * K_WINDOW))
 
 
-def measure(sizes: Sequence[int], opts: Sequence[str], copy: CopyTimer, rounds: int,
-            windows: Callable[[int], int], tracked_size: int) -> dict[str, Any]:
-  """Every program at every size and optimizer, the per-call time on a tiny model and the
-  copy bandwidth: a result with its meta (the caller adds argv and wall_s)."""
-  records: list[dict[str, Any]] = []
-  for size in sizes:
-    for opt in opts:
-      params, grads = make_tree(size), make_tree(size, fill=1e-3)
-      t0 = time.perf_counter()
-      timers = [compile_program(p, params, grads) for p in make_programs(opt)]
-      compile_s = time.perf_counter() - t0
-      copy_samples = run_rounds(timers, copy, rounds, windows(size))
-      records += summarize(timers, copy_samples, copy.bytes_moved, size, opt)
-      print(f"{size_label(size):>5s} {opt:4s}: compiled in {compile_s:5.1f} s, timed", flush=True)
+def result(sizes: Sequence[int], opts: Sequence[str], rounds: int, copy: CopyTimer,
+           records: list[dict[str, Any]], tracked_size: int,
+           limits: Mapping[str, float] | None = None) -> dict[str, Any]:
+  """The records, the copy bandwidth, the per-call time on a tiny model and the tracked rows
+  (``limits``: :func:`tracked`'s) in a result with its meta (the caller adds argv and wall_s)."""
   copy_s = harness.median(copy.samples)
   return {"meta": {"sizes": list(sizes), "optimizers": list(opts), "rounds": rounds,
                    "leaves": LEAVES, "k": K_WINDOW, **harness.machine()},
@@ -322,7 +318,7 @@ def measure(sizes: Sequence[int], opts: Sequence[str], copy: CopyTimer, rounds: 
                         "copy_GBps": copy.bytes_moved / copy_s / 1e9},
           "records": records, "tracked_size": tracked_size,
           "host_overhead": [h for opt in opts for h in host_overhead(opt, rounds, windows=16)],
-          "tracked": tracked(records, tracked_size) if "adam" in opts else []}
+          "tracked": tracked(records, tracked_size, limits) if "adam" in opts else []}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -333,13 +329,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = ap.parse_args(argv)
   sizes = [parse_size(s) for s in (["256K"] if args.quick else SIZES)]
   rounds = args.rounds or (3 if args.quick else 15)
-  t_start = time.perf_counter()
-  result = measure(sizes, list(OPTIMIZERS), CopyTimer(64 * 2**20), rounds, windows_for,
-                   sizes[len(sizes) // 2])  # tracked rows: the middle size (4M)
-  result["meta"].update(argv=list(argv if argv is not None else sys.argv[1:]),
-                        wall_s=round(time.perf_counter() - t_start, 1))
-  harness.write(args.out, "accumulate", result, markdown(result), plot)
-  return result
+  t_start, copy, records = time.perf_counter(), CopyTimer(64 * 2**20), []
+  for size in sizes:
+    for opt in OPTIMIZERS:
+      params, grads = make_tree(size), make_tree(size, fill=1e-3)
+      timers = [compile_program(p, params, grads) for p in make_programs(opt)]
+      copy_samples = run_rounds(timers, copy, rounds, windows_for(size))
+      records += summarize(timers, {t.program.key: copy_samples for t in timers},
+                           copy.bytes_moved, size, opt)
+      print(f"{size_label(size):>5s} {opt:4s}: timed", flush=True)
+  out = result(sizes, list(OPTIMIZERS), rounds, copy, records, sizes[len(sizes) // 2])  # 4M
+  out["meta"].update(argv=list(argv if argv is not None else sys.argv[1:]),
+                     wall_s=round(time.perf_counter() - t_start, 1))
+  harness.write(args.out, "accumulate", out, markdown(out), plot)
+  return out
 
 
 if __name__ == "__main__":

@@ -124,15 +124,13 @@ def sweep(make_step: MakeStep, args: tuple[Any, ...], ks: list[int], global_batc
     micro = jax.tree.map(lambda s, k=k: jax.ShapeDtypeStruct(
         (global_batch // k, *s.shape[1:]), s.dtype, sharding=s.sharding), args[-1])
     call_args = (*args[:-1], micro) if across else args
-    t0 = time.perf_counter()
     compiled = jax.jit(make_step(k)).lower(*call_args).compile()
     m = compiled.memory_analysis()
     rows.append({"k": k, "micro_batch_size": global_batch // k,
                  "peak_bytes": compiled_peak_bytes(compiled),
                  "xla_peak_memory_in_bytes": int(m.peak_memory_in_bytes),
                  **{f"{n}_bytes": int(getattr(m, f"{n}_size_in_bytes"))
-                    for n in ("argument", "output", "temp", "alias")},
-                 "compile_s": time.perf_counter() - t0})
+                    for n in ("argument", "output", "temp", "alias")}})
   return rows
 
 
@@ -176,7 +174,6 @@ def run_case(case: dict[str, Any], mode: str) -> dict[str, Any]:
       "brute_force_k": brute, "agrees": plan.k == brute,
       "compiles": len(made), "compile_bound": math.ceil(math.log2(len(ks))) + 1,
       "compiled_ks": sorted(made), "plan_monotone": plan.monotone, "search_s": search_s,
-      "sweep_compile_s": sum(r["compile_s"] for r in rows),
   }
 
 
@@ -198,8 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   result = {"setup": {**harness.machine(), "optimizer": "adam",
                       "peak": "argument + output + temp - alias (memory_analysis, per device)"},
             "rows": results, "wall_seconds": time.perf_counter() - t_start}
-  harness.write(args.out, "plan_k", result, markdown(result), plot)
-  print(f"wall {result['wall_seconds']:.0f}s")
+  harness.write(args.out, "plan_k", result, markdown(result))
   return result
 
 
@@ -232,25 +228,6 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append(f"- {r['model']}, {r['mode']} (limit {harness.mib(r['memory_limit'])}):"
                  f" {', '.join(cells)}")
   return "\n".join(lines) + "\n"
-
-
-def plot(result: dict[str, Any]) -> Any:
-  """Per model and mode: every candidate's compiled peak, the limit and the planned k."""
-  rows = result["rows"]
-  fig, axes = harness.pyplot().subplots(1, len(rows), figsize=(4 * len(rows), 3.6),
-                                        squeeze=False, dpi=100)
-  for ax, r in zip(axes[0], rows, strict=True):
-    ks = [row["k"] for row in r["sweep"]]
-    ax.plot(ks, [row["peak_bytes"] / 2**20 for row in r["sweep"]], "o-", ms=4, label="peak")
-    ax.plot([r["planned_k"]], [r["planned_peak_bytes"] / 2**20], "*", color="tab:green",
-            ms=14, label=f"planned k = {r['planned_k']} ({r['compiles']} compiles)")
-    ax.axhline(r["memory_limit"] / 2**20, color="tab:red", ls="--", lw=1, label="limit")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("k")
-    ax.set_ylabel("peak per device (MiB)")
-    ax.set_title(f"{r['model']}\n{r['mode']}", fontsize=8)
-    ax.legend(fontsize=7)
-  return fig
 
 
 if __name__ == "__main__":

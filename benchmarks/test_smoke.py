@@ -59,3 +59,14 @@ def test_bench_host_state_quick(tmp_path: Path) -> None:  # and --gpu's, --tpu's
   micro = [(r["one program"], device[r["step"], r["params"]] - r["host bytes"] + 0.01)
            for r in rows if r["state"] == "pinned_host"]
   assert len(micro) == 6 and all(m <= bound for m, bound in micro), micro
+
+
+def test_accelerator_cpu_smoke(tmp_path: Path) -> None:  # --quick is --cpu-smoke
+  run("accelerator.py", tmp_path)
+  result = json.loads((tmp_path / "cpu.json").read_text())
+  assert len(result["meta"]["sizes"]) == 3 and "does not fit" in result["sizing"][0]
+  assert {r["row"] for r in result["records"]} == {row for row, _ in bench.ROWS}
+  full, *micro = result["transformer"]["rows"]  # the full batch, k / 2, k, k at "highest"
+  assert not full["ran"] and full["status"].startswith("does not fit")
+  assert micro[-1]["ran"] and micro[-2]["ran"] and micro[-1]["grad_diff"] < 1e-5
+  assert "plan_k against the chip: exact" in (tmp_path / "cpu.md").read_text()

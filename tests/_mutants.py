@@ -5,7 +5,7 @@ below is a wrong version of a public behaviour (a wrong divisor, an ignored
 weight, a buffer never reset, ...), made by wrapping the public function a
 test calls (``oa.accumulate``, ``oa.microbatched``, the tiled losses of
 ``optax_accum.contrastive``: a test that claims a mutant calls them through
-the package) or by replacing ``jax.lax.cond``, the one conditional the core
+the package) or by replacing ``jax.lax.cond``, the conditionals the core
 is built on, or ``jax.lax.ppermute``, the tiled losses' ring. None touches the core's private
 functions, so rewriting the core keeps them valid.
 
