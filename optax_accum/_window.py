@@ -257,12 +257,16 @@ def micro_step(
   else:
     # The add's conditional writes the buffer on mid-steps; the emitting branch adds the
     # micro-batch where the inner optimizer reads it (no pass of its own, no write of the
-    # buffer, dead once the window closed).
-    buffer = lax.cond(jnp.logical_not(decision.emits), jax.named_scope(SCOPES["add"])(add),
-                      lambda acc, grads: acc, window.acc_grads, grads)
+    # buffer, dead once the window closed). The noise estimate reads the window's sum twice:
+    # there it is the buffer (else a temporary: the TPU compiler's, "Two conditionals").
+    closing = lambda ops, acc: run_emit(ops, add(acc, ops.grads))
+    if config.noise_decay is None:
+      buffer = lax.cond(jnp.logical_not(decision.emits), jax.named_scope(SCOPES["add"])(add),
+                        lambda acc, grads: acc, window.acc_grads, grads)
+    else:
+      buffer, closing = add(window.acc_grads, grads), run_emit
     out, new_inner, new_noise = lax.cond(
-        decision.emits, jax.named_scope(SCOPES["emit"])(
-            lambda ops, acc: run_emit(ops, add(acc, ops.grads))),
+        decision.emits, jax.named_scope(SCOPES["emit"])(closing),
         jax.named_scope(SCOPES["mid"])(lambda ops, acc: waiting(ops)), ops, buffer)
 
   # 4. Advance.
