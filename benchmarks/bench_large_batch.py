@@ -23,6 +23,7 @@ import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
+import bench_microbatched as bm
 import harness
 import jax
 import jax.numpy as jnp
@@ -104,28 +105,14 @@ def measure_one(params_target: float, k: int) -> dict[str, Any]:
 
 
 def decoder(vocab: int = 1024, d: int = 256, seq: int = 64, batch: int = 32, k: int = 4) -> None:
-  """A one-layer bf16 decoder (causal attention, an MLP, f32 params) on the default device:
-  the check's verdict and its wall time end to end, its compilations included."""
-  rng = np.random.default_rng(0)
-  shapes = {"emb": (vocab, d), "qkv": (d, 3 * d), "o": (d, d), "up": (d, 4 * d),
-            "down": (4 * d, d), "out": (d, vocab)}
-  params = {n: jnp.asarray(rng.normal(size=s) / np.sqrt(s[0]), jnp.float32)
-            for n, s in shapes.items()}
-  tokens = jnp.asarray(rng.integers(0, vocab, size=(batch, seq + 1)), jnp.int32)
-
-  def loss(p: dict[str, jax.Array], tokens: jax.Array) -> jax.Array:
-    p = {n: v.astype(jnp.bfloat16) for n, v in p.items()}
-    x = p["emb"][tokens[:, :-1]]
-    q, k_, v = jnp.split(x @ p["qkv"], 3, axis=-1)
-    att = jnp.einsum("btd,bsd->bts", q, k_) / np.sqrt(d)
-    att = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), att, -1e4)
-    x = x + jnp.einsum("bts,bsd->btd", jax.nn.softmax(att, axis=-1), v) @ p["o"]
-    x = x + jax.nn.gelu(x @ p["up"]) @ p["down"]
-    logits = (x @ p["out"]).astype(jnp.float32)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
-
+  """``bench_microbatched.py``'s decoder, one block of 4 heads, f32 params computed in bf16,
+  on the default device: the check's verdict and its wall time end to end, its compilations
+  included."""
+  params = bm.init_params(jax.random.key(0), vocab=vocab, d_model=d, layers=1, seq=seq)
+  fn = bm.grad_fn({"k": 1, "impl": "full", "remat": False, "bf16": True}, 4, batch)
+  tokens = {"tokens": jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab)}
   t0 = time.perf_counter()
-  report = check_large_batch(jax.jit(jax.value_and_grad(loss)), k)(params, tokens)
+  report = check_large_batch(jax.jit(fn), k)(params, tokens)
   seconds = time.perf_counter() - t0
   print(report)
   print(f"decoder (vocab {vocab}, d {d}, seq {seq}, batch {batch}, k = {k}) on"
