@@ -17,6 +17,7 @@ import time
 
 if "--h200" in sys.argv:  # it sets, before jax: no GPU runtime, no check for a CUDA install
   import gpu_hlo
+import bench_accumulate as ba
 import harness
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from jax import lax
 
 import optax_accum as oa
 
-K, HOST, FORMS = 4, "pinned_host", ("one program",)
+K, HOST, FORM = 4, "pinned_host", "one program"
 CPU = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
 
 
@@ -41,16 +42,20 @@ def args_of(params, batch, dev, on_host, across, concrete):
       inner), put(batch, dev)
 
 
-def typed_h200(jitted, cpu_args, vessel, args):
-  """``jitted`` typed on XLA:CPU (deviceless, no memory kinds), lowered for CUDA, compiled by
-  the H200 compiler in place of the program of a fresh ``vessel()`` (not one JAX compiled and
-  cached already): one of the same signature that the deviceless ``args`` can trace."""
+def compiled(step, args, cpu_args=None):
+  """``step`` jitted (params and state donated) and compiled on ``args``; with ``cpu_args``,
+  typed on XLA:CPU (deviceless, no memory kinds), lowered for CUDA, compiled by the H200
+  compiler in place of the program of a fresh jit of ``step`` (not one JAX compiled and cached
+  already): one of the same signature that the deviceless ``args`` can trace."""
+  jitted = lambda: jax.jit(step, donate_argnums=(0, 1))
+  if cpu_args is None:
+    return jitted().lower(*args).compile()
   from jax._src import compiler  # private: the one way to hand XLA a module typed elsewhere
-  module = jitted.trace(*cpu_args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+  module = jitted().trace(*cpu_args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
   real = compiler.compile_or_get_cached
   compiler.compile_or_get_cached = lambda backend, _, *a, **kw: real(backend, module, *a, **kw)
   try:
-    return vessel().lower(*args).compile()
+    return jitted().lower(*args).compile()
   finally:
     compiler.compile_or_get_cached = real
 
@@ -72,24 +77,16 @@ def device_bytes(m, host):
 
 
 def forms(row, step, params, batch, dev, h200):
-  """``row`` with the device bytes per parameter of each of ``step``'s programs."""
+  """``row`` with the device bytes per parameter of ``step``'s one program."""
   on_host, across = row["state"] == HOST, row["step"] != "MLP, in-step"
   args = args_of(params, batch, dev, on_host, across, not h200)
+  typed = args_of(params, batch, CPU, True, across, True) if h200 and on_host else None
   n = sum(x.size for x in jax.tree.leaves(params))
   host = 8 * n * (row["params"] == "float32" or 0.5) if on_host else 0  # adam's mu and nu
-  programs = {"one program": jax.jit(step, donate_argnums=(0, 1))}
-  if h200 and on_host:
-    typed = args_of(params, batch, CPU, True, across, True)
-    vessel = lambda: jax.jit(step, donate_argnums=(0, 1))
-    programs = {form: functools.partial(typed_h200, fn, typed, vessel)
-                for form, fn in programs.items()}
-  for form, fn in programs.items():
-    try:
-      m = (fn(args) if isinstance(fn, functools.partial) else fn.lower(*args).compile(
-          )).memory_analysis()
-      row[form] = round(device_bytes(m, host) / n, 2)
-    except Exception as e:  # the one program where the compiler cannot take it
-      row[form] = f"fails: {type(e).__name__}"
+  try:
+    row[FORM] = round(device_bytes(compiled(step, args, typed).memory_analysis(), host) / n, 2)
+  except Exception as e:  # the one program where the compiler cannot take it
+    row[FORM] = f"fails: {type(e).__name__}"
   return {**row, "host bytes": host / n}
 
 
@@ -131,36 +128,26 @@ def at_scale(dev):
     n = int(fill * memory_bytes / 20) // 4 * 4  # 20 B/param: the step with the state on device
     params, row = flat(n, 4, jnp.float32), {"fill": fill, "params": n}
     for state, opt in (("device", optax.adam(1e-3)), (HOST, oa.host_state(optax.adam(1e-3)))):
-      step = update_step(opt)
-      args = args_of(params, params, dev, state == HOST, True, False)
-      closing = jax.jit(step, donate_argnums=(0, 1))
-      m = (typed_h200(closing, args_of(params, params, CPU, True, True, False), lambda step=step: (
-          jax.jit(step, donate_argnums=(0, 1))), args) if (
-          state == HOST) else jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile(
-          )).memory_analysis()
-      row[state] = round(device_bytes(m, 8 * n if state == HOST else 0) / 1e9, 1)  # GB
+      on_host = state == HOST
+      m = compiled(update_step(opt), args_of(params, params, dev, on_host, True, False), args_of(
+          params, params, CPU, True, True, False) if on_host else None).memory_analysis()
+      row[state] = round(device_bytes(m, 8 * n * on_host) / 1e9, 1)  # GB
     rows.append(row)
   return rows
 
 
 def gpu_times(quick, rounds):
-  """Median ms of the micro-steps and of the closing step of each form, a window a round."""
+  """Median ms of the micro-steps (a window's mean) and of the closing step of each form, a
+  window a round."""
   params = {f"w{i}": jnp.full((1 << (14 if quick else 26),), 0.01) for i in range(4)}
-  runs, times = {}, {}
+  timers = {}  # bench_accumulate's compiled, donated train steps, timed call by call
   for name in ("device state", "host state"):
     tx = oa.accumulate(K, oa.host_state(optax.adam(1e-3)) if "host" in name else optax.adam(1e-3))
-    step = jax.jit(lambda p, s, g, tx=tx: oa.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
-    runs[name], times[name] = [step, jax.tree.map(jnp.copy, params), tx.init(params)], ([], [])
-
-  def window(name):
-    for i in range(K):
-      t0 = time.perf_counter()
-      runs[name][1:] = jax.block_until_ready(runs[name][0](*runs[name][1:], params))
-      times[name][i == K - 1].append(time.perf_counter() - t0)
-  # Two windows of warm-up: each program compiles twice (the state from init is uncommitted).
-  harness.interleaved({name: functools.partial(window, name) for name in runs}, rounds, warmup=2)
-  return {name: [round(1e3 * harness.median(t[-rounds * n:]), 3) for t, n in zip(
-      ts, (K - 1, 1), strict=True)] for name, ts in times.items()}
+    program = ba.Program(name, K, harness.fast_step(tx), tx.init)
+    timers[name] = ba.compile_program(program, params, params)
+  ba.run_rounds(list(timers.values()), ba.CopyTimer(2**12), rounds, 1)
+  return {name: [round(1e3 * harness.median(t.samples[phase]), 3) for phase in ("mid", "emit")]
+          for name, t in timers.items()}
 
 
 def real_run(layers, d, host, limit, run_it):
@@ -225,11 +212,11 @@ def tpu(quick):
 
 
 def markdown(r):
-  cols, head = [*FORMS, "host bytes"], ["step", "params", "state"]
+  cols, head = [FORM, "host bytes"], ["step", "params", "state"]
   return "\n".join([
       f"# The optimizer state in host memory: {r['compiler']}", "", f"`{r['command']}`, jax"
       f" {r['machine']['jax']}, {r['machine']['date']}. " + " ".join(__doc__.split("\n")[2:6]),
-      "", *harness.table(" | ".join(head + cols), "lll" + "r" * 4, [
+      "", *harness.table(" | ".join(head + cols), "lllrr", [
           [x[c] for c in head] + [x.get(c, "-") for c in cols] for x in r["memory"]]), "",
       *(["Where it matters: the update's closing step (4 leaves, f32) with as many params as"
          " the state on the device needs 80 to 120% of the H200's memory for; device GB held:",
@@ -257,11 +244,9 @@ def plot(r):
   """Device bytes per parameter of each step, the state on the device against in pinned_host."""
   fig, ax = harness.pyplot().subplots(figsize=(7, 3.2), dpi=120)
   steps = [x for x in r["memory"] if x["state"] == "device"]
-  bars = [("state on the device", "device", "one program"), *(
-      (f"host: {form}", HOST, form) for form in FORMS)]
-  for i, (label, state, form) in enumerate(bars):
+  for i, (label, state) in enumerate((("state on the device", "device"), (f"host: {FORM}", HOST))):
     values = [next(x for x in r["memory"] if x["state"] == state and x["step"] == s["step"]
-                   and x["params"] == s["params"]).get(form) for s in steps]
+                   and x["params"] == s["params"]).get(FORM) for s in steps]
     ax.bar([j + 0.2 * (i - 1.5) for j in range(len(steps))],
            [v if isinstance(v, (int, float)) else 0 for v in values], 0.2, label=label)
   ax.set_xticks(range(len(steps)), [f"{s['step']}, {s['params']}".replace(", ", "\n")
