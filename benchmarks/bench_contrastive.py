@@ -53,14 +53,12 @@ def embed(p: dict[str, Any], batch: jax.Array) -> list[jax.Array]:
 
 
 def clip(p: dict[str, Any], emb: list[jax.Array], *_: Any) -> jax.Array:
-  logits = jnp.exp(p["t"]) * emb[0] @ emb[1].T
-  return -(jnp.trace(jax.nn.log_softmax(logits)) + jnp.trace(jax.nn.log_softmax(logits.T))
-           ) / (2 * len(logits))
+  """:func:`dense_clip` of the towers' embeddings at temperature ``exp(-t)``."""
+  return dense_clip(emb[0], emb[1], jnp.exp(-p["t"]))
 
 
 def siglip(p: dict[str, Any], emb: list[jax.Array], *_: Any) -> jax.Array:
-  logits = jnp.exp(p["t"]) * emb[0] @ emb[1].T + p["b"]
-  return -jnp.sum(jax.nn.log_sigmoid((2 * jnp.eye(len(logits)) - 1) * logits)) / len(logits)
+  return dense_siglip(emb[0], emb[1], jnp.exp(-p["t"]), p["b"])
 
 
 def whole_batch_part(a: Any, params: dict[str, Any], rows: int) -> dict[str, int]:
