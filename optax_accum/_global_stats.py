@@ -93,8 +93,8 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], positions: tuple
     where = jax.tree_util.keystr(path) or "its root"
     if flow.why:
       raise ValueError(
-          f"`global_stats`'s statistic at {where} is a {flow.why} over the rows, not a sum of"
-          " them: return sums and counts, divide in the loss.")
+          f"`global_stats` is not a sum over rows: its statistic at {where} is a {flow.why} over"
+          " the rows. Return sums and counts, divide in the loss.")
     if flow.grad:
       raise ValueError(
           f"`global_stats`'s statistic at {where} has a gradient, which the gradient pass (the"

@@ -421,8 +421,9 @@ def test_a_max_or_a_mean_over_the_rows_raises_naming_the_fix(not_a_sum: Any) -> 
     message = "no error"
   except ValueError as e:
     message = str(e)
-  assert re.search(r"`global_stats`'s statistic at \['\w+'\] is a (max|min|argmax|argmin|mean)"
-                   " over the rows.*return sums and counts, divide in the loss", message), message
+  assert re.search(r"`global_stats` is not a sum over rows: its statistic at \['\w+'\] is a"
+                   r" (max|min|argmax|argmin|mean) over the rows\. Return sums and counts, divide"
+                   " in the loss", message), message
 
 
 def test_reductions_over_other_axes_or_unread_are_sums() -> None:
