@@ -8,8 +8,9 @@ dtype parameters widened to float64 (complex to complex128), through calls,
 custom rules, ``jax.checkpoint``, ``cond``, ``scan``, ``while`` and
 ``shard_map``. Integer values (and ``bitcast_convert_type``'s bits: random
 numbers stay bit for bit the draws the user's code makes) keep their dtype, a
-cast to an 8-bit float (fp8) stays a quantisation (rounded in its type, then
-widened, as ``jnp.round`` is: an fp8 scale taken from the batch must show),
+cast to an 8-bit float (fp8), or a ``reduce_precision`` to 8 bits or fewer, stays
+a quantisation (rounded in its type, then widened, as ``jnp.round`` is: an fp8
+scale taken from the batch must show; a wider ``reduce_precision`` is widened),
 constants the values the program holds (a bfloat16 literal was rounded when
 traced), and the program its structure: shardings, collectives, control flow.
 What cannot be widened (callbacks, foreign calls, kernels) raises a
@@ -42,6 +43,11 @@ def wide(dtype: Any) -> Any:
   if jnp.issubdtype(dtype, jnp.complexfloating):
     return np.dtype(np.complex128)
   return np.dtype(np.float64) if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def narrow(p: Any) -> bool:
+  """Whether ``reduce_precision``'s parameters ``p`` name a format of 8 bits or fewer."""
+  return p["exponent_bits"] + p["mantissa_bits"] + 1 <= 8
 
 
 def _up(x: Any) -> Any:
@@ -112,8 +118,8 @@ def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
   name, p = eqn.primitive.name, eqn.params
   if name in _DROPPED:
     return []
-  if name == "reduce_precision":  # a rounding to a narrower format: not in the shadow
-    return ins
+  if name == "reduce_precision":  # to 8 bits or fewer (fp8): a quantiser, as a cast is
+    return [eqn.primitive.bind(*ins, **p)] if narrow(p) else ins  # wider: not in the shadow
   if name == "convert_element_type" and jnp.issubdtype(p["new_dtype"], jnp.floating) and (
       np.dtype(p["new_dtype"]).itemsize == 1):  # fp8 (fp4): a quantiser, rounded, then widened
     return [_up(lax.convert_element_type(ins[0], p["new_dtype"]))]

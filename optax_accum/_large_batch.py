@@ -526,6 +526,8 @@ class _Trail:
     if among_rows or (_STAT in first and name in ("cond", "select_n")):
       self.selections.append(f"`{name}` at {where}")
     narrow = name == "convert_element_type" and np.dtype(p["new_dtype"]).itemsize == 1  # fp8, int8
+    if name == "reduce_precision" and _float64.narrow(p):
+      narrow, p = True, {"new_dtype": f"e{p['exponent_bits']}m{p['mantissa_bits']} (fp8)"}
     if _STAT in first and (name == "round" or narrow):
       self.roundings.append(f"`{name}` to {p.get('new_dtype', 'integers')} at {where}")
     return theirs

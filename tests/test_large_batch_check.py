@@ -826,6 +826,8 @@ def quantised_input(scale_of, rounding="fp8"):
     s = scale_of(x, *scale)
     if rounding == "fp8":
       q = (x / s).astype(jnp.float8_e4m3fn).astype(jnp.float32) * s
+    elif rounding == "reduce_precision":  # fp8 emulated: e4m3's 4 exponent, 3 mantissa bits
+      q = jax.lax.reduce_precision(x / s, exponent_bits=4, mantissa_bits=3) * s
     else:  # int8
       q = jnp.round(x / s * 127) / 127 * s
     return mean_loss(p, q, y)
@@ -853,6 +855,16 @@ def test_fp8_current_scaling_on_the_batch_is_not_equal_and_the_fix_names_the_sca
   assert "per row" in report.fix
   int8 = checked(quantised_input(lambda x: jnp.max(jnp.abs(x)), "int8"), PARAMS, x, Y)
   assert int8.cause == "coupling" and "round" in int8.fix, str(int8)
+
+
+def test_fp8_emulated_with_reduce_precision_on_the_batch_is_not_equal():
+  """A reduce_precision to e4m3 rounds like the cast (not widened into the identity)."""
+  x = X.at[5, 2].set(9.0)
+  loss = quantised_input(lambda x: jnp.max(jnp.abs(x)) / 240, "reduce_precision")
+  assert native_difference(loss, PARAMS, x, Y) > 1e-2  # what training sees
+  report = checked(loss, PARAMS, x, Y)
+  assert not report.equal and report.max_relative_error > 1e-3, str(report)
+  assert "`reduce_precision` to e4m3" in report.fix and "per row" in report.fix, report.fix
 
 
 @pytest.mark.parametrize("scale", ["per row", "per channel", "delayed"])
