@@ -305,10 +305,11 @@ def check_large_batch(
     own, wide = kwargs, kwargs  # fn's keywords; with global_stats, the whole batch's `stats=`
     if global_stats is not None:  # (pooled like microbatched's, the float64 sum in float64)
       pooled = _global_stats.summable(global_stats, args, b_nums, rows // k)
-      own = {**kwargs, "stats": jax.tree.map(jnp.asarray, pooled(*args))}
-      wide = {**kwargs, "stats": _in_float64(pooled, args, {}, b_nums, programs)[0](args)}
+      on_all = _in_float64(pooled, args, {}, b_nums, programs)[0](args)
       on_part = _in_float64(pooled, micro(0), {}, b_nums, programs)[0]
-      _check_sums(wide["stats"], [on_part(micro(j)) for j in range(k)])
+      wide = {**kwargs, "stats": _check_sums(on_all, [on_part(micro(j)) for j in range(k)])}
+      own = {**kwargs, "stats": jax.tree.map(lambda n, w: w if jnp.issubdtype(
+          w.dtype, jnp.integer) else jnp.asarray(n), pooled(*args), wide["stats"])}
     native = grads(fn(*args, **own), "the whole batch")  # fn as it runs: what training sees
     on_micro, seen = _in_float64(fn, micro(0), own, b_nums, programs)
     on_whole, found = _in_float64(fn, args, own, b_nums, programs, seen)  # refuses draws per row
@@ -354,16 +355,25 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
       out, run(*_arrays.ArrayLeaves.of((new, kw)).arrays))), trail
 
 
-def _check_sums(whole: Any, parts: list[Any]) -> None:
-  """Raises unless ``global_stats`` on the whole batch is its sum over the micro-batches."""
+def _check_sums(whole: Any, parts: list[Any]) -> Any:
+  """Raises unless ``global_stats`` on the whole batch is its sum over the micro-batches.
+
+  Integers are compared in their own dtype (an int8 count may wrap), and returned as
+  ``microbatched`` sums them (``_global_stats.sum_dtype``: int32); floats as they are.
+  """
+  out = []
   for (path, w), *ps in zip(jax.tree_util.tree_flatten_with_path(whole)[0],
                             *map(jax.tree.leaves, parts), strict=True):
-    terms = np.stack([np.asarray(x) for x in ps])
-    if np.any(np.abs(np.asarray(w) - terms.sum(0)) > 1e-9 * np.abs(terms).sum(0)):
+    terms, w = np.stack([np.asarray(x) for x in ps]), np.asarray(w)
+    total = terms.sum(0, dtype=np.int64 if np.issubdtype(w.dtype, np.integer) else None)
+    out.append(jnp.asarray(total.astype(_global_stats.sum_dtype(w.dtype)))
+               if np.issubdtype(w.dtype, np.integer) else jnp.asarray(w))
+    if np.any(np.abs(w - total.astype(w.dtype)) > 1e-9 * np.abs(terms).sum(0)):
       raise ValueError(
           f"`global_stats` is not a sum over rows: its {jax.tree_util.keystr(path)} on the"
           " whole batch is not the sum of the micro-batches' that `microbatched` gives the"
           " loss. Return sums and counts (not a mean or a max) and divide in the loss.")
+  return jax.tree.unflatten(jax.tree.structure(whole), out)
 
 
 def _rows(x: Any, order: np.ndarray) -> jax.Array:

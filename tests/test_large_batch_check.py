@@ -905,6 +905,27 @@ def test_global_stats_that_are_no_sum_over_rows_are_named_not_blamed_on_accumula
     check(PARAMS, X, Y)
 
 
+def test_int8_counts_are_summed_in_int32_as_microbatched_sums_them():
+  """400 rows counted in int8: 100 per micro-batch fits, the whole batch's wraps (400 - 256
+  in int8); microbatched sums the micro-batches' counts in int32, which is 400: equal."""
+  x = jnp.tile(X, (13, 1))[:400]
+  y = jnp.tile(Y, (13, 1))[:400]
+  mask = jnp.ones((400,), jnp.int8)
+
+  def loss(p, x, y, m, *, stats):
+    return jnp.sum(per_example(p, x, y) * m) / stats["n"]
+
+  def stats_fn(p, x, y, m):
+    return {"n": jnp.sum(m, dtype=jnp.int8)}
+
+  fn, args = value_and_grad(loss), (PARAMS, x, y, mask)
+  options = {"batch_argnums": (1, 2, 3), "normalize": "sum", "global_stats": stats_fn}
+  native = microbatching.microbatched(fn, K, **options)(*args)[1]
+  assert max(relative(native, fn(*args, stats={"n": jnp.int32(400)})[1])) < 1e-5
+  report = check_large_batch(fn, K, **options)(*args)
+  assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
+
+
 def fixed_random_features(p, x, y):  # a random projection drawn inside, the same every call
   proj = jax.random.normal(jax.random.key(0), (6, 6)) / 3
   return mean_loss(p, x @ proj, y)
