@@ -159,8 +159,9 @@ def check_large_batch(
   ``amax(|x|)`` of the whole tensor) first; then, for ``"weights"``, a
   selection by the batch's values (a ``cond`` or ``where`` on a statistic
   of the batch, ``top_k``, ``sort``, ``argmax``, ``max`` over the rows),
-  which no ``normalize`` mends. A statistic of the batch is a value of the
-  batch whose shape does not follow its rows: the check traces ``fn`` on
+  which no ``normalize`` mends (unless the loss also divides by a statistic of
+  the batch, a count: a guard around a mean per micro-batch). A statistic of
+  the batch is a value of the batch whose shape does not follow its rows: the check traces ``fn`` on
   the whole batch and on a micro-batch and compares the shapes, equation by
   equation.
 
@@ -517,6 +518,7 @@ class _Trail:
     self.at = ""  # the user's line of the equation being walked (inner ones have JAX's)
     self.selections: list[str] = []
     self.roundings: list[str] = []
+    self.divided = False  # by a statistic of the batch (a count): normalisation mends it
 
   def visit(self, eqn: Any, ins: list[frozenset]) -> tuple[Any, ...] | None:
     """Records ``eqn``; returns the micro-batch's shapes of it (None: not comparable)."""
@@ -533,6 +535,7 @@ class _Trail:
       _check_key(first)  # a draw per row
     axes = np.atleast_1d(p.get(_SELECT.get(name, ""), ())).tolist()
     among_rows = theirs and _BATCH in first and any(mine[1][0][a] != theirs[1][0][a] for a in axes)
+    self.divided |= name == "div" and _STAT in ins[1]
     if among_rows or (_STAT in first and name in ("cond", "select_n")):
       self.selections.append(f"`{name}` at {where}")
     narrow = name == "convert_element_type" and np.dtype(p["new_dtype"]).itemsize == 1  # fp8, int8
@@ -661,7 +664,7 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
     w = None if weights is None else tuple(float(x) for x in weights)
     if cause in ("weights", "coupling") and found.roundings:
       fix = _ROUNDING_FIX.format(", ".join(list(dict.fromkeys(found.roundings))[:2]))
-    elif cause == "weights" and found.selections:
+    elif cause == "weights" and found.selections and not found.divided:  # not a guard's
       fix = _SELECTION_FIX.format(", ".join(list(dict.fromkeys(found.selections))[:2]))
     on = sorted({f"{d.platform}:{d.id}" for leaf in acc.leaves for d in leaf.devices()})
     return LargeBatchReport(cause == "equal", cause, table[worst].relative_error,

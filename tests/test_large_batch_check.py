@@ -964,6 +964,29 @@ def hardest_two(p, x, y):
   return jnp.mean(jax.lax.top_k(per_example(p, x, y), 2)[0])
 
 
+def masked_mean_guarded(guard):
+  """``masked_mean`` normalised per micro-batch, its division by the count guarded."""
+  def loss(p, x, y, m):
+    c, s = jnp.sum(m), jnp.sum(per_example(p, x, y) * m)
+    if guard == "where":
+      return jnp.where(c > 0, s / jnp.maximum(c, 1), 0.0)
+    if guard == "cond":
+      return jax.lax.cond(c > 0, lambda: s / c, lambda: 0.0)
+    return jnp.nan_to_num(s / c)
+  return loss
+
+
+@pytest.mark.parametrize("guard", ["where", "cond", "nan_to_num"])
+def test_a_guarded_division_by_the_count_is_mended_by_normalize(guard):
+  """Guards around a mean per micro-batch select by a statistic, but the division by it
+  explains the weights: the fix is normalize='weighted', as for the unguarded mean."""
+  report = checked(masked_mean_guarded(guard), PARAMS, X, Y, MASK)
+  shares = [float(jnp.sum(MASK[i::K])) for i in range(K)]
+  assert report.cause == "weights", str(report)
+  np.testing.assert_allclose(report.weights, np.array(shares) / sum(shares), rtol=1e-9)
+  assert "normalize='weighted'" in report.fix and "no normalisation" not in report.fix
+
+
 @pytest.mark.parametrize(("loss", "named"), [(branch_on_the_batch_mean, "cond"),
                                              (where_on_the_batch_mean, "select_n"),
                                              (hardest_two, "top_k")])
