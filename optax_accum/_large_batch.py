@@ -523,7 +523,8 @@ class _Trail:
   def visit(self, eqn: Any, ins: list[frozenset]) -> tuple[Any, ...] | None:
     """Records ``eqn``; returns the micro-batch's shapes of it (None: not comparable)."""
     mine = (eqn.primitive.name, *([v.aval.shape for v in vs] for vs in (eqn.invars,
-                                                                        eqn.outvars)))
+                                                                        eqn.outvars)),
+            eqn.params.get("length"))  # a scan's: does it follow the rows?
     self.shapes.append(mine)
     theirs = next(self.other, None) if self.aligned else None
     self.aligned = theirs is not None and theirs[0] == mine[0]
@@ -574,8 +575,8 @@ def _walk(jaxpr: jax_core.Jaxpr, labels: list[frozenset], trail: _Trail) -> list
     every = frozenset().union(*ins)
     in_loop, at = trail.in_loop, trail.at
     theirs = trail.visit(eqn, ins)  # sets trail.at for the inner jaxprs
-    trail.in_loop |= eqn.primitive.name == "while" or (
-        eqn.primitive.name == "scan" and theirs != trail.shapes[-1])
+    trail.in_loop |= eqn.primitive.name == "while" or (  # a scan: if its length follows
+        eqn.primitive.name == "scan" and (theirs or (0,) * 4)[3] != trail.shapes[-1][3])
     outs = _walk_inner(eqn, ins, every, trail) or [every] * len(eqn.outvars)
     trail.in_loop, trail.at = in_loop, at
     if theirs is not None:  # a value of the batch that the rows do not shape: a statistic

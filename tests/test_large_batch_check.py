@@ -951,6 +951,46 @@ def test_random_numbers_that_do_not_follow_the_batch_are_checked_not_refused(los
     checked(dropout, PARAMS, X, Y)
 
 
+def layers_scanned(p, x, y, key):  # a projection per layer, drawn inside a scan over layers
+  def layer(h, k):
+    return jnp.tanh(h @ (jax.random.normal(k, (6, 6)) / 3)), None
+  return mean_loss(p, jax.lax.scan(layer, x, jax.random.split(key, 3))[0], y)
+
+
+def layers_in_a_fori_loop(p, x, y, key):  # lowered to a scan of length 3
+  def layer(i, h):
+    return jnp.tanh(h @ (jax.random.normal(jax.random.fold_in(key, i), (6, 6)) / 3))
+  return mean_loss(p, jax.lax.fori_loop(0, 3, layer, x), y)
+
+
+def layers_from_a_key_made_inside(p, x, y, key):
+  del key
+  def layer(h, i):
+    k = jax.random.fold_in(jax.random.key(0), i)
+    return jnp.tanh(h @ (jax.random.normal(k, (6, 6)) / 3)), None
+  return mean_loss(p, jax.lax.scan(layer, x, jnp.arange(3))[0], y)
+
+
+@pytest.mark.parametrize("loss", [layers_scanned, layers_in_a_fori_loop,
+                                  layers_from_a_key_made_inside])
+def test_draws_in_a_loop_over_layers_are_checked_and_dropout_there_refused(loss):
+  """The carry holds the batch, but the loop runs over the layers (its length does not
+  follow the batch) and each draw's shape does not either: the same numbers for both."""
+  args = (PARAMS, X, Y, jax.random.key(3))
+  fn = value_and_grad(loss)
+  report = check_large_batch(fn, K, batch_argnums=(1, 2))(*args)
+  assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
+  native = microbatching.microbatched(fn, K, batch_argnums=(1, 2))(*args)[1]
+  assert max(relative(native, fn(*args)[1])) < 1e-5
+
+  def dropout_per_layer(p, x, y, key):  # a mask the shape of the batch, in the same loop
+    def layer(h, k):
+      return h * jax.random.bernoulli(k, 0.5, h.shape) / 0.5, None
+    return loss(p, jax.lax.scan(layer, x, jax.random.split(key, 3))[0], y, key)
+  with pytest.raises(ValueError, match="from argument 3"):
+    check_large_batch(value_and_grad(dropout_per_layer), K, batch_argnums=(1, 2))(*args)
+
+
 def branch_on_the_batch_mean(p, x, y):
   return jax.lax.cond(jnp.mean(x[:, 0]) > 0, lambda: mean_loss(p, x, y),
                       lambda: 2 * mean_loss(p, x, y))
