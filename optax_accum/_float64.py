@@ -61,8 +61,9 @@ def evaluate(closed: jax_core.ClosedJaxpr) -> Callable[..., list[jax.Array]]:
   The program is compiled once per ``closed`` and runs on the host CPU
   (``jax.devices("cpu")[0]``, on every JAX install: an accelerator may emulate
   float64 and take minutes to compile it): the inputs and ``closed``'s constants
-  are moved there leaf by leaf. Inputs laid out over several devices (a mesh)
-  stay as they are. 64-bit types are enabled for the program alone (the user's
+  are moved there leaf by leaf. Inputs laid out over several devices (a mesh),
+  or all of them where ``closed`` holds a ``shard_map`` over several, stay as
+  they are. 64-bit types are enabled for the program alone (the user's
   setting, and ``closed``, which was traced under it, are left as they are).
 
   Example:
@@ -74,19 +75,27 @@ def evaluate(closed: jax_core.ClosedJaxpr) -> Callable[..., list[jax.Array]]:
     >>> float(mean(x)), float(evaluate(closed)(x)[0])
     (1.0, 1.00390625)
   """
+  meshed = _meshed(closed.jaxpr)  # a shard_map over several devices: run on them
+
   @jax.jit
   def run(consts: Sequence[Any], *args: Any) -> list[jax.Array]:
     return _eval(closed.jaxpr, consts, args)
 
   def call(*args: Any) -> list[jax.Array]:
     values = [*closed.consts, *args]
-    mesh = any(isinstance(v, jax.Array) and len(v.devices()) > 1 for v in values)
+    mesh = meshed or any(isinstance(v, jax.Array) and len(v.devices()) > 1 for v in values)
     host = None if mesh else jax.devices("cpu")[0]  # a mesh stays as it is
     values = [jax.device_put(v, host) for v in values]  # leaf by leaf; int64 as traced: int32
     with jax.enable_x64(True):
       return run(values[:len(closed.consts)], *values[len(closed.consts):])
 
   return call
+
+
+def _meshed(jaxpr: jax_core.Jaxpr) -> bool:
+  """Whether ``jaxpr`` holds a ``shard_map`` over more than one device, at any depth."""
+  return any((e.primitive.name == "shard_map" and e.params["mesh"].size > 1)
+             or any(map(_meshed, jax_core.jaxprs_in_params(e.params))) for e in jaxpr.eqns)
 
 
 def _eval(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:

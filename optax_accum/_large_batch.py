@@ -216,7 +216,8 @@ def check_large_batch(
   accelerator may emulate float64, and compiling it there can take
   minutes); the arguments go there leaf by leaf, and
   ``report.float64_on`` says where it ran. Arguments laid out over several
-  devices (a mesh) are evaluated on those devices, laid out as they are.
+  devices (a mesh) are evaluated on those devices, laid out as they are; a
+  loss holding its own ``shard_map`` over several devices, on that mesh's.
   The float64 program holds the float64 gradients (8 bytes per parameter
   each: the whole batch's, ``microbatched``'s, one micro-batch's at a
   time), a copy of the arguments and a float64 step's activations; numpy

@@ -719,6 +719,23 @@ def test_fsdp_params_and_a_sharded_batch_under_a_mesh(loss):
     np.testing.assert_allclose(report.weights, np.array([2, 2, 2, 1]) / 7, atol=1e-5)
 
 
+def test_a_loss_holding_its_own_shard_map_on_single_device_arrays_runs_on_its_mesh():
+  """The arguments are one device's; the loss's shard_map needs its mesh's 2 devices: the
+  float64 program runs there (not on cpu:0, which the mesh does not hold alone)."""
+  mesh = jax.make_mesh((2,), ("d",), axis_types=(AxisType.Auto,))
+
+  def loss(p, x, y):
+    local = lambda x, y: jax.lax.psum(jnp.sum(per_example(p, x, y)), "d")[None]
+    total = jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P(),
+                          check_vma=False)(x, y)
+    return total[0] / x.shape[0]
+
+  report = checked(loss, PARAMS, X, Y)
+  assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
+  assert report.float64_on == "2 devices (cpu:0, ...)"
+  assert max(relative(micro_mean_grad(loss, PARAMS, X, Y), jax.grad(loss)(PARAMS, X, Y))) < 1e-5
+
+
 def test_bad_input_names_the_argument_and_the_fix():
   with pytest.raises(ValueError, match=r"num_microbatches=3.*one of \[1, 2, 4, 8, 16, 32\]"):
     checked(mean_loss, PARAMS, X, Y, k=3)
