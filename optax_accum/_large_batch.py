@@ -173,10 +173,10 @@ def check_large_batch(
   ``jax.jit``, ``jax.checkpoint``, custom derivative rules, ``lax.cond``,
   ``lax.scan``, ``lax.while_loop`` and ``shard_map``; integer values and the
   bits of random numbers stay what they are, and a cast to an 8-bit float
-  (fp8) stays a rounding in that type, as ``jnp.round`` does: a scale
-  per row, per channel of the weights or from the previous step (delayed
-  scaling) is ``"equal"``, one scale from the whole batch's ``amax`` is not
-  (each micro-batch rounds on its own grid). ``microbatched`` itself is
+  (fp8) stays a rounding in that type, as ``jnp.round`` does: a scale per
+  row or from the previous step is ``"equal"`` (weights: with a straight-through
+  gradient; ``astype``'s backward rounds the summed gradient), one from the
+  batch's ``amax`` is not (each micro-batch has its grid). ``microbatched`` itself is
   evaluated the same way. A loss that is a sum over its examples then gives
   micro-batches and whole batch within about ``1e-15`` of each other, so no
   model of rounding is needed: each leaf's tolerance is ``1e-9`` of the
@@ -518,7 +518,7 @@ class _Trail:
     self.in_loop = False  # inside a loop whose trip count may follow the rows
     self.at = ""  # the user's line of the equation being walked (inner ones have JAX's)
     self.selections: list[str] = []
-    self.roundings: list[str] = []
+    self.roundings: list[tuple[bool, str]] = []  # (of a sum over the rows?, what, where)
     self.divided = False  # by a statistic of the batch (a count): normalisation mends it
 
   def visit(self, eqn: Any, ins: list[frozenset]) -> tuple[Any, ...] | None:
@@ -543,8 +543,9 @@ class _Trail:
     narrow = name == "convert_element_type" and np.dtype(p["new_dtype"]).itemsize == 1  # fp8, int8
     if name == "reduce_precision" and _float64.narrow(p):
       narrow, p = True, {"new_dtype": f"e{p['exponent_bits']}m{p['mantissa_bits']} (fp8)"}
-    if _STAT in first and (name == "round" or narrow):
-      self.roundings.append(f"`{name}` to {p.get('new_dtype', 'integers')} at {where}")
+    if _STAT in first and (name == "round" or narrow):  # summed: the value is a statistic
+      summed = theirs is not None and theirs[1][0] == mine[1][0]  # (a weight's gradient)
+      self.roundings.append((summed, f"`{name}` to {p.get('new_dtype', 'integers')} at {where}"))
     return theirs
 
 
@@ -665,7 +666,9 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
   def report(cause: str, weights: np.ndarray | None, fix: str) -> LargeBatchReport:
     w = None if weights is None else tuple(float(x) for x in weights)
     if cause in ("weights", "coupling") and found.roundings:
-      fix = _ROUNDING_FIX.format(", ".join(list(dict.fromkeys(found.roundings))[:2]))
+      scaled = [t for summed, t in found.roundings if not summed]  # else a sum rounded
+      fix = (_ROUNDING_FIX if scaled else _SUM_ROUNDING_FIX).format(", ".join(list(
+          dict.fromkeys(scaled or [t for _, t in found.roundings]))[:2]))
     elif cause == "weights" and found.selections and not found.divided:  # not a guard's
       fix = _SELECTION_FIX.format(", ".join(list(dict.fromkeys(found.selections))[:2]))
     on = sorted({f"{d.platform}:{d.id}" for leaf in acc.leaves for d in leaf.devices()})
@@ -740,8 +743,13 @@ _WEIGHTS_FIX = (
     " (`accumulate(k, opt, reduction='weighted')`, `update(..., weight=count)` across steps).")
 _ROUNDING_FIX = (
     "{} rounds on a scale taken from the batch (fp8 current scaling: amax(|x|) / 448): each"
-    " micro-batch rounds on its own grid. Scale per row or per channel of the weights, or"
-    " from the previous step (delayed scaling): the same for every micro-batch.")
+    " micro-batch rounds on its own grid. Scale per row, or from the previous step (delayed"
+    " scaling): the same for every micro-batch.")
+_SUM_ROUNDING_FIX = (
+    "{} rounds a sum over the batch (the gradient of a weight cast with `astype`: the cast's"
+    " backward casts the gradient too, with no scale): each micro-batch rounds its own sum."
+    " Cast with a straight-through gradient (w + stop_gradient(q - w)), or scale the"
+    " gradient's cast as well.")
 _SELECTION_FIX = (
     "`fn` selects by the values of the batch it sees ({}): each micro-batch selects among its"
     " own rows, which no normalisation mends. Select per example, or on the whole batch's"

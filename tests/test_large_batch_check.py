@@ -891,17 +891,33 @@ def test_fp8_scales_that_are_no_statistic_of_the_batch_stay_equal(scale):
     loss = quantised_input(lambda x: jnp.max(jnp.abs(x), axis=1, keepdims=True) / 448)
   elif scale == "delayed":  # last step's amax, carried in an argument
     loss = quantised_input(lambda x, s: s)
-  else:  # the weights quantised per output channel
+  else:  # the weights quantised per output channel, a straight-through gradient
     def loss(p, x, y):
       s = jnp.max(jnp.abs(p["w1"]), axis=0) / 448
       w1 = (p["w1"] / s).astype(jnp.float8_e4m3fn).astype(jnp.float32) * s
-      return mean_loss({**p, "w1": w1}, x, y)
+      return mean_loss({**p, "w1": p["w1"] + jax.lax.stop_gradient(w1 - p["w1"])}, x, y)
   args = (PARAMS, x, Y) + ((jnp.asarray(9.0 / 448),) if scale == "delayed" else ())
   fn = value_and_grad(loss)
   report = check_large_batch(fn, K, batch_argnums=(1, 2))(*args)
   assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
   native = microbatching.microbatched(fn, K, batch_argnums=(1, 2))(*args)[1]
   assert max(relative(native, fn(*args)[1])) < 1e-5  # training agrees: float32 rounding
+
+
+def test_fp8_weights_cast_with_astype_round_their_gradient_and_the_fix_says_so():
+  """A plain ``astype`` of the weights: its backward casts the weight's gradient, a sum over
+  the batch, to fp8 with no scale; each micro-batch rounds its own sum. No batch scale."""
+  w = jnp.asarray(_rng.normal(size=(6, 1)), jnp.float32)
+
+  def loss(w, x, y):
+    s = jnp.max(jnp.abs(w), axis=0) / 448
+    wq = (w / s).astype(jnp.float8_e4m3fn).astype(jnp.float32) * s
+    return jnp.mean((x @ wq - y) ** 2)
+
+  assert native_difference(loss, w, X, Y) > 1e-2  # what training sees
+  report = checked(loss, w, X, Y)
+  assert report.cause == "coupling", str(report)
+  assert "gradient" in report.fix and "scale taken from the batch" not in report.fix, report.fix
 
 
 @pytest.mark.parametrize("stat", ["max", "mean"])
