@@ -366,11 +366,11 @@ def _check_sums(whole: Any, parts: list[Any]) -> Any:
   out = []
   for (path, w), *ps in zip(jax.tree_util.tree_flatten_with_path(whole)[0],
                             *map(jax.tree.leaves, parts), strict=True):
-    terms, w = np.stack([np.asarray(x) for x in ps]), np.asarray(w)
-    total = terms.sum(0, dtype=np.int64 if np.issubdtype(w.dtype, np.integer) else None)
-    out.append(jnp.asarray(total.astype(_global_stats.sum_dtype(w.dtype)))
-               if np.issubdtype(w.dtype, np.integer) else jnp.asarray(w))
-    if np.any(np.abs(w - total.astype(w.dtype)) > 1e-9 * np.abs(terms).sum(0)):
+    terms, v = np.stack([np.asarray(x) for x in ps]), np.asarray(w)
+    total = terms.sum(0, dtype=np.int64 if np.issubdtype(v.dtype, np.integer) else None)
+    out.append(jnp.asarray(total.astype(_global_stats.sum_dtype(v.dtype)))
+               if np.issubdtype(v.dtype, np.integer) else w)  # floats: float64, as they are
+    if np.any(np.abs(v - total.astype(v.dtype)) > 1e-9 * np.abs(terms).sum(0)):
       raise ValueError(
           f"`global_stats` is not a sum over rows: its {jax.tree_util.keystr(path)} on the"
           " whole batch is not the sum of the micro-batches' that `microbatched` gives the"
