@@ -8,8 +8,9 @@ dtype parameters widened to float64 (complex to complex128), through calls,
 custom rules, ``jax.checkpoint``, ``cond``, ``scan``, ``while`` and
 ``shard_map``. Integer values (and ``bitcast_convert_type``'s bits: random
 numbers stay bit for bit the draws the user's code makes) keep their dtype, a
-cast to an 8-bit float (fp8) stays a quantisation (rounded in its type, then
-widened, as ``jnp.round`` is: an fp8 scale taken from the batch must show),
+cast to an 8-bit float (fp8), or a ``reduce_precision`` to 8 bits or fewer, stays
+a quantisation (rounded in its type, then widened, as ``jnp.round`` is: an fp8
+scale taken from the batch must show; a wider ``reduce_precision`` is widened),
 constants the values the program holds (a bfloat16 literal was rounded when
 traced), and the program its structure: shardings, collectives, control flow.
 What cannot be widened (callbacks, foreign calls, kernels) raises a
@@ -44,6 +45,11 @@ def wide(dtype: Any) -> Any:
   return np.dtype(np.float64) if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
+def narrow(p: Any) -> bool:
+  """Whether ``reduce_precision``'s parameters ``p`` name a format of 8 bits or fewer."""
+  return p["exponent_bits"] + p["mantissa_bits"] + 1 <= 8
+
+
 def _up(x: Any) -> Any:
   x = jnp.asarray(x)
   return x if wide(x.dtype) == x.dtype else lax.convert_element_type(x, wide(x.dtype))
@@ -55,8 +61,9 @@ def evaluate(closed: jax_core.ClosedJaxpr) -> Callable[..., list[jax.Array]]:
   The program is compiled once per ``closed`` and runs on the host CPU
   (``jax.devices("cpu")[0]``, on every JAX install: an accelerator may emulate
   float64 and take minutes to compile it): the inputs and ``closed``'s constants
-  are moved there leaf by leaf. Inputs laid out over several devices (a mesh)
-  stay as they are. 64-bit types are enabled for the program alone (the user's
+  are moved there leaf by leaf. Inputs laid out over several devices (a mesh),
+  or all of them where ``closed`` holds a ``shard_map`` over several, stay as
+  they are. 64-bit types are enabled for the program alone (the user's
   setting, and ``closed``, which was traced under it, are left as they are).
 
   Example:
@@ -68,19 +75,27 @@ def evaluate(closed: jax_core.ClosedJaxpr) -> Callable[..., list[jax.Array]]:
     >>> float(mean(x)), float(evaluate(closed)(x)[0])
     (1.0, 1.00390625)
   """
+  meshed = _meshed(closed.jaxpr)  # a shard_map over several devices: run on them
+
   @jax.jit
   def run(consts: Sequence[Any], *args: Any) -> list[jax.Array]:
     return _eval(closed.jaxpr, consts, args)
 
   def call(*args: Any) -> list[jax.Array]:
     values = [*closed.consts, *args]
-    mesh = any(isinstance(v, jax.Array) and len(v.devices()) > 1 for v in values)
+    mesh = meshed or any(isinstance(v, jax.Array) and len(v.devices()) > 1 for v in values)
     host = None if mesh else jax.devices("cpu")[0]  # a mesh stays as it is
     values = [jax.device_put(v, host) for v in values]  # leaf by leaf; int64 as traced: int32
     with jax.enable_x64(True):
       return run(values[:len(closed.consts)], *values[len(closed.consts):])
 
   return call
+
+
+def _meshed(jaxpr: jax_core.Jaxpr) -> bool:
+  """Whether ``jaxpr`` holds a ``shard_map`` over more than one device, at any depth."""
+  return any((e.primitive.name == "shard_map" and e.params["mesh"].size > 1)
+             or any(map(_meshed, jax_core.jaxprs_in_params(e.params))) for e in jaxpr.eqns)
 
 
 def _eval(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
@@ -112,8 +127,8 @@ def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
   name, p = eqn.primitive.name, eqn.params
   if name in _DROPPED:
     return []
-  if name == "reduce_precision":  # a rounding to a narrower format: not in the shadow
-    return ins
+  if name == "reduce_precision":  # to 8 bits or fewer (fp8): a quantiser, as a cast is
+    return [eqn.primitive.bind(*ins, **p)] if narrow(p) else ins  # wider: not in the shadow
   if name == "convert_element_type" and jnp.issubdtype(p["new_dtype"], jnp.floating) and (
       np.dtype(p["new_dtype"]).itemsize == 1):  # fp8 (fp4): a quantiser, rounded, then widened
     return [_up(lax.convert_element_type(ins[0], p["new_dtype"]))]

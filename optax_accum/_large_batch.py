@@ -159,8 +159,9 @@ def check_large_batch(
   ``amax(|x|)`` of the whole tensor) first; then, for ``"weights"``, a
   selection by the batch's values (a ``cond`` or ``where`` on a statistic
   of the batch, ``top_k``, ``sort``, ``argmax``, ``max`` over the rows),
-  which no ``normalize`` mends. A statistic of the batch is a value of the
-  batch whose shape does not follow its rows: the check traces ``fn`` on
+  which no ``normalize`` mends (unless the loss also divides by a statistic of
+  the batch, a count: a guard around a mean per micro-batch). A statistic of
+  the batch is a value of the batch whose shape does not follow its rows: the check traces ``fn`` on
   the whole batch and on a micro-batch and compares the shapes, equation by
   equation.
 
@@ -172,10 +173,10 @@ def check_large_batch(
   ``jax.jit``, ``jax.checkpoint``, custom derivative rules, ``lax.cond``,
   ``lax.scan``, ``lax.while_loop`` and ``shard_map``; integer values and the
   bits of random numbers stay what they are, and a cast to an 8-bit float
-  (fp8) stays a rounding in that type, as ``jnp.round`` does: a scale
-  per row, per channel of the weights or from the previous step (delayed
-  scaling) is ``"equal"``, one scale from the whole batch's ``amax`` is not
-  (each micro-batch rounds on its own grid). ``microbatched`` itself is
+  (fp8) stays a rounding in that type, as ``jnp.round`` does: a scale per
+  row or from the previous step is ``"equal"`` (weights: with a straight-through
+  gradient; ``astype``'s backward rounds the summed gradient), one from the
+  batch's ``amax`` is not (each micro-batch has its grid). ``microbatched`` itself is
   evaluated the same way. A loss that is a sum over its examples then gives
   micro-batches and whole batch within about ``1e-15`` of each other, so no
   model of rounding is needed: each leaf's tolerance is ``1e-9`` of the
@@ -215,7 +216,8 @@ def check_large_batch(
   accelerator may emulate float64, and compiling it there can take
   minutes); the arguments go there leaf by leaf, and
   ``report.float64_on`` says where it ran. Arguments laid out over several
-  devices (a mesh) are evaluated on those devices, laid out as they are.
+  devices (a mesh) are evaluated on those devices, laid out as they are; a
+  loss holding its own ``shard_map`` over several devices, on that mesh's.
   The float64 program holds the float64 gradients (8 bytes per parameter
   each: the whole batch's, ``microbatched``'s, one micro-batch's at a
   time), a copy of the arguments and a float64 step's activations; numpy
@@ -305,10 +307,11 @@ def check_large_batch(
     own, wide = kwargs, kwargs  # fn's keywords; with global_stats, the whole batch's `stats=`
     if global_stats is not None:  # (pooled like microbatched's, the float64 sum in float64)
       pooled = _global_stats.summable(global_stats, args, b_nums, rows // k)
-      own = {**kwargs, "stats": jax.tree.map(jnp.asarray, pooled(*args))}
-      wide = {**kwargs, "stats": _in_float64(pooled, args, {}, b_nums, programs)[0](args)}
+      on_all = _in_float64(pooled, args, {}, b_nums, programs)[0](args)
       on_part = _in_float64(pooled, micro(0), {}, b_nums, programs)[0]
-      _check_sums(wide["stats"], [on_part(micro(j)) for j in range(k)])
+      wide = {**kwargs, "stats": _check_sums(on_all, [on_part(micro(j)) for j in range(k)])}
+      own = {**kwargs, "stats": jax.tree.map(lambda n, w: w if jnp.issubdtype(
+          w.dtype, jnp.integer) else jnp.asarray(n), pooled(*args), wide["stats"])}
     native = grads(fn(*args, **own), "the whole batch")  # fn as it runs: what training sees
     on_micro, seen = _in_float64(fn, micro(0), own, b_nums, programs)
     on_whole, found = _in_float64(fn, args, own, b_nums, programs, seen)  # refuses draws per row
@@ -354,16 +357,25 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
       out, run(*_arrays.ArrayLeaves.of((new, kw)).arrays))), trail
 
 
-def _check_sums(whole: Any, parts: list[Any]) -> None:
-  """Raises unless ``global_stats`` on the whole batch is its sum over the micro-batches."""
+def _check_sums(whole: Any, parts: list[Any]) -> Any:
+  """Raises unless ``global_stats`` on the whole batch is its sum over the micro-batches.
+
+  Integers are compared in their own dtype (an int8 count may wrap), and returned as
+  ``microbatched`` sums them (``_global_stats.sum_dtype``: int32); floats as they are.
+  """
+  out = []
   for (path, w), *ps in zip(jax.tree_util.tree_flatten_with_path(whole)[0],
                             *map(jax.tree.leaves, parts), strict=True):
-    terms = np.stack([np.asarray(x) for x in ps])
-    if np.any(np.abs(np.asarray(w) - terms.sum(0)) > 1e-9 * np.abs(terms).sum(0)):
+    terms, v = np.stack([np.asarray(x) for x in ps]), np.asarray(w)
+    total = terms.sum(0, dtype=np.int64 if np.issubdtype(v.dtype, np.integer) else None)
+    out.append(jnp.asarray(total.astype(_global_stats.sum_dtype(v.dtype)))
+               if np.issubdtype(v.dtype, np.integer) else w)  # floats: float64, as they are
+    if np.any(np.abs(v - total.astype(v.dtype)) > 1e-9 * np.abs(terms).sum(0)):
       raise ValueError(
           f"`global_stats` is not a sum over rows: its {jax.tree_util.keystr(path)} on the"
           " whole batch is not the sum of the micro-batches' that `microbatched` gives the"
           " loss. Return sums and counts (not a mean or a max) and divide in the loss.")
+  return jax.tree.unflatten(jax.tree.structure(whole), out)
 
 
 def _rows(x: Any, order: np.ndarray) -> jax.Array:
@@ -506,12 +518,14 @@ class _Trail:
     self.in_loop = False  # inside a loop whose trip count may follow the rows
     self.at = ""  # the user's line of the equation being walked (inner ones have JAX's)
     self.selections: list[str] = []
-    self.roundings: list[str] = []
+    self.roundings: list[tuple[bool, str]] = []  # (of a sum over the rows?, what, where)
+    self.divided = False  # by a statistic of the batch (a count): normalisation mends it
 
   def visit(self, eqn: Any, ins: list[frozenset]) -> tuple[Any, ...] | None:
     """Records ``eqn``; returns the micro-batch's shapes of it (None: not comparable)."""
     mine = (eqn.primitive.name, *([v.aval.shape for v in vs] for vs in (eqn.invars,
-                                                                        eqn.outvars)))
+                                                                        eqn.outvars)),
+            eqn.params.get("length"))  # a scan's: does it follow the rows?
     self.shapes.append(mine)
     theirs = next(self.other, None) if self.aligned else None
     self.aligned = theirs is not None and theirs[0] == mine[0]
@@ -523,11 +537,15 @@ class _Trail:
       _check_key(first)  # a draw per row
     axes = np.atleast_1d(p.get(_SELECT.get(name, ""), ())).tolist()
     among_rows = theirs and _BATCH in first and any(mine[1][0][a] != theirs[1][0][a] for a in axes)
+    self.divided |= name == "div" and _STAT in ins[1]
     if among_rows or (_STAT in first and name in ("cond", "select_n")):
       self.selections.append(f"`{name}` at {where}")
     narrow = name == "convert_element_type" and np.dtype(p["new_dtype"]).itemsize == 1  # fp8, int8
-    if _STAT in first and (name == "round" or narrow):
-      self.roundings.append(f"`{name}` to {p.get('new_dtype', 'integers')} at {where}")
+    if name == "reduce_precision" and _float64.narrow(p):
+      narrow, p = True, {"new_dtype": f"e{p['exponent_bits']}m{p['mantissa_bits']} (fp8)"}
+    if _STAT in first and (name == "round" or narrow):  # summed: the value is a statistic
+      summed = theirs is not None and theirs[1][0] == mine[1][0]  # (a weight's gradient)
+      self.roundings.append((summed, f"`{name}` to {p.get('new_dtype', 'integers')} at {where}"))
     return theirs
 
 
@@ -559,8 +577,8 @@ def _walk(jaxpr: jax_core.Jaxpr, labels: list[frozenset], trail: _Trail) -> list
     every = frozenset().union(*ins)
     in_loop, at = trail.in_loop, trail.at
     theirs = trail.visit(eqn, ins)  # sets trail.at for the inner jaxprs
-    trail.in_loop |= eqn.primitive.name == "while" or (
-        eqn.primitive.name == "scan" and theirs != trail.shapes[-1])
+    trail.in_loop |= eqn.primitive.name == "while" or (  # a scan: if its length follows
+        eqn.primitive.name == "scan" and (theirs or (0,) * 4)[3] != trail.shapes[-1][3])
     outs = _walk_inner(eqn, ins, every, trail) or [every] * len(eqn.outvars)
     trail.in_loop, trail.at = in_loop, at
     if theirs is not None:  # a value of the batch that the rows do not shape: a statistic
@@ -648,8 +666,10 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
   def report(cause: str, weights: np.ndarray | None, fix: str) -> LargeBatchReport:
     w = None if weights is None else tuple(float(x) for x in weights)
     if cause in ("weights", "coupling") and found.roundings:
-      fix = _ROUNDING_FIX.format(", ".join(list(dict.fromkeys(found.roundings))[:2]))
-    elif cause == "weights" and found.selections:
+      scaled = [t for summed, t in found.roundings if not summed]  # else a sum rounded
+      fix = (_ROUNDING_FIX if scaled else _SUM_ROUNDING_FIX).format(", ".join(list(
+          dict.fromkeys(scaled or [t for _, t in found.roundings]))[:2]))
+    elif cause == "weights" and found.selections and not found.divided:  # not a guard's
       fix = _SELECTION_FIX.format(", ".join(list(dict.fromkeys(found.selections))[:2]))
     on = sorted({f"{d.platform}:{d.id}" for leaf in acc.leaves for d in leaf.devices()})
     return LargeBatchReport(cause == "equal", cause, table[worst].relative_error,
@@ -723,8 +743,13 @@ _WEIGHTS_FIX = (
     " (`accumulate(k, opt, reduction='weighted')`, `update(..., weight=count)` across steps).")
 _ROUNDING_FIX = (
     "{} rounds on a scale taken from the batch (fp8 current scaling: amax(|x|) / 448): each"
-    " micro-batch rounds on its own grid. Scale per row or per channel of the weights, or"
-    " from the previous step (delayed scaling): the same for every micro-batch.")
+    " micro-batch rounds on its own grid. Scale per row, or from the previous step (delayed"
+    " scaling): the same for every micro-batch.")
+_SUM_ROUNDING_FIX = (
+    "{} rounds a sum over the batch (the gradient of a weight cast with `astype`: the cast's"
+    " backward casts the gradient too, with no scale): each micro-batch rounds its own sum."
+    " Cast with a straight-through gradient (w + stop_gradient(q - w)), or scale the"
+    " gradient's cast as well.")
 _SELECTION_FIX = (
     "`fn` selects by the values of the batch it sees ({}): each micro-batch selects among its"
     " own rows, which no normalisation mends. Select per example, or on the whole batch's"

@@ -41,7 +41,7 @@ def test_narrow_sums_dots_and_casts_are_float64():
   def fn(x, w):
     h = jnp.dot(x.astype(BF16), w.astype(BF16), preferred_element_type=BF16)
     s = jnp.sum(jnp.tanh(h), dtype=BF16)
-    r = jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=2)
+    r = jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)  # bfloat16: widened
     return s, jnp.sum(r), jnp.arange(4, dtype=jnp.float16) / 3
   s, r, a = in_float64(fn, X, W)
   np.testing.assert_allclose(s, np.tanh(f64(X) @ f64(W)).sum(), rtol=1e-13)
@@ -64,6 +64,22 @@ def test_an_fp8_cast_is_a_quantisation_and_the_rest_float64():
   np.testing.assert_allclose(q, (grid * f64(s)).sum(), rtol=1e-13)
   assert abs(q - f64(X).sum()) > 1e-3 * np.abs(f64(X)).sum()  # fp8's grid, not widened away
   np.testing.assert_allclose(h, f64(X).sum(), rtol=1e-13)
+
+
+def test_a_reduce_precision_to_fp8_rounds_and_a_wider_one_is_widened():
+  """e4m3 (8 bits) rounds as float8_e4m3fn does on these values (ml_dtypes rounds the
+  reference); e5m10 (float16's 16 bits) is widened away."""
+  s = jnp.max(jnp.abs(X)) / 240
+
+  def fn(x):
+    q = jax.lax.reduce_precision(x / s, exponent_bits=4, mantissa_bits=3) * s
+    return q, jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=10)
+
+  q, h = in_float64(fn, X)
+  grid = (np.asarray(X) / np.float32(s)).astype(jnp.float8_e4m3fn).astype(np.float64)
+  np.testing.assert_allclose(q, grid * f64(s), rtol=1e-13)
+  assert np.max(np.abs(q - f64(X))) > 1e-2 * np.max(np.abs(f64(X)))  # fp8's grid
+  np.testing.assert_allclose(h, f64(X), rtol=1e-15)
 
 
 def test_a_bfloat16_embedding_gradient_is_a_float64_scatter_add():

@@ -719,6 +719,23 @@ def test_fsdp_params_and_a_sharded_batch_under_a_mesh(loss):
     np.testing.assert_allclose(report.weights, np.array([2, 2, 2, 1]) / 7, atol=1e-5)
 
 
+def test_a_loss_holding_its_own_shard_map_on_single_device_arrays_runs_on_its_mesh():
+  """The arguments are one device's; the loss's shard_map needs its mesh's 2 devices: the
+  float64 program runs there (not on cpu:0, which the mesh does not hold alone)."""
+  mesh = jax.make_mesh((2,), ("d",), axis_types=(AxisType.Auto,))
+
+  def loss(p, x, y):
+    local = lambda x, y: jax.lax.psum(jnp.sum(per_example(p, x, y)), "d")[None]
+    total = jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P(),
+                          check_vma=False)(x, y)
+    return total[0] / x.shape[0]
+
+  report = checked(loss, PARAMS, X, Y)
+  assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
+  assert report.float64_on == "2 devices (cpu:0, ...)"
+  assert max(relative(micro_mean_grad(loss, PARAMS, X, Y), jax.grad(loss)(PARAMS, X, Y))) < 1e-5
+
+
 def test_bad_input_names_the_argument_and_the_fix():
   with pytest.raises(ValueError, match=r"num_microbatches=3.*one of \[1, 2, 4, 8, 16, 32\]"):
     checked(mean_loss, PARAMS, X, Y, k=3)
@@ -826,6 +843,8 @@ def quantised_input(scale_of, rounding="fp8"):
     s = scale_of(x, *scale)
     if rounding == "fp8":
       q = (x / s).astype(jnp.float8_e4m3fn).astype(jnp.float32) * s
+    elif rounding == "reduce_precision":  # fp8 emulated: e4m3's 4 exponent, 3 mantissa bits
+      q = jax.lax.reduce_precision(x / s, exponent_bits=4, mantissa_bits=3) * s
     else:  # int8
       q = jnp.round(x / s * 127) / 127 * s
     return mean_loss(p, q, y)
@@ -855,6 +874,16 @@ def test_fp8_current_scaling_on_the_batch_is_not_equal_and_the_fix_names_the_sca
   assert int8.cause == "coupling" and "round" in int8.fix, str(int8)
 
 
+def test_fp8_emulated_with_reduce_precision_on_the_batch_is_not_equal():
+  """A reduce_precision to e4m3 rounds like the cast (not widened into the identity)."""
+  x = X.at[5, 2].set(9.0)
+  loss = quantised_input(lambda x: jnp.max(jnp.abs(x)) / 240, "reduce_precision")
+  assert native_difference(loss, PARAMS, x, Y) > 1e-2  # what training sees
+  report = checked(loss, PARAMS, x, Y)
+  assert not report.equal and report.max_relative_error > 1e-3, str(report)
+  assert "`reduce_precision` to e4m3" in report.fix and "per row" in report.fix, report.fix
+
+
 @pytest.mark.parametrize("scale", ["per row", "per channel", "delayed"])
 def test_fp8_scales_that_are_no_statistic_of_the_batch_stay_equal(scale):
   x = X.at[5, 2].set(9.0)
@@ -862,17 +891,33 @@ def test_fp8_scales_that_are_no_statistic_of_the_batch_stay_equal(scale):
     loss = quantised_input(lambda x: jnp.max(jnp.abs(x), axis=1, keepdims=True) / 448)
   elif scale == "delayed":  # last step's amax, carried in an argument
     loss = quantised_input(lambda x, s: s)
-  else:  # the weights quantised per output channel
+  else:  # the weights quantised per output channel, a straight-through gradient
     def loss(p, x, y):
       s = jnp.max(jnp.abs(p["w1"]), axis=0) / 448
       w1 = (p["w1"] / s).astype(jnp.float8_e4m3fn).astype(jnp.float32) * s
-      return mean_loss({**p, "w1": w1}, x, y)
+      return mean_loss({**p, "w1": p["w1"] + jax.lax.stop_gradient(w1 - p["w1"])}, x, y)
   args = (PARAMS, x, Y) + ((jnp.asarray(9.0 / 448),) if scale == "delayed" else ())
   fn = value_and_grad(loss)
   report = check_large_batch(fn, K, batch_argnums=(1, 2))(*args)
   assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
   native = microbatching.microbatched(fn, K, batch_argnums=(1, 2))(*args)[1]
   assert max(relative(native, fn(*args)[1])) < 1e-5  # training agrees: float32 rounding
+
+
+def test_fp8_weights_cast_with_astype_round_their_gradient_and_the_fix_says_so():
+  """A plain ``astype`` of the weights: its backward casts the weight's gradient, a sum over
+  the batch, to fp8 with no scale; each micro-batch rounds its own sum. No batch scale."""
+  w = jnp.asarray(_rng.normal(size=(6, 1)), jnp.float32)
+
+  def loss(w, x, y):
+    s = jnp.max(jnp.abs(w), axis=0) / 448
+    wq = (w / s).astype(jnp.float8_e4m3fn).astype(jnp.float32) * s
+    return jnp.mean((x @ wq - y) ** 2)
+
+  assert native_difference(loss, w, X, Y) > 1e-2  # what training sees
+  report = checked(loss, w, X, Y)
+  assert report.cause == "coupling", str(report)
+  assert "gradient" in report.fix and "scale taken from the batch" not in report.fix, report.fix
 
 
 @pytest.mark.parametrize("stat", ["max", "mean"])
@@ -888,9 +933,30 @@ def test_global_stats_that_are_no_sum_over_rows_are_named_not_blamed_on_accumula
   whole = getattr(np, stat)(np.asarray(X, np.float64), axis=0)
   summed = sum(getattr(np, stat)(np.asarray(X[i::K], np.float64), axis=0) for i in range(K))
   assert not np.allclose(whole, summed)  # the planted case: not a sum over the rows
-  with pytest.raises(ValueError, match=rf"`global_stats` is not a sum over rows.*\['{stat}'\]"
-                     r".*sums and counts"):
+  with pytest.raises(ValueError, match=rf"`global_stats`.*\['{stat}'\] .*not a sum.*sums and"
+                     r" counts"):  # summable's check (the flow), before the check's sums
     check(PARAMS, X, Y)
+
+
+def test_int8_counts_are_summed_in_int32_as_microbatched_sums_them():
+  """400 rows counted in int8: 100 per micro-batch fits, the whole batch's wraps (400 - 256
+  in int8); microbatched sums the micro-batches' counts in int32, which is 400: equal."""
+  x = jnp.tile(X, (13, 1))[:400]
+  y = jnp.tile(Y, (13, 1))[:400]
+  mask = jnp.ones((400,), jnp.int8)
+
+  def loss(p, x, y, m, *, stats):
+    return jnp.sum(per_example(p, x, y) * m) / stats["n"]
+
+  def stats_fn(p, x, y, m):
+    return {"n": jnp.sum(m, dtype=jnp.int8)}
+
+  fn, args = value_and_grad(loss), (PARAMS, x, y, mask)
+  options = {"batch_argnums": (1, 2, 3), "normalize": "sum", "global_stats": stats_fn}
+  native = microbatching.microbatched(fn, K, **options)(*args)[1]
+  assert max(relative(native, fn(*args, stats={"n": jnp.int32(400)})[1])) < 1e-5
+  report = check_large_batch(fn, K, **options)(*args)
+  assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
 
 
 def fixed_random_features(p, x, y):  # a random projection drawn inside, the same every call
@@ -918,6 +984,46 @@ def test_random_numbers_that_do_not_follow_the_batch_are_checked_not_refused(los
     checked(dropout, PARAMS, X, Y)
 
 
+def layers_scanned(p, x, y, key):  # a projection per layer, drawn inside a scan over layers
+  def layer(h, k):
+    return jnp.tanh(h @ (jax.random.normal(k, (6, 6)) / 3)), None
+  return mean_loss(p, jax.lax.scan(layer, x, jax.random.split(key, 3))[0], y)
+
+
+def layers_in_a_fori_loop(p, x, y, key):  # lowered to a scan of length 3
+  def layer(i, h):
+    return jnp.tanh(h @ (jax.random.normal(jax.random.fold_in(key, i), (6, 6)) / 3))
+  return mean_loss(p, jax.lax.fori_loop(0, 3, layer, x), y)
+
+
+def layers_from_a_key_made_inside(p, x, y, key):
+  del key
+  def layer(h, i):
+    k = jax.random.fold_in(jax.random.key(0), i)
+    return jnp.tanh(h @ (jax.random.normal(k, (6, 6)) / 3)), None
+  return mean_loss(p, jax.lax.scan(layer, x, jnp.arange(3))[0], y)
+
+
+@pytest.mark.parametrize("loss", [layers_scanned, layers_in_a_fori_loop,
+                                  layers_from_a_key_made_inside])
+def test_draws_in_a_loop_over_layers_are_checked_and_dropout_there_refused(loss):
+  """The carry holds the batch, but the loop runs over the layers (its length does not
+  follow the batch) and each draw's shape does not either: the same numbers for both."""
+  args = (PARAMS, X, Y, jax.random.key(3))
+  fn = value_and_grad(loss)
+  report = check_large_batch(fn, K, batch_argnums=(1, 2))(*args)
+  assert report.cause == "equal" and report.max_relative_error < 1e-13, str(report)
+  native = microbatching.microbatched(fn, K, batch_argnums=(1, 2))(*args)[1]
+  assert max(relative(native, fn(*args)[1])) < 1e-5
+
+  def dropout_per_layer(p, x, y, key):  # a mask the shape of the batch, in the same loop
+    def layer(h, k):
+      return h * jax.random.bernoulli(k, 0.5, h.shape) / 0.5, None
+    return loss(p, jax.lax.scan(layer, x, jax.random.split(key, 3))[0], y, key)
+  with pytest.raises(ValueError, match="from argument 3"):
+    check_large_batch(value_and_grad(dropout_per_layer), K, batch_argnums=(1, 2))(*args)
+
+
 def branch_on_the_batch_mean(p, x, y):
   return jax.lax.cond(jnp.mean(x[:, 0]) > 0, lambda: mean_loss(p, x, y),
                       lambda: 2 * mean_loss(p, x, y))
@@ -929,6 +1035,29 @@ def where_on_the_batch_mean(p, x, y):
 
 def hardest_two(p, x, y):
   return jnp.mean(jax.lax.top_k(per_example(p, x, y), 2)[0])
+
+
+def masked_mean_guarded(guard):
+  """``masked_mean`` normalised per micro-batch, its division by the count guarded."""
+  def loss(p, x, y, m):
+    c, s = jnp.sum(m), jnp.sum(per_example(p, x, y) * m)
+    if guard == "where":
+      return jnp.where(c > 0, s / jnp.maximum(c, 1), 0.0)
+    if guard == "cond":
+      return jax.lax.cond(c > 0, lambda: s / c, lambda: 0.0)
+    return jnp.nan_to_num(s / c)
+  return loss
+
+
+@pytest.mark.parametrize("guard", ["where", "cond", "nan_to_num"])
+def test_a_guarded_division_by_the_count_is_mended_by_normalize(guard):
+  """Guards around a mean per micro-batch select by a statistic, but the division by it
+  explains the weights: the fix is normalize='weighted', as for the unguarded mean."""
+  report = checked(masked_mean_guarded(guard), PARAMS, X, Y, MASK)
+  shares = [float(jnp.sum(MASK[i::K])) for i in range(K)]
+  assert report.cause == "weights", str(report)
+  np.testing.assert_allclose(report.weights, np.array(shares) / sum(shares), rtol=1e-9)
+  assert "normalize='weighted'" in report.fix and "no normalisation" not in report.fix
 
 
 @pytest.mark.parametrize(("loss", "named"), [(branch_on_the_batch_mean, "cond"),
