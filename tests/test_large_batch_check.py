@@ -719,6 +719,7 @@ def test_fsdp_params_and_a_sharded_batch_under_a_mesh(loss):
     np.testing.assert_allclose(report.weights, np.array([2, 2, 2, 1]) / 7, atol=1e-5)
 
 
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (tests/conftest.py)")
 def test_a_loss_holding_its_own_shard_map_on_single_device_arrays_runs_on_its_mesh():
   """The arguments are one device's; the loss's shard_map needs its mesh's 2 devices: the
   float64 program runs there (not on cpu:0, which the mesh does not hold alone)."""
