@@ -226,12 +226,12 @@ def micro_step(
   seed = (window.gradient_step, window.mini_step)  # the narrow buffer's rounding
   if layout.manual:  # shard_map / pmap: each device rounds independently
     seed += (lax.axis_index(config.axis_name),)
-  add = functools.partial(buffer_after, config, mini_step=window.mini_step, accept=accept,
-                          weight=weight, seed=seed)
+  add = jax.named_scope(SCOPES["add"])(functools.partial(
+      buffer_after, config, mini_step=window.mini_step, accept=accept, weight=weight, seed=seed))
 
-  # 3. Emit or not: the add's conditional (mid-steps), then the update's. Each passes what it
-  # does not write through as branch 0, the one whose operands the TPU compiler keeps in place
-  # (docs/development/compiler_evidence.md, "Two conditionals").
+  # 3. Emit or not: one conditional where updates park, else the add's (mid-steps) and the
+  # update's. Each passes what it does not write through as branch 0, the one whose operands
+  # the TPU compiler keeps in place (docs/development/compiler_evidence.md, "Two conditionals").
   # Under jax.jit the trace that gives the types of the updates (or params) is cached: the
   # conditional's branch binds it again, and the inner optimizer's Python runs once.
   run_emit = jax.jit(functools.partial(emit, config, apply=apply, extra_args=extra_args or {}))
@@ -261,8 +261,8 @@ def micro_step(
     # there it is the buffer (else a temporary: the TPU compiler's, "Two conditionals").
     closing = lambda ops, acc: run_emit(ops, add(acc, ops.grads))
     if config.noise_decay is None:
-      buffer = lax.cond(jnp.logical_not(decision.emits), jax.named_scope(SCOPES["add"])(add),
-                        lambda acc, grads: acc, window.acc_grads, grads)
+      buffer = lax.cond(jnp.logical_not(decision.emits), add, lambda acc, grads: acc,
+                        window.acc_grads, grads)
     else:
       buffer, closing = add(window.acc_grads, grads), run_emit
     out, new_inner, new_noise = lax.cond(

@@ -206,3 +206,15 @@ def test_optax_multisteps_is_worse() -> None:
   assert debug.conditionals(compiled) == 0
   if jax.default_backend() == "cpu":
     assert _temps(compiled) > 1.0
+
+
+@pytest.mark.parametrize("noise", [False, True], ids=["plain", "noise"])
+@pytest.mark.parametrize("fast", [False, True], ids=["update+apply", "update_and_apply"])
+def test_the_add_is_named_for_profiles_on_every_path(fast: bool, noise: bool) -> None:
+  """A profile names the window's kernels (docs/faq.md): the add's work carries
+  ``optax_accum_add`` whichever conditionals the path takes."""
+  tx = oa.accumulate(4, optax.adam(1e-3), track_noise_scale=noise)
+  step = (lambda p, s, g: oa.update_and_apply(tx, g, s, p)) if fast else (
+      lambda p, s, g: tx.update(g, s, p))
+  text = jax.jit(step).lower(PARAMS, tx.init(PARAMS), GRADS).as_text(debug_info=True)
+  assert "optax_accum_add" in text and "optax_accum_emit" in text
