@@ -407,7 +407,7 @@ class _Grads(NamedTuple):
 
   def host(self, n: int) -> np.ndarray:
     """Leaf ``n`` on the host (a complex one as its real and imaginary parts)."""
-    x = np.asarray(self.leaves[n])
+    x = _numpy(self.leaves[n])
     x = (np.array(x, np.complex128).reshape(-1).view(np.float64)  # a copy, written to below
          if np.iscomplexobj(x) else np.array(x, np.float64).reshape(-1))
     if not np.isfinite(x).all():
@@ -431,6 +431,18 @@ class _Grads(NamedTuple):
 # ------------------------------------------------------------ streaming statistics
 _SKETCH_ROWS = 1024  # CountSketch rows: the weights' least squares, at any size
 _CHUNK = 1 << 16  # entries at a time: the temporaries stay a few MB on any model
+
+
+def _numpy(x: Any) -> np.ndarray:
+  """``x`` in numpy, read shard by shard through the host CPU: ``np.asarray`` of an array it
+  cannot read in place (an accelerator's, one laid out over devices) keeps its copy cached on
+  the array for the array's life, and the check holds whole gradients."""
+  if not isinstance(x, jax.Array):
+    return np.asarray(x)
+  out = np.empty(x.shape, x.dtype)
+  for shard in x.addressable_shards[:1] if x.is_fully_replicated else x.addressable_shards:
+    out[shard.index] = np.asarray(jax.device_put(shard.data, jax.devices("cpu")[0]))
+  return out
 
 
 def _sketch(grads: _Grads) -> np.ndarray:
