@@ -267,7 +267,8 @@ def sections(result: dict[str, Any], limits: str = "") -> list[str]:
                       _x(r["ratio_plain"]), _x(r["ratio_optax_multisteps"]),
                       _x(r["temps_ratio"]), _x(r["conditionals"], "{}")] for r in recs]), ""]
   lines += ["## Per-call time on a tiny model", "",
-            f"{TINY_PARAMS} f32 params in {LEAVES} leaves, calls dispatched back to back: the host's time per call dominates.",
+            f"{TINY_PARAMS} f32 params in {LEAVES} leaves, calls dispatched back to back: the"
+            " host's time per call dominates.",
             ""]
   for opt in meta["optimizers"]:
     lines += [f"### {opt}", "", *harness.table(
