@@ -18,7 +18,7 @@ import numpy as np
 from jax.extend import core as jax_core
 from jax.extend import source_info_util
 
-from optax_accum import _arrays, _batch, _float64, _global_stats, _validation, microbatching
+from optax_accum import _arrays, _batch, _float64, _global_stats, _jaxpr, _validation, microbatching
 
 
 class LeafError(NamedTuple):
@@ -566,59 +566,35 @@ def _walk(jaxpr: jax_core.Jaxpr, labels: list[frozenset], trail: _Trail) -> list
   captured constant; none for a constant made inside), and ``_STAT`` for a statistic of
   the batch; ``trail`` records what the check needs of each equation.
   """
-  env = dict(zip(jaxpr.invars, labels, strict=True))
-  env.update((v, frozenset({_CAPTURED})) for v in jaxpr.constvars)
-
-  def read(v: Any) -> frozenset:
-    return frozenset() if isinstance(v, jax_core.Literal) else env.get(v, frozenset())
-
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    every = frozenset().union(*ins)
-    in_loop, at = trail.in_loop, trail.at
-    theirs = trail.visit(eqn, ins)  # sets trail.at for the inner jaxprs
-    trail.in_loop |= eqn.primitive.name == "while" or (  # a scan: if its length follows
-        eqn.primitive.name == "scan" and (theirs or (0,) * 4)[3] != trail.shapes[-1][3])
-    outs = _walk_inner(eqn, ins, every, trail) or [every] * len(eqn.outvars)
-    trail.in_loop, trail.at = in_loop, at
-    if theirs is not None:  # a value of the batch that the rows do not shape: a statistic
-      outs = [o | {_STAT} if _BATCH in o and v.aval.shape == s else o
-              for o, v, s in zip(outs, eqn.outvars, theirs[2], strict=True)]
-    env.update(zip(eqn.outvars, outs, strict=True))
-  return [read(v) for v in jaxpr.outvars]
+  return _jaxpr.interpret(_LABELS, jaxpr, [frozenset({_CAPTURED})] * len(jaxpr.constvars),
+                          labels, trail)
 
 
-def _walk_inner(eqn: Any, ins: list[frozenset], every: frozenset,
-                trail: _Trail) -> list[frozenset] | None:
-  """The labels of an equation's outputs, from its inner jaxprs (None: ``every`` on each).
+def _labels(trail: _Trail, eqn: Any, ins: list[frozenset]) -> list[frozenset]:
+  """The walk's one rule: an equation's output labels, the equation recorded by ``trail`` first.
 
-  A call (jit, checkpoint, custom rules, shard_map, a scan's body) maps its operands one
-  to one; a ``cond`` its operands after the branch index; a ``while`` its constants and
-  carry. A loop's body is walked once, with the carry's labels on entry: a label that
-  reaches a key only through the carry is missed, which refuses a loss rather than
-  passing one. Anything else, an equation without inner jaxprs too, gets ``every``, the
-  union of its operands' labels, on each output; its inner jaxprs are walked with it.
+  The labels go through the equation's jaxprs as ``_jaxpr.descend`` takes them, joined by
+  union. A loop's body is walked once, with the carry's labels on entry: a label that
+  reaches a key only through the carry is missed, which refuses a loss rather than passing
+  one. A ``cond``'s outputs do not carry the branch index's labels: a value the batch only
+  chooses carries no rows, and a key it chooses is drawn the same for every micro-batch
+  (refused). An equation without jaxprs puts the union of its operands' labels on each
+  output. A value of the batch whose shape the rows do not shape is a statistic.
   """
-  subs = list(jax_core.jaxprs_in_params(eqn.params))
-  name = eqn.primitive.name
-  if name == "cond":
-    outs = [_walk(s, ins[1:], trail) for s in subs]
-    # Not the branch index's labels: a value the batch only chooses carries no rows, and a
-    # key it chooses is drawn the same for every micro-batch (refused).
-    return [frozenset().union(*o) for o in zip(*outs, strict=True)]
-  if name == "while":
-    c, b = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    carry = ins[c + b:]
-    _walk(eqn.params["cond_jaxpr"].jaxpr, ins[:c] + carry, trail)
-    outs = _walk(eqn.params["body_jaxpr"].jaxpr, ins[c:c + b] + carry, trail)
-    return [a | b for a, b in zip(outs, carry, strict=True)]
-  if len(subs) == 1 and len(subs[0].invars) == len(ins):
-    outs = _walk(subs[0], ins, trail)
-    if len(outs) == len(eqn.outvars):
-      return outs
-  for s in subs:
-    _walk(s, [every] * len(s.invars), trail)
-  return None
+  in_loop, at = trail.in_loop, trail.at
+  theirs = trail.visit(eqn, ins)  # sets trail.at for the inner jaxprs
+  trail.in_loop |= eqn.primitive.name == "while" or (  # a scan: if its length follows
+      eqn.primitive.name == "scan" and (theirs or (0,) * 4)[3] != trail.shapes[-1][3])
+  outs = _jaxpr.descend(eqn, ins, lambda j, a: _walk(j, a, trail),
+                        lambda labels: frozenset().union(*labels))
+  trail.in_loop, trail.at = in_loop, at
+  if theirs is None:
+    return outs
+  return [o | {_STAT} if _BATCH in o and v.aval.shape == s else o
+          for o, v, s in zip(outs, eqn.outvars, theirs[2], strict=True)]
+
+
+_LABELS = _jaxpr.Rules({}, _labels, lambda v: frozenset())  # one rule: the trail sees each equation
 
 
 def _check_key(labels: frozenset) -> None:
