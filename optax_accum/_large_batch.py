@@ -279,7 +279,9 @@ def check_large_batch(
       global_stats=global_stats)
   k = int(num_microbatches)
   nums = _validation.check_argnums(batch_argnums, "batch_argnums")
-  programs: dict[Any, Any] = {}  # the float64 programs, by the types of their arguments
+  # The float64 programs of each function the check traces, by the types of its arguments
+  # ("stats": `pooled`, made anew on each call from `global_stats` and those types alone).
+  programs: dict[str, dict[Any, Any]] = {"fn": {}, "stats": {}, "microbatched": {}}
 
   def check(*args: Any, **kwargs: Any) -> LargeBatchReport:
     batch = _batch.of(args, nums)  # the rules every entry point shares
@@ -307,20 +309,21 @@ def check_large_batch(
     own, wide = kwargs, kwargs  # fn's keywords; with global_stats, the whole batch's `stats=`
     if global_stats is not None:  # (pooled like microbatched's, the float64 sum in float64)
       pooled = _global_stats.summable(global_stats, args, b_nums, rows // k)
-      on_all = _in_float64(pooled, args, {}, b_nums, programs)[0](args)
-      on_part = _in_float64(pooled, micro(0), {}, b_nums, programs)[0]
+      on_all = _in_float64(pooled, args, {}, b_nums, programs["stats"])[0](args)
+      on_part = _in_float64(pooled, micro(0), {}, b_nums, programs["stats"])[0]
       wide = {**kwargs, "stats": _check_sums(on_all, [on_part(micro(j)) for j in range(k)])}
       own = {**kwargs, "stats": jax.tree.map(lambda n, w: w if jnp.issubdtype(
           w.dtype, jnp.integer) else jnp.asarray(n), pooled(*args), wide["stats"])}
     native = grads(fn(*args, **own), "the whole batch")  # fn as it runs: what training sees
-    on_micro, seen = _in_float64(fn, micro(0), own, b_nums, programs)
-    on_whole, found = _in_float64(fn, args, own, b_nums, programs, seen)  # refuses draws per row
+    on_micro, seen = _in_float64(fn, micro(0), own, b_nums, programs["fn"])
+    # The whole batch's trace, beside the micro-batch's: refuses draws per row.
+    on_whole, found = _in_float64(fn, args, own, b_nums, programs["fn"], seen)
     whole = grads(on_whole(args, wide), "the whole batch")
     order = np.random.default_rng(0).permutation(rows)
     permuted = whole.distance(grads(on_whole(rows_of(lambda x: _rows(x, order)), wide),
                                     "the permuted batch"))
     stats = _Stats.of(whole, micro_batches(), normalize, k)
-    on_accumulated = _in_float64(accumulated, args, kwargs, b_nums, programs)[0]
+    on_accumulated = _in_float64(accumulated, args, kwargs, b_nums, programs["microbatched"])[0]
     acc = _Grads.of(on_accumulated(args)[1], "microbatched")
     native_errors = _Grads.of(accumulated(*args, **kwargs)[1], "microbatched").distance(native)
     return _classify(k, normalize, whole, permuted, acc, stats, micro_batches, native_errors,
@@ -335,14 +338,14 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
   """``f``'s outputs in float64 on arguments shaped like ``args`` (``_float64.evaluate``).
 
   ``f`` is traced on ``args`` as they are, once per types of its arguments: ``programs``
-  keeps the float64 program of each, so a check called again on new batches compiles
-  nothing. Its walk (:class:`_Trail`) is compared with ``other``'s, the trace of a
-  micro-batch, when given: raises where ``f`` draws random numbers per row from a key no
-  batch argument feeds.
+  (``f``'s alone: no key names ``f``) keeps the float64 program of each, so a check
+  called again on new batches compiles nothing. Its walk (:class:`_Trail`) is compared
+  with ``other``'s, the trace of a micro-batch, when given: raises where ``f`` draws
+  random numbers per row from a key no batch argument feeds.
   """
   inputs = _arrays.ArrayLeaves.of((args, kwargs))
   static = tuple(x for x in inputs.leaves if not isinstance(x, (jax.Array, np.ndarray)))
-  key = (id(f), b_nums, inputs.treedef, tuple(map(jax.typeof, inputs.arrays)), static)
+  key = (b_nums, inputs.treedef, tuple(map(jax.typeof, inputs.arrays)), static)
   if key not in programs:
     def traced(*values: Any) -> Any:
       a, kw = inputs.rebuild(values)
