@@ -99,6 +99,12 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
     # In: what `inner` reads (the gradients; the params, extra args where it reads them).
     # Out: the updates, to the device; the new state, in host memory.
     run = lambda u, s, p, kw: inner.update(u, s, p, **kw)
+    if not any(jax.typeof(x).memory_space == jax.memory.Space.Host
+               for x in jax.tree.leaves(state.inner_state)):
+      # Already on the host (the emitting branch of `accumulate`, typed on the device there:
+      # `on_host`), or a state the caller placed on the device: the update runs where it is.
+      updates, new = run(updates, state.inner_state, params, extra_args)
+      return updates, HostState(new)
     updates, new = on_host(run, (jax.memory.Space.Device, jax.memory.Space.Host), updates,
                            state.inner_state, params, extra_args)
     return updates, HostState(new)
