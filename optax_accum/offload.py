@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import optax
+from jax import lax
 from jax._src import compute_on  # private: see `on_host`
 
 __all__ = ["HostState", "host_state"]
@@ -106,7 +107,7 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
       updates, new = run(updates, state.inner_state, params, extra_args)
       return updates, HostState(new)
     updates, new = on_host(run, (jax.memory.Space.Device, jax.memory.Space.Host), updates,
-                           state.inner_state, params, extra_args)
+                           state.inner_state, params, extra_args, copied=False)
     return updates, HostState(new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -125,7 +126,7 @@ def in_host_memory(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   return sharding.with_memory_kind(HOST)
 
 
-def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any) -> Any:
+def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any, copied: bool = True) -> Any:
   """``fn(*args)`` computed on the host, its outputs in ``out_spaces`` (a prefix tree).
 
   Only the arguments ``fn`` reads go to host memory. ``jax.experimental.compute_on`` would
@@ -145,9 +146,15 @@ def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any) -> Any:
   keep = [v in read or v in jaxpr.outvars for v in jaxpr.invars]
   spaces = jax.tree.map(lambda space, out: jax.tree.map(lambda _: space, out), out_spaces, shape,
                         is_leaf=lambda x: isinstance(x, jax.memory.Space))
+  # Moved through a barrier: the TPU compiler (libtpu 0.0.50) otherwise hands the host the
+  # device buffers themselves, in a linear layout: a relayout copy of each 2-D leaf on the
+  # device (+12 B/param for params, buffer and gradients); this way they are copied into
+  # host memory as they are laid out.
+  moved = [x if jax.typeof(x).memory_space == host else jax.device_put(x, host)
+           for x, k in zip(leaves, keep, strict=True) if k]
+  moved = lax.optimization_barrier(moved) if copied else moved
   outs = compute_on.compute_on_p.bind(
-      *[x if jax.typeof(x).memory_space == host else jax.device_put(x, host)
-        for x, k in zip(leaves, keep, strict=True) if k],
+      *moved,
       jaxpr=jax.extend.core.ClosedJaxpr(jaxpr.replace(invars=[
           v for v, k in zip(jaxpr.invars, keep, strict=True) if k]), []),
       compute_type="device_host", out_memory_spaces=tuple(jax.tree.leaves(spaces)),
