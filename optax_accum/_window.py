@@ -250,7 +250,8 @@ def micro_step(
       return emitted._replace(out=updates), buffer
 
     (out, new_inner, new_noise), buffer = lax.cond(
-        decision.emits, jax.named_scope(SCOPES["emit"])(on_host(emitting, inner_state, parked=True)),
+        decision.emits,
+        jax.named_scope(SCOPES["emit"])(on_host(emitting, inner_state, parked=True)),
         jax.named_scope(SCOPES["mid"])(lambda ops, acc: (waiting(ops), add(acc, ops.grads))),
         ops, window.acc_grads)
     out = unpark(out, buffer, parks, decision.emits, updates_like)
@@ -266,7 +267,8 @@ def micro_step(
     else:
       buffer, closing = add(window.acc_grads, grads), run_emit
     out, new_inner, new_noise = lax.cond(
-        decision.emits, jax.named_scope(SCOPES["emit"])(on_host(closing, inner_state, parked=False)),
+        decision.emits,
+        jax.named_scope(SCOPES["emit"])(on_host(closing, inner_state, parked=False)),
         jax.named_scope(SCOPES["mid"])(lambda ops, acc: waiting(ops)), ops, buffer)
 
   # 4. Advance.

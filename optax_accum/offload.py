@@ -4,9 +4,13 @@ An accumulation reads the inner optimizer's state once per window. Between
 optimizer steps Adam's ``mu`` and ``nu`` (8 bytes per float32 parameter) sit
 idle on the device; :func:`host_state` keeps them (every leaf of the state) in
 host memory (``pinned_host``) and runs the update on the host: the state never
-enters the device; the gradients go to the host, the updates come back. A
-train step compiles as usual (``jax.jit``): the update runs inside the emitting
-branch of the window's ``lax.cond``; mid-steps pass the state through.
+enters the device. A train step compiles as usual (``jax.jit``). Inside
+:func:`~optax_accum.accumulate` the window's whole emitting branch runs on the
+host: the buffer, the last gradients and the params are copied there, the
+window's mean, the update and its application are computed there, and the new
+params (or the updates) come back: no parameter-sized temporary on the device
+for 1-D leaves; mid-steps pass the state through. Alone, the gradients go to the
+host and the updates come back.
 """
 
 from __future__ import annotations
