@@ -15,7 +15,10 @@ import re
 import sys
 import time
 
-if "--h200" in sys.argv:  # it sets, before jax: no GPU runtime, no check for a CUDA install
+if "--tpu-deviceless" in sys.argv:  # the TPU v5e compiler without a chip (libtpu, deviceless)
+  os.environ.update(TPU_SKIP_MDS_QUERY="1", TPU_ACCELERATOR_TYPE="v5litepod-4",
+                    TPU_WORKER_HOSTNAMES="localhost", TPU_WORKER_ID="0", JAX_PLATFORMS="cpu")
+if "--h200" in sys.argv or "--tpu-deviceless" in sys.argv:  # before jax: no GPU runtime
   import gpu_hlo
 import bench_accumulate as ba
 import harness
@@ -79,8 +82,8 @@ def device_bytes(m, host):
 def forms(row, step, params, batch, dev, h200):
   """``row`` with the device bytes per parameter of ``step``'s one program."""
   on_host, across = row["state"] == HOST, row["step"] != "MLP, in-step"
-  args = args_of(params, batch, dev, on_host, across, not h200)
-  typed = args_of(params, batch, CPU, True, across, True) if h200 and on_host else None
+  args = args_of(params, batch, dev, on_host, across, not h200)  # ("tpu": deviceless, as is)
+  typed = args_of(params, batch, CPU, True, across, True) if h200 is True and on_host else None
   n = sum(x.size for x in jax.tree.leaves(params))
   host = 8 * n * (row["params"] == "float32" or 0.5) if on_host else 0  # adam's mu and nu
   try:
@@ -264,17 +267,21 @@ def plot(r):
 def main():
   ap = harness.parser(__doc__, quick="small sizes (checks the script)")
   ap.add_argument("--h200", action="store_true", help="the H200 compiler (gpu_hlo.py's venv)")
+  ap.add_argument("--tpu-deviceless", action="store_true", help="the TPU v5e compiler, no chip")
   ap.add_argument("--gpu", action="store_true", help="also time both forms on this device")
   ap.add_argument("--tpu", action="store_true", help="also the real run on the chip (--quick: CPU)")
   args = ap.parse_args()
-  dev = gpu_hlo.target(None)[0] if args.h200 else jax.sharding.SingleDeviceSharding(
-      jax.devices()[0])
+  dev = gpu_hlo.target(None)[0] if args.h200 else gpu_hlo.target("v5e:2x2")[0] if (
+      args.tpu_deviceless) else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = True if args.h200 else "tpu" if args.tpu_deviceless else False
   r = {"command": " ".join(["python benchmarks/bench_host_state.py", *sys.argv[1:]]),
-       "machine": harness.machine(), "memory": memory(args.quick, dev, args.h200),
-       "compiler": "the H200 compiler" if args.h200 else f"XLA on {jax.devices()[0].device_kind}",
+       "machine": harness.machine(), "memory": memory(args.quick, dev, abstract),
+       "compiler": "the H200 compiler" if args.h200 else "the TPU v5e compiler (deviceless)" if (
+           args.tpu_deviceless) else f"XLA on {jax.devices()[0].device_kind}",
        **({"gpu": gpu_times(args.quick, 3 if args.quick else 21)} if args.gpu else {}),
        **({"at scale": at_scale(dev)} if args.h200 and not args.quick else {})}
-  stem = "h200" if args.h200 else "tpu" if args.tpu else "gpu" if args.gpu else "cpu"
+  stem = "h200" if args.h200 else "tpu_deviceless" if args.tpu_deviceless else "tpu" if (
+      args.tpu) else "gpu" if args.gpu else "cpu"
   if args.tpu:  # the memory rows first: a run stopped in the real run still leaves them
     harness.write(args.out, "host_state_tpu", r, markdown(r))
     r["tpu"] = tpu(args.quick)

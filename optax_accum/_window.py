@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _arrays, _copies, _rounding, _state, _validation
+from optax_accum import _arrays, _copies, _rounding, _state, _validation, offload
 from optax_accum import gradient_noise as noise_lib
 
 KSchedule = Callable[[jax.Array], Any]
@@ -250,7 +250,8 @@ def micro_step(
       return emitted._replace(out=updates), buffer
 
     (out, new_inner, new_noise), buffer = lax.cond(
-        decision.emits, jax.named_scope(SCOPES["emit"])(emitting),
+        decision.emits,
+        jax.named_scope(SCOPES["emit"])(on_host(emitting, inner_state, parked=True)),
         jax.named_scope(SCOPES["mid"])(lambda ops, acc: (waiting(ops), add(acc, ops.grads))),
         ops, window.acc_grads)
     out = unpark(out, buffer, parks, decision.emits, updates_like)
@@ -266,7 +267,8 @@ def micro_step(
     else:
       buffer, closing = add(window.acc_grads, grads), run_emit
     out, new_inner, new_noise = lax.cond(
-        decision.emits, jax.named_scope(SCOPES["emit"])(closing),
+        decision.emits,
+        jax.named_scope(SCOPES["emit"])(on_host(closing, inner_state, parked=False)),
         jax.named_scope(SCOPES["mid"])(lambda ops, acc: waiting(ops)), ops, buffer)
 
   # 4. Advance.
@@ -280,6 +282,23 @@ def micro_step(
       if config.reduction == "weighted" else window.acc_weight,
       noise_stats=new_noise)
   return StepOut(out, new_window, new_inner, d.emits)
+
+
+def on_host(branch: Callable[[Operands, Any], Any], inner_state: Any, *,
+            parked: bool) -> Callable[..., Any]:
+  """The emitting ``branch`` computed on the host where the inner state lives there
+  (:func:`~optax_accum.offload.host_state`): the buffer, the gradients and the params go to
+  host memory, the window's sum, its scaling, the update and its application run there, and
+  only what the step returns on the device comes back (the params or the updates): no
+  parameter-sized temporary on the device. The inner state's leaves stay where they are."""
+  host = jax.memory.Space.Host
+  spaces = jax.tree.map(lambda x: jax.typeof(x).memory_space, inner_state)
+  if host not in jax.tree.leaves(spaces):
+    return branch
+  device = jax.memory.Space.Device
+  emitted = Emitted(device, spaces, device)
+  spaces = (emitted, device) if parked else emitted  # (parked: the buffer comes back too)
+  return lambda ops, acc: offload.on_host(branch, spaces, ops, acc)
 
 
 def decide(config: Config, window: Window, accept: Any, weight: jax.Array | None,

@@ -4,9 +4,13 @@ An accumulation reads the inner optimizer's state once per window. Between
 optimizer steps Adam's ``mu`` and ``nu`` (8 bytes per float32 parameter) sit
 idle on the device; :func:`host_state` keeps them (every leaf of the state) in
 host memory (``pinned_host``) and runs the update on the host: the state never
-enters the device; the gradients go to the host, the updates come back. A
-train step compiles as usual (``jax.jit``): the update runs inside the emitting
-branch of the window's ``lax.cond``; mid-steps pass the state through.
+enters the device. A train step compiles as usual (``jax.jit``). Inside
+:func:`~optax_accum.accumulate` the window's whole emitting branch runs on the
+host: the buffer, the last gradients and the params are copied there, the
+window's mean, the update and its application are computed there, and the new
+params (or the updates) come back: no parameter-sized temporary on the device
+for 1-D leaves; mid-steps pass the state through. Alone, the gradients go to the
+host and the updates come back.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 import optax
+from jax import lax
 from jax._src import compute_on  # private: see `on_host`
 
 __all__ = ["HostState", "host_state"]
@@ -99,8 +104,14 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
     # In: what `inner` reads (the gradients; the params, extra args where it reads them).
     # Out: the updates, to the device; the new state, in host memory.
     run = lambda u, s, p, kw: inner.update(u, s, p, **kw)
+    if not any(jax.typeof(x).memory_space == jax.memory.Space.Host
+               for x in jax.tree.leaves(state.inner_state)):
+      # Already on the host (the emitting branch of `accumulate`, typed on the device there:
+      # `on_host`), or a state the caller placed on the device: the update runs where it is.
+      updates, new = run(updates, state.inner_state, params, extra_args)
+      return updates, HostState(new)
     updates, new = on_host(run, (jax.memory.Space.Device, jax.memory.Space.Host), updates,
-                           state.inner_state, params, extra_args)
+                           state.inner_state, params, extra_args, copied=False)
     return updates, HostState(new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -119,7 +130,7 @@ def in_host_memory(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   return sharding.with_memory_kind(HOST)
 
 
-def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any) -> Any:
+def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any, copied: bool = True) -> Any:
   """``fn(*args)`` computed on the host, its outputs in ``out_spaces`` (a prefix tree).
 
   Only the arguments ``fn`` reads go to host memory. ``jax.experimental.compute_on`` would
@@ -139,9 +150,15 @@ def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any) -> Any:
   keep = [v in read or v in jaxpr.outvars for v in jaxpr.invars]
   spaces = jax.tree.map(lambda space, out: jax.tree.map(lambda _: space, out), out_spaces, shape,
                         is_leaf=lambda x: isinstance(x, jax.memory.Space))
+  # Moved through a barrier: the TPU compiler (libtpu 0.0.50) otherwise hands the host the
+  # device buffers themselves, in a linear layout: a relayout copy of each 2-D leaf on the
+  # device (+12 B/param for params, buffer and gradients); this way they are copied into
+  # host memory as they are laid out.
+  moved = [x if jax.typeof(x).memory_space == host else jax.device_put(x, host)
+           for x, k in zip(leaves, keep, strict=True) if k]
+  moved = lax.optimization_barrier(moved) if copied else moved
   outs = compute_on.compute_on_p.bind(
-      *[x if jax.typeof(x).memory_space == host else jax.device_put(x, host)
-        for x, k in zip(leaves, keep, strict=True) if k],
+      *moved,
       jaxpr=jax.extend.core.ClosedJaxpr(jaxpr.replace(invars=[
           v for v, k in zip(jaxpr.invars, keep, strict=True) if k]), []),
       compute_type="device_host", out_memory_spaces=tuple(jax.tree.leaves(spaces)),
