@@ -286,19 +286,10 @@ def micro_step(
 
 def on_host(branch: Callable[[Operands, Any], Any], inner_state: Any, *,
             parked: bool) -> Callable[..., Any]:
-  """The emitting ``branch`` computed on the host where the inner state lives there
-  (:func:`~optax_accum.offload.host_state`): the buffer, the gradients and the params go to
-  host memory, the window's sum, its scaling, the update and its application run there, and
-  only what the step returns on the device comes back (the params or the updates): no
-  parameter-sized temporary on the device. The inner state's leaves stay where they are."""
-  host = jax.memory.Space.Host
-  spaces = jax.tree.map(lambda x: jax.typeof(x).memory_space, inner_state)
-  if host not in jax.tree.leaves(spaces):
-    return branch
-  device = jax.memory.Space.Device
-  emitted = Emitted(device, spaces, device)
-  spaces = (emitted, device) if parked else emitted  # (parked: the buffer comes back too)
-  return lambda ops, acc: offload.on_host(branch, spaces, ops, acc)
+  """The emitting ``branch``, on the host where the inner state is (``offload``)."""
+  d = jax.memory.Space.Device  # what comes back: the params or updates (and a parked buffer)
+  return offload.branch_on_host(branch, inner_state, lambda spaces: (
+      (Emitted(d, spaces, d), d) if parked else Emitted(d, spaces, d)))
 
 
 def decide(config: Config, window: Window, accept: Any, weight: jax.Array | None,

@@ -130,6 +130,20 @@ def in_host_memory(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   return sharding.with_memory_kind(HOST)
 
 
+def branch_on_host(branch: Callable[..., Any], inner_state: Any,
+                   out_spaces: Callable[[Any], Any]) -> Callable[..., Any]:
+  """A window's emitting ``branch`` computed on the host where a leaf of ``inner_state`` is
+  typed in host memory (:func:`host_state`), else ``branch`` itself: the buffer, the gradients
+  and the params go to host memory, the window's sum, its scaling, the update and its
+  application run there, and only what the step returns on the device comes back
+  (``out_spaces(inner_state's spaces)``): no parameter-sized temporary on the device for 1-D
+  leaves. The inner state's leaves stay where they are."""
+  spaces = jax.tree.map(lambda x: jax.typeof(x).memory_space, inner_state)
+  if jax.memory.Space.Host not in jax.tree.leaves(spaces):
+    return branch
+  return lambda ops, acc: on_host(branch, out_spaces(spaces), ops, acc)
+
+
 def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any, copied: bool = True) -> Any:
   """``fn(*args)`` computed on the host, its outputs in ``out_spaces`` (a prefix tree).
 
