@@ -11,14 +11,12 @@ two windows; the host update's ns/param and threads; ``host_state_tpu.{md,json}`
 
 import functools
 import os
-import re
 import sys
 import time
 
 if "--tpu-deviceless" in sys.argv:  # the TPU v5e compiler without a chip (libtpu, deviceless)
   os.environ.update(TPU_SKIP_MDS_QUERY="1", TPU_ACCELERATOR_TYPE="v5litepod-4",
                     TPU_WORKER_HOSTNAMES="localhost", TPU_WORKER_ID="0", JAX_PLATFORMS="cpu")
-if "--h200" in sys.argv or "--tpu-deviceless" in sys.argv:  # before jax: no GPU runtime
   import gpu_hlo
 import bench_accumulate as ba
 import harness
@@ -31,7 +29,6 @@ from jax import lax
 import optax_accum as oa
 
 K, HOST, FORM = 4, "pinned_host", "one program"
-CPU = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
 
 
 def args_of(params, batch, dev, on_host, across, concrete):
@@ -45,22 +42,9 @@ def args_of(params, batch, dev, on_host, across, concrete):
       inner), put(batch, dev)
 
 
-def compiled(step, args, cpu_args=None):
-  """``step`` jitted (params and state donated) and compiled on ``args``; with ``cpu_args``,
-  typed on XLA:CPU (deviceless, no memory kinds), lowered for CUDA, compiled by the H200
-  compiler in place of the program of a fresh jit of ``step`` (not one JAX compiled and cached
-  already): one of the same signature that the deviceless ``args`` can trace."""
-  jitted = lambda: jax.jit(step, donate_argnums=(0, 1))
-  if cpu_args is None:
-    return jitted().lower(*args).compile()
-  from jax._src import compiler  # private: the one way to hand XLA a module typed elsewhere
-  module = jitted().trace(*cpu_args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
-  real = compiler.compile_or_get_cached
-  compiler.compile_or_get_cached = lambda backend, _, *a, **kw: real(backend, module, *a, **kw)
-  try:
-    return jitted().lower(*args).compile()
-  finally:
-    compiler.compile_or_get_cached = real
+def compiled(step, args):
+  """``step`` jitted (params and state donated) and compiled on ``args``."""
+  return jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
 
 
 def flat(n, leaves, dtype):
@@ -79,21 +63,20 @@ def device_bytes(m, host):
       m.temp_size_in_bytes)
 
 
-def forms(row, step, params, batch, dev, h200):
+def forms(row, step, params, batch, dev, abstract):
   """``row`` with the device bytes per parameter of ``step``'s one program."""
   on_host, across = row["state"] == HOST, row["step"] != "MLP, in-step"
-  args = args_of(params, batch, dev, on_host, across, not h200)  # ("tpu": deviceless, as is)
-  typed = args_of(params, batch, CPU, True, across, True) if h200 is True and on_host else None
+  args = args_of(params, batch, dev, on_host, across, not abstract)
   n = sum(x.size for x in jax.tree.leaves(params))
   host = 8 * n * (row["params"] == "float32" or 0.5) if on_host else 0  # adam's mu and nu
   try:
-    row[FORM] = round(device_bytes(compiled(step, args, typed).memory_analysis(), host) / n, 2)
+    row[FORM] = round(device_bytes(compiled(step, args).memory_analysis(), host) / n, 2)
   except Exception as e:  # the one program where the compiler cannot take it
     row[FORM] = f"fails: {type(e).__name__}"
   return {**row, "host bytes": host / n}
 
 
-def memory(quick, dev, h200):
+def memory(quick, dev, abstract):
   n, d, rows = 1 << (16 if quick else 22), 256 if quick else 2048, []
   mlp = {f"w{i}": jax.ShapeDtypeStruct((d, d), jnp.float32) for i in range(4)}
   loss = lambda p, x: jnp.mean(functools.reduce(lambda h, w: jnp.tanh(h @ w), p.values(), x)**2)
@@ -111,7 +94,7 @@ def memory(quick, dev, h200):
     for dt, leaves in (("float32", 4), ("bfloat16", 4), ("float32", 16)):
       params = flat(n, leaves, dt)
       rows.append(forms({"step": f"update, {leaves} leaves", "params": dt, "state": state},
-                        update_step(opt), params, params, dev, h200))
+                        update_step(opt), params, params, dev, abstract))
     across = lambda f, opt=opt: lambda p, s, x: oa.update_and_apply(
         oa.accumulate(8, opt), jax.grad(f)(p, x), s, p)
     for step, fn, params, rows_ in (
@@ -119,23 +102,7 @@ def memory(quick, dev, h200):
         ("MLP, across steps", across(loss), mlp, d),
         ("MLP in a scan, across steps", across(scan_loss), scanned, d)):
       rows.append(forms({"step": step, "params": "float32", "state": state}, fn, params,
-                        jax.ShapeDtypeStruct((rows_, d), jnp.float32), dev, h200))
-  return rows
-
-
-def at_scale(dev):
-  """The update's closing step (4 leaves, f32) where the state on the device fills 80 to 120% of
-  the H200's memory: there XLA brings the state in leaf by leaf, not all before the first."""
-  memory_bytes, rows = int(re.search(r"device_memory_size: (\d+)", gpu_hlo.H200_TEXT)[1]), []
-  for fill in (0.8, 0.9, 1.0, 1.1, 1.2):
-    n = int(fill * memory_bytes / 20) // 4 * 4  # 20 B/param: the step with the state on device
-    params, row = flat(n, 4, jnp.float32), {"fill": fill, "params": n}
-    for state, opt in (("device", optax.adam(1e-3)), (HOST, oa.host_state(optax.adam(1e-3)))):
-      on_host = state == HOST
-      m = compiled(update_step(opt), args_of(params, params, dev, on_host, True, False), args_of(
-          params, params, CPU, True, True, False) if on_host else None).memory_analysis()
-      row[state] = round(device_bytes(m, 8 * n * on_host) / 1e9, 1)  # GB
-    rows.append(row)
+                        jax.ShapeDtypeStruct((rows_, d), jnp.float32), dev, abstract))
   return rows
 
 
@@ -225,11 +192,6 @@ def markdown(r):
       f" {r['machine']['jax']}, {r['machine']['date']}. " + " ".join(__doc__.split("\n")[2:6]),
       "", *harness.table(" | ".join(head + cols), "lllrr", [
           [x[c] for c in head] + [x.get(c, "-") for c in cols] for x in r["memory"]]), "",
-      *(["Where it matters: the update's closing step (4 leaves, f32) with as many params as"
-         " the state on the device needs 80 to 120% of the H200's memory for; device GB held:",
-         "", *harness.table("fill | params | state on the device | host: closing step", "rrrr",
-                            [[x["fill"], f"{x['params']:.3g}", x["device"], x[HOST]]
-                             for x in r["at scale"]]), ""] if "at scale" in r else []),
       *(harness.table("median ms on the device | micro-step | closing step", "lrr", [
           [k, *v] for k, v in r["gpu"].items()]) if "gpu" in r else []),
       *(tpu_markdown(r["tpu"]) if "tpu" in r else [])])
@@ -266,22 +228,19 @@ def plot(r):
 
 def main():
   ap = harness.parser(__doc__, quick="small sizes (checks the script)")
-  ap.add_argument("--h200", action="store_true", help="the H200 compiler (gpu_hlo.py's venv)")
   ap.add_argument("--tpu-deviceless", action="store_true", help="the TPU v5e compiler, no chip")
   ap.add_argument("--gpu", action="store_true", help="also time both forms on this device")
   ap.add_argument("--tpu", action="store_true", help="also the real run on the chip (--quick: CPU)")
   args = ap.parse_args()
-  dev = gpu_hlo.target(None)[0] if args.h200 else gpu_hlo.target("v5e:2x2")[0] if (
-      args.tpu_deviceless) else jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = True if args.h200 else "tpu" if args.tpu_deviceless else False
+  dev = gpu_hlo.target("v5e:2x2")[0] if args.tpu_deviceless else (
+      jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   r = {"command": " ".join(["python benchmarks/bench_host_state.py", *sys.argv[1:]]),
-       "machine": harness.machine(), "memory": memory(args.quick, dev, abstract),
-       "compiler": "the H200 compiler" if args.h200 else "the TPU v5e compiler (deviceless)" if (
-           args.tpu_deviceless) else f"XLA on {jax.devices()[0].device_kind}",
-       **({"gpu": gpu_times(args.quick, 3 if args.quick else 21)} if args.gpu else {}),
-       **({"at scale": at_scale(dev)} if args.h200 and not args.quick else {})}
-  stem = "h200" if args.h200 else "tpu_deviceless" if args.tpu_deviceless else "tpu" if (
-      args.tpu) else "gpu" if args.gpu else "cpu"
+       "machine": harness.machine(), "memory": memory(args.quick, dev, args.tpu_deviceless),
+       "compiler": "the TPU v5e compiler (deviceless)" if args.tpu_deviceless else (
+           f"XLA on {jax.devices()[0].device_kind}"),
+       **({"gpu": gpu_times(args.quick, 3 if args.quick else 21)} if args.gpu else {})}
+  stem = "tpu_deviceless" if args.tpu_deviceless else "tpu" if args.tpu else (
+      "gpu" if args.gpu else "cpu")
   if args.tpu:  # the memory rows first: a run stopped in the real run still leaves them
     harness.write(args.out, "host_state_tpu", r, markdown(r))
     r["tpu"] = tpu(args.quick)
