@@ -199,14 +199,13 @@ def init(like: Any) -> GlobalStats | tuple[()]:
   return GlobalStats(zeros, zeros)
 
 
-def advance(state: Any, stats: Any, like: Any, accept: Any, mini_steps: tuple[Any, Any],
-            axis_name: Any) -> Any:
+def advance(state: Any, stats: Any, like: Any, accept: Any, closes: Any, axis_name: Any) -> Any:
   """The statistics after one micro-step of ``accumulate``.
 
   ``stats`` (this micro-batch's, if it counts: ``accept``) is added to the
-  running sum; when the window closed (``mini_steps``: its ``mini_step``
-  before and after), the sum over ``axis_name`` (manual axes: one ``psum``,
-  in the closing branch) becomes ``last`` and the running sum restarts.
+  running sum; when the window closes (``closes``: the window's decision,
+  ``_window.StepOut.closes``), the sum over ``axis_name`` (manual axes: one
+  ``psum``, in the closing branch) becomes ``last`` and the running sum restarts.
   """
   if stats is None and accept is False:  # a flush carries no micro-batch
     stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), like)
@@ -217,11 +216,9 @@ def advance(state: Any, stats: Any, like: Any, accept: Any, mini_steps: tuple[An
         f"`update(..., stats=...)` got shapes {jax.tree.map(jnp.shape, stats)}, but"
         f" `accumulate(..., global_stats=...)` declared {like and jax.tree.map(jnp.shape, like)}.")
   check_summable(stats, "`stats`")
-  before, after = mini_steps
-  closed = jnp.logical_and(after == 0, jnp.logical_or(before > 0, accept))
   running = jax.tree.map(lambda r, s: r + jnp.where(accept, s, 0).astype(r.dtype),
                          state.running, stats)
   total = (lambda r: r) if axis_name is None else (lambda r: lax.psum(r, axis_name))
-  last = lax.cond(closed, total, lambda r: state.last, running)
-  return GlobalStats(jax.tree.map(lambda r: jnp.where(closed, jnp.zeros([], r.dtype), r),
+  last = lax.cond(closes, total, lambda r: state.last, running)
+  return GlobalStats(jax.tree.map(lambda r: jnp.where(closes, jnp.zeros([], r.dtype), r),
                                   running), last)
