@@ -285,10 +285,12 @@ def _run(call: Callable[..., Any], config: _Config, args: Sequence[Any], batch: 
   reduce-scattered over ``axis_name`` instead of all-reduced: ``(dim, axes)``.
   """
   micro, varying = _micro_batches(config, args, batch)
-  # `fn` traced once: its output's types and the loop's body (that trace, evaluated).
+  # `fn` traced once: its output's types and the loop's body, that trace evaluated. (k = 1
+  # calls `fn` itself, without a loop: bitwise `fn`, eagerly too.)
   closed, out = jax.make_jaxpr(lambda i: call(*micro(i)), return_shape=True)(
       jnp.zeros([], jnp.int32))
-  step = lambda i: jax.tree.unflatten(jax.tree.structure(out), jax_core.jaxpr_as_fun(closed)(i))
+  step = (lambda i: call(*micro(i))) if config.k == 1 else (
+      lambda i: jax.tree.unflatten(jax.tree.structure(out), jax_core.jaxpr_as_fun(closed)(i)))
   shapes = _batch.unpack(out, config.normalize, config.has_aux)
   _validation.check_no_float0(shapes.grads, where="gradient `fn` returns")
   aux = _aux_rules.resolve(config.aux_rules if config.has_aux else None, shapes.aux,
