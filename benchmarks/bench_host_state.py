@@ -167,6 +167,8 @@ def real_run(layers, d, host, limit, run_it):
     held = device_bytes(step.lower(params, state, x).compile().memory_analysis(), 8 * n * host)
   except Exception:  # over the chip's memory: the compiler refuses it
     return None
+  print(f"{layers} layers of {d}, {'host' if host else 'device'} state: {held / 2**30:.2f} GiB",
+        "> limit" if held > limit else "", flush=True)
   if held > limit or not run_it:
     return None if held > limit else {"device bytes": held}
   p = jax.random.normal(jax.random.key(0), (layers, d, d)) / d**0.5
@@ -179,7 +181,9 @@ def real_run(layers, d, host, limit, run_it):
     t0 = time.perf_counter()
     run = jax.block_until_ready(step(*run, xs))
     times[i % K == K - 1].append(time.perf_counter() - t0)
-  return {"device bytes": held, "ms": [round(1e3 * harness.median(t[1:]), 1) for t in times]}
+  ms = [round(1e3 * harness.median(t[1:]), 1) for t in times]
+  print(f"  ran: ms micro-step, closing step {ms}", flush=True)
+  return {"device bytes": held, "ms": ms}
 
 
 def largest(host, d, limit, top):

@@ -15,6 +15,12 @@ constants the values the program holds (a bfloat16 literal was rounded when
 traced), and the program its structure: shardings, collectives, control flow.
 What cannot be widened (callbacks, foreign calls, kernels) raises a
 ``ValueError`` that names the primitive and the line that made it.
+
+The shadow is a table of rules over ``_jaxpr.interpret`` (``_WIDE``): a
+call's jaxpr is evaluated in its place, a ``shard_map``'s again per device,
+and any other equation is bound again with the jaxprs in its params (a
+``cond``'s branches, a loop's body, a reduction's computation) traced again
+in float64.
 """
 
 from __future__ import annotations
@@ -29,13 +35,10 @@ from jax import lax
 from jax.extend import core as jax_core
 from jax.extend import source_info_util
 
-# Calls (jit, jax.checkpoint, custom_jvp/custom_vjp functions), and where their callee is.
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-          "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
-          "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
+from optax_accum import _jaxpr
+
 _OPAQUE = ("pure_callback", "io_callback", "ffi_call", "pallas_call", "triton_kernel_call",
            "custom_call")
-_DROPPED = ("debug_callback", "debug_print")  # prints the user's values: once is enough
 
 
 def wide(dtype: Any) -> Any:
@@ -99,96 +102,80 @@ def _meshed(jaxpr: jax_core.Jaxpr) -> bool:
 
 
 def _eval(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-  env: dict[Any, Any] = {}
-
-  def read(v: Any) -> Any:
-    if isinstance(v, jax_core.Literal):
-      return _up(np.asarray(v.val, v.aval.dtype))
-    return env[v]
-
-  env.update(zip(jaxpr.constvars, map(_up, consts), strict=True))
-  env.update(zip(jaxpr.invars, map(_up, args), strict=True))
-  for eqn in jaxpr.eqns:
-    env.update(zip(eqn.outvars, _apply(eqn, [read(v) for v in eqn.invars]), strict=True))
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _closed(j: Any) -> jax_core.ClosedJaxpr:
-  return j if isinstance(j, jax_core.ClosedJaxpr) else jax_core.ClosedJaxpr(j, ())
+  return _jaxpr.interpret(_WIDE, jaxpr, map(_up, consts), map(_up, args))
 
 
 def _run(j: Any) -> Callable[..., list[Any]]:
-  closed = _closed(j)
+  closed = _jaxpr.closed(j)
   return lambda *a: _eval(closed.jaxpr, closed.consts, a)
 
 
-def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
-  """One equation, its floating values in float64."""
-  name, p = eqn.primitive.name, eqn.params
-  if name in _DROPPED:
-    return []
-  if name == "reduce_precision":  # to 8 bits or fewer (fp8): a quantiser, as a cast is
-    return [eqn.primitive.bind(*ins, **p)] if narrow(p) else ins  # wider: not in the shadow
-  if name == "convert_element_type" and jnp.issubdtype(p["new_dtype"], jnp.floating) and (
-      np.dtype(p["new_dtype"]).itemsize == 1):  # fp8 (fp4): a quantiser, rounded, then widened
-    return [_up(lax.convert_element_type(ins[0], p["new_dtype"]))]
-  if name == "bitcast_convert_type":  # the bits of the value in its own dtype
-    out = lax.bitcast_convert_type(ins[0].astype(eqn.invars[0].aval.dtype), p["new_dtype"])
-    return [_up(out)]
-  if name == "cond":
-    return list(lax.switch(ins[0], [_run(b) for b in p["branches"]], *ins[1:]))
-  if name == "while":  # bound as it is: a vmapped loop's predicate is one per example
-    c, b = p["cond_nconsts"], p["body_nconsts"]
-    return eqn.primitive.bind(*ins, **{
-        **p, "cond_jaxpr": jax.make_jaxpr(_run(p["cond_jaxpr"]))(*ins[:c], *ins[c + b:]),
-        "body_jaxpr": jax.make_jaxpr(_run(p["body_jaxpr"]))(*ins[c:c + b], *ins[c + b:])})
-  if name == "scan":
-    if "ft_in" in p:  # jax >= 0.11: the operands' groups as a flat tree
-      consts, init, xs = map(list, p["ft_in"].update(ins).unpack())
-    else:
-      c, n = p["num_consts"], p["num_carry"]
-      consts, init, xs = ins[:c], ins[c:c + n], ins[c + n:]
-    body = _run(p["jaxpr"])
-
-    def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-      out = body(*consts, *carry, *x)
-      return out[:len(init)], out[len(init):]
-
-    carry, ys = lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"])
-    return [*carry, *ys]
-  if name == "shard_map":
-    body = _run(p["jaxpr"])
-    return list(jax.shard_map(lambda *a: tuple(body(*a)), mesh=p["mesh"],
-                              in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]),
-                              axis_names=p["newly_manual_axes"], check_vma=p["check_vma"])(*ins))
-  if name == "custom_linear_solve":  # its value: the solve, on its consts and the right side
-    n, start = p["const_lengths"], p["const_lengths"].matvec + p["const_lengths"].vecmat
-    return _run(p["jaxprs"].solve)(*ins[start:start + n.solve], *ins[sum(n):])
-  if name in _CALLS:
-    return _run(p[_CALLS[name]])(*ins)  # a custom rule's function itself: no derivative taken
-  if name in _OPAQUE:
-    raise _cannot(eqn)
-  out = eqn.primitive.bind(*ins, **{k: _param(k, v, eqn) for k, v in p.items()})
+def _bound(_: Any, eqn: Any, ins: list[Any]) -> list[Any]:
+  """``eqn`` bound again on float64 operands: its dtypes widened, its jaxprs traced again in
+  float64 (a ``cond``'s branches, a loop's body, a reduction's scalar computation)."""
+  p = _jaxpr.map_jaxprs(eqn.params, lambda j: _traced(j, eqn))
+  out = eqn.primitive.bind(*ins, **{k: _param(k, v) for k, v in p.items()})
   outs = list(out) if eqn.primitive.multiple_results else [out]
   if any(wide(o.dtype) != o.dtype for o in outs):
     raise _cannot(eqn)
   return outs
 
 
-def _param(key: str, value: Any, eqn: Any) -> Any:
-  """A parameter of ``eqn`` for float64 operands: dtypes widened, scalar computations too."""
+def _traced(j: Any, eqn: Any) -> Any:
+  """The jaxpr ``j`` of ``eqn``'s params evaluated in float64, traced on its inputs widened."""
+  closed = _jaxpr.closed(j)
+  new = jax.make_jaxpr(_run(closed))(*(
+      v.aval.update(dtype=wide(v.aval.dtype)) for v in closed.jaxpr.invars))
+  if new.consts and isinstance(j, jax_core.Jaxpr):
+    raise _cannot(eqn)
+  return new if isinstance(j, jax_core.ClosedJaxpr) else new.jaxpr
+
+
+def _param(key: str, value: Any) -> Any:
+  """A parameter for float64 operands: a dtype widened."""
   if key == "precision":
     return None  # a dot algorithm names its operands' types; float64 has one algorithm
-  if isinstance(value, (jax_core.Jaxpr, jax_core.ClosedJaxpr)):
-    closed = _closed(value)  # a reduction's or scatter's scalar computation
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, wide(v.aval.dtype)) for v in closed.jaxpr.invars]
-    new = jax.make_jaxpr(_run(closed))(*avals)
-    if new.consts and isinstance(value, jax_core.Jaxpr):
-      raise _cannot(eqn)
-    return new if isinstance(value, jax_core.ClosedJaxpr) else new.jaxpr
   if isinstance(value, type) and issubclass(value, np.generic):
     value = np.dtype(value)
   return wide(value) if isinstance(value, np.dtype) else value
+
+
+def _reduce_precision(_: Any, eqn: Any, ins: list[Any]) -> list[Any]:
+  """To 8 bits or fewer (fp8): a quantiser, as a cast is; wider: not in the shadow."""
+  return _bound(_, eqn, ins) if narrow(eqn.params) else ins
+
+
+def _convert(_: Any, eqn: Any, ins: list[Any]) -> list[Any]:
+  """A cast; to an 8-bit float (fp8, fp4): a quantiser, rounded, then widened."""
+  new = eqn.params["new_dtype"]
+  if jnp.issubdtype(new, jnp.floating) and np.dtype(new).itemsize == 1:
+    return [_up(lax.convert_element_type(ins[0], new))]
+  return _bound(_, eqn, ins)
+
+
+def _bitcast(_: Any, eqn: Any, ins: list[Any]) -> list[Any]:
+  """The bits of the value in its own dtype."""
+  x = ins[0].astype(eqn.invars[0].aval.dtype)
+  return [_up(lax.bitcast_convert_type(x, eqn.params["new_dtype"]))]
+
+
+def _shard_map(_: Any, eqn: Any, ins: list[Any]) -> list[Any]:
+  p, body = eqn.params, _run(_jaxpr.callee(eqn))
+  return list(jax.shard_map(lambda *a: tuple(body(*a)), mesh=p["mesh"],
+                            in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]),
+                            axis_names=p["newly_manual_axes"], check_vma=p["check_vma"])(*ins))
+
+
+def _opaque(_: Any, eqn: Any, ins: list[Any]) -> list[Any]:
+  raise _cannot(eqn)
+
+
+_WIDE = _jaxpr.Rules({
+    "debug_callback": lambda *_: [], "debug_print": lambda *_: [],  # prints: once is enough
+    "reduce_precision": _reduce_precision, "convert_element_type": _convert,
+    "bitcast_convert_type": _bitcast, "shard_map": _shard_map, **dict.fromkeys(_OPAQUE, _opaque),
+    _jaxpr.CALL: lambda _, eqn, ins: _run(_jaxpr.callee(eqn))(*ins),  # a custom rule's function
+}, _bound, lambda v: _up(np.asarray(v.val, v.aval.dtype)))
 
 
 def _cannot(eqn: Any) -> ValueError:

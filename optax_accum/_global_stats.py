@@ -23,7 +23,7 @@ the same values; it has nothing to advance.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -33,7 +33,7 @@ from jax import lax
 from jax.extend import core as jax_core
 from jax.extend.core import Literal
 
-from optax_accum import _arrays, _batch
+from optax_accum import _arrays, _batch, _jaxpr
 
 
 class GlobalStats(NamedTuple):
@@ -197,6 +197,9 @@ class _Flow(NamedTuple):
   grad: bool  # a float that a float param reaches through floats
 
 
+_NONE = _Flow(None, False)  # a literal's or a constant's
+
+
 def _walk(small: Any, large: Any, flows: list[_Flow]) -> list[_Flow]:
   """The flows of the outputs of ``large``, the jaxpr ``small`` is on half the rows.
 
@@ -207,26 +210,32 @@ def _walk(small: Any, large: Any, flows: list[_Flow]) -> list[_Flow]:
   Where the two jaxprs differ in their equations, ``large`` is read alone:
   ``why`` is not looked for. Literals and constants carry neither.
   """
-  env = dict(zip(large.invars, flows, strict=True))
-  read = lambda v: _Flow(None, False) if isinstance(v, Literal) else env.get(v, _Flow(None, False))
   same = [e.primitive for e in small.eqns] == [e.primitive for e in large.eqns]
-  for a, b in zip(small.eqns if same else large.eqns, large.eqns, strict=True):
-    ins, name = [read(v) for v in b.invars], b.primitive.name
-    calls = list(zip(*(jax_core.jaxprs_in_params(e.params) for e in (a, b)), strict=True))
-    if len(calls) == 1 and (len(calls[0][1].invars), len(calls[0][1].outvars)) == (
-        len(ins), len(b.outvars)):  # a call: jit, checkpoint, custom rules
-      env.update(zip(b.outvars, _walk(*calls[0], ins), strict=True))
-      continue
-    why = next((f.why for f in ins if f.why), None)
-    if name in _NOT_SUMS and _extent(a) != _extent(b):
-      why = _NOT_SUMS[name]
-    if name == "div" and all(isinstance(e.invars[1], Literal) for e in (a, b)) and (
-        a.invars[1].val != b.invars[1].val):
-      why = "mean"
-    grad = any(f.grad for f in ins) and name not in _CONSTANT
-    env.update((w, _Flow(None if v.aval.shape != w.aval.shape else why, grad and jnp.issubdtype(
-        w.aval.dtype, jnp.inexact))) for v, w in zip(a.outvars, b.outvars, strict=True))
-  return [read(v) for v in large.outvars]
+  twins = iter(small.eqns if same else large.eqns)  # each equation of large's, on small
+  return _jaxpr.interpret(_ROWS, large, [_NONE] * len(large.constvars), flows, twins)
+
+
+def _call(twins: Iterator[Any], b: Any, ins: list[_Flow]) -> list[_Flow]:
+  """A call (jit, checkpoint, custom rules), ``scan`` or ``shard_map``: walked with its twin."""
+  return _walk(_jaxpr.callee(next(twins)).jaxpr, _jaxpr.callee(b).jaxpr, ins)
+
+
+def _op(twins: Iterator[Any], b: Any, ins: list[_Flow]) -> list[_Flow]:
+  """Any other equation (``b``; ``a`` its twin on small): a max, min or mean over the rows?"""
+  a, name = next(twins), b.primitive.name
+  why = next((f.why for f in ins if f.why), None)
+  if name in _NOT_SUMS and _extent(a) != _extent(b):
+    why = _NOT_SUMS[name]
+  if name == "div" and all(isinstance(e.invars[1], Literal) for e in (a, b)) and (
+      a.invars[1].val != b.invars[1].val):
+    why = "mean"
+  grad = any(f.grad for f in ins) and name not in _CONSTANT
+  return [_Flow(None if v.aval.shape != w.aval.shape else why, grad and jnp.issubdtype(
+      w.aval.dtype, jnp.inexact)) for v, w in zip(a.outvars, b.outvars, strict=True)]
+
+
+_ROWS = _jaxpr.Rules(dict.fromkeys((_jaxpr.CALL, "scan", "shard_map"), _call), _op,
+                     lambda v: _NONE)
 
 
 def _extent(eqn: Any) -> int:

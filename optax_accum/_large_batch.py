@@ -18,7 +18,7 @@ import numpy as np
 from jax.extend import core as jax_core
 from jax.extend import source_info_util
 
-from optax_accum import _arrays, _batch, _float64, _global_stats, _validation, microbatching
+from optax_accum import _arrays, _batch, _float64, _global_stats, _jaxpr, _validation, microbatching
 
 
 class LeafError(NamedTuple):
@@ -279,7 +279,9 @@ def check_large_batch(
       global_stats=global_stats)
   k = int(num_microbatches)
   nums = _validation.check_argnums(batch_argnums, "batch_argnums")
-  programs: dict[Any, Any] = {}  # the float64 programs, by the types of their arguments
+  # The float64 programs of each function the check traces, by the types of its arguments
+  # ("stats": `pooled`, made anew on each call from `global_stats` and those types alone).
+  programs: dict[str, dict[Any, Any]] = {"fn": {}, "stats": {}, "microbatched": {}}
 
   def check(*args: Any, **kwargs: Any) -> LargeBatchReport:
     batch = _batch.of(args, nums)  # the rules every entry point shares
@@ -308,21 +310,22 @@ def check_large_batch(
     if global_stats is not None:  # (pooled like microbatched's, the float64 sum in float64)
       pooled = _global_stats.summable(global_stats, args, _batch.shapes_at(args, b_nums, rows // k),
                                       b_nums, rows // k)[0]
-      on_all = _in_float64(pooled, args, {}, b_nums, programs)[0](args)
-      on_part = _in_float64(pooled, micro(0), {}, b_nums, programs)[0]
+      on_all = _in_float64(pooled, args, {}, b_nums, programs["stats"])[0](args)
+      on_part = _in_float64(pooled, micro(0), {}, b_nums, programs["stats"])[0]
       wide = {**kwargs, "stats": _global_stats.check_sums(on_all, [on_part(micro(j))
                                                                    for j in range(k)])}
       own = {**kwargs, "stats": jax.tree.map(lambda n, w: w if jnp.issubdtype(
           w.dtype, jnp.integer) else jnp.asarray(n), pooled(*args), wide["stats"])}
     native = grads(fn(*args, **own), "the whole batch")  # fn as it runs: what training sees
-    on_micro, seen = _in_float64(fn, micro(0), own, b_nums, programs)
-    on_whole, found = _in_float64(fn, args, own, b_nums, programs, seen)  # refuses draws per row
+    on_micro, seen = _in_float64(fn, micro(0), own, b_nums, programs["fn"])
+    # The whole batch's trace, beside the micro-batch's: refuses draws per row.
+    on_whole, found = _in_float64(fn, args, own, b_nums, programs["fn"], seen)
     whole = grads(on_whole(args, wide), "the whole batch")
     order = np.random.default_rng(0).permutation(rows)
     permuted = whole.distance(grads(on_whole(rows_of(lambda x: _rows(x, order)), wide),
                                     "the permuted batch"))
     stats = _Stats.of(whole, micro_batches(), normalize, k)
-    on_accumulated = _in_float64(accumulated, args, kwargs, b_nums, programs)[0]
+    on_accumulated = _in_float64(accumulated, args, kwargs, b_nums, programs["microbatched"])[0]
     acc = _Grads.of(on_accumulated(args)[1], "microbatched")
     native_errors = _Grads.of(accumulated(*args, **kwargs)[1], "microbatched").distance(native)
     return _classify(k, normalize, whole, permuted, acc, stats, micro_batches, native_errors,
@@ -337,14 +340,14 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
   """``f``'s outputs in float64 on arguments shaped like ``args`` (``_float64.evaluate``).
 
   ``f`` is traced on ``args`` as they are, once per types of its arguments: ``programs``
-  keeps the float64 program of each, so a check called again on new batches compiles
-  nothing. Its walk (:class:`_Trail`) is compared with ``other``'s, the trace of a
-  micro-batch, when given: raises where ``f`` draws random numbers per row from a key no
-  batch argument feeds.
+  (``f``'s alone: no key names ``f``) keeps the float64 program of each, so a check
+  called again on new batches compiles nothing. Its walk (:class:`_Trail`) is compared
+  with ``other``'s, the trace of a micro-batch, when given: raises where ``f`` draws
+  random numbers per row from a key no batch argument feeds.
   """
   inputs = _arrays.ArrayLeaves.of((args, kwargs))
   static = tuple(x for x in inputs.leaves if not isinstance(x, (jax.Array, np.ndarray)))
-  key = (id(f), b_nums, inputs.treedef, tuple(map(jax.typeof, inputs.arrays)), static)
+  key = (b_nums, inputs.treedef, tuple(map(jax.typeof, inputs.arrays)), static)
   if key not in programs:
     def traced(*values: Any) -> Any:
       a, kw = inputs.rebuild(values)
@@ -388,7 +391,7 @@ class _Grads(NamedTuple):
 
   def host(self, n: int) -> np.ndarray:
     """Leaf ``n`` on the host (a complex one as its real and imaginary parts)."""
-    x = np.asarray(self.leaves[n])
+    x = _numpy(self.leaves[n])
     x = (np.array(x, np.complex128).reshape(-1).view(np.float64)  # a copy, written to below
          if np.iscomplexobj(x) else np.array(x, np.float64).reshape(-1))
     if not np.isfinite(x).all():
@@ -412,6 +415,18 @@ class _Grads(NamedTuple):
 # ------------------------------------------------------------ streaming statistics
 _SKETCH_ROWS = 1024  # CountSketch rows: the weights' least squares, at any size
 _CHUNK = 1 << 16  # entries at a time: the temporaries stay a few MB on any model
+
+
+def _numpy(x: Any) -> np.ndarray:
+  """``x`` in numpy, read shard by shard through the host CPU: ``np.asarray`` of an array it
+  cannot read in place (an accelerator's, one laid out over devices) keeps its copy cached on
+  the array for the array's life, and the check holds whole gradients."""
+  if not isinstance(x, jax.Array):
+    return np.asarray(x)
+  out = np.empty(x.shape, x.dtype)
+  for shard in x.addressable_shards[:1] if x.is_fully_replicated else x.addressable_shards:
+    out[shard.index] = np.asarray(jax.device_put(shard.data, jax.devices("cpu")[0]))
+  return out
 
 
 def _sketch(grads: _Grads) -> np.ndarray:
@@ -547,59 +562,35 @@ def _walk(jaxpr: jax_core.Jaxpr, labels: list[frozenset], trail: _Trail) -> list
   captured constant; none for a constant made inside), and ``_STAT`` for a statistic of
   the batch; ``trail`` records what the check needs of each equation.
   """
-  env = dict(zip(jaxpr.invars, labels, strict=True))
-  env.update((v, frozenset({_CAPTURED})) for v in jaxpr.constvars)
-
-  def read(v: Any) -> frozenset:
-    return frozenset() if isinstance(v, jax_core.Literal) else env.get(v, frozenset())
-
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    every = frozenset().union(*ins)
-    in_loop, at = trail.in_loop, trail.at
-    theirs = trail.visit(eqn, ins)  # sets trail.at for the inner jaxprs
-    trail.in_loop |= eqn.primitive.name == "while" or (  # a scan: if its length follows
-        eqn.primitive.name == "scan" and (theirs or (0,) * 4)[3] != trail.shapes[-1][3])
-    outs = _walk_inner(eqn, ins, every, trail) or [every] * len(eqn.outvars)
-    trail.in_loop, trail.at = in_loop, at
-    if theirs is not None:  # a value of the batch that the rows do not shape: a statistic
-      outs = [o | {_STAT} if _BATCH in o and v.aval.shape == s else o
-              for o, v, s in zip(outs, eqn.outvars, theirs[2], strict=True)]
-    env.update(zip(eqn.outvars, outs, strict=True))
-  return [read(v) for v in jaxpr.outvars]
+  return _jaxpr.interpret(_LABELS, jaxpr, [frozenset({_CAPTURED})] * len(jaxpr.constvars),
+                          labels, trail)
 
 
-def _walk_inner(eqn: Any, ins: list[frozenset], every: frozenset,
-                trail: _Trail) -> list[frozenset] | None:
-  """The labels of an equation's outputs, from its inner jaxprs (None: ``every`` on each).
+def _labels(trail: _Trail, eqn: Any, ins: list[frozenset]) -> list[frozenset]:
+  """The walk's one rule: an equation's output labels, the equation recorded by ``trail`` first.
 
-  A call (jit, checkpoint, custom rules, shard_map, a scan's body) maps its operands one
-  to one; a ``cond`` its operands after the branch index; a ``while`` its constants and
-  carry. A loop's body is walked once, with the carry's labels on entry: a label that
-  reaches a key only through the carry is missed, which refuses a loss rather than
-  passing one. Anything else, an equation without inner jaxprs too, gets ``every``, the
-  union of its operands' labels, on each output; its inner jaxprs are walked with it.
+  The labels go through the equation's jaxprs as ``_jaxpr.descend`` takes them, joined by
+  union. A loop's body is walked once, with the carry's labels on entry: a label that
+  reaches a key only through the carry is missed, which refuses a loss rather than passing
+  one. A ``cond``'s outputs do not carry the branch index's labels: a value the batch only
+  chooses carries no rows, and a key it chooses is drawn the same for every micro-batch
+  (refused). An equation without jaxprs puts the union of its operands' labels on each
+  output. A value of the batch whose shape the rows do not shape is a statistic.
   """
-  subs = list(jax_core.jaxprs_in_params(eqn.params))
-  name = eqn.primitive.name
-  if name == "cond":
-    outs = [_walk(s, ins[1:], trail) for s in subs]
-    # Not the branch index's labels: a value the batch only chooses carries no rows, and a
-    # key it chooses is drawn the same for every micro-batch (refused).
-    return [frozenset().union(*o) for o in zip(*outs, strict=True)]
-  if name == "while":
-    c, b = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    carry = ins[c + b:]
-    _walk(eqn.params["cond_jaxpr"].jaxpr, ins[:c] + carry, trail)
-    outs = _walk(eqn.params["body_jaxpr"].jaxpr, ins[c:c + b] + carry, trail)
-    return [a | b for a, b in zip(outs, carry, strict=True)]
-  if len(subs) == 1 and len(subs[0].invars) == len(ins):
-    outs = _walk(subs[0], ins, trail)
-    if len(outs) == len(eqn.outvars):
-      return outs
-  for s in subs:
-    _walk(s, [every] * len(s.invars), trail)
-  return None
+  in_loop, at = trail.in_loop, trail.at
+  theirs = trail.visit(eqn, ins)  # sets trail.at for the inner jaxprs
+  trail.in_loop |= eqn.primitive.name == "while" or (  # a scan: if its length follows
+      eqn.primitive.name == "scan" and (theirs or (0,) * 4)[3] != trail.shapes[-1][3])
+  outs = _jaxpr.descend(eqn, ins, lambda j, a: _walk(j, a, trail),
+                        lambda labels: frozenset().union(*labels))
+  trail.in_loop, trail.at = in_loop, at
+  if theirs is None:
+    return outs
+  return [o | {_STAT} if _BATCH in o and v.aval.shape == s else o
+          for o, v, s in zip(outs, eqn.outvars, theirs[2], strict=True)]
+
+
+_LABELS = _jaxpr.Rules({}, _labels, lambda v: frozenset())  # one rule: the trail sees each equation
 
 
 def _check_key(labels: frozenset) -> None:

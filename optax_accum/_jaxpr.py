@@ -1,0 +1,138 @@
+"""The one jaxpr interpreter: a table of rules keyed by primitive, one descent into inner jaxprs.
+
+Three walks read a jaxpr equation by equation: ``_float64`` evaluates it with
+its floating values in float64, ``_large_batch`` follows where each value comes
+from (a key, a batch argument, a statistic of the batch) and ``_global_stats``
+follows the rows and the gradient. Each is a :class:`Rules`, a rule per
+primitive and one for the rest, which :func:`interpret` runs. What JAX keeps
+inside an equation is read here alone: which primitives are calls (``CALL``,
+by every name JAX gives them), where an equation keeps its jaxprs
+(closed before JAX 0.11, open from it, their constants made operands:
+:func:`closed`) and which operands feed each (:func:`descend`, for a walk of
+what values depend on; :func:`map_jaxprs`, for a walk that binds an equation
+again with its jaxprs rewritten, as Equinox's finalisation does). A rename in
+a new JAX is one fix, here.
+
+Example: which inputs each output is computed from, through a call and a
+``cond`` (whose index chooses a value, it is not computed from it):
+
+  >>> import jax, jax.numpy as jnp
+  >>> from optax_accum import _jaxpr
+  >>> def computed_from(ctx, eqn, ins):
+  ...   return _jaxpr.descend(eqn, ins, walk, lambda values: set().union(*values))
+  >>> rules = _jaxpr.Rules({}, computed_from, lambda literal: set())
+  >>> def walk(jaxpr, ins):
+  ...   return _jaxpr.interpret(rules, jaxpr, [set()] * len(jaxpr.constvars), ins)
+  >>> def f(x, y, z):
+  ...   return jax.jit(jnp.sin)(x) * z, jax.lax.cond(z > 0, lambda: y, lambda: -y)
+  >>> [sorted(s) for s in walk(jax.make_jaxpr(f)(1.0, 2.0, 3.0).jaxpr, [{"x"}, {"y"}, {"z"}])]
+  [['x', 'z'], ['y']]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from jax.extend import core as jax_core
+
+Rule = Callable[[Any, Any, list[Any]], list[Any]]  # (ctx, eqn, its operands') -> its results'
+CALL = "call"  # the kind of every call: operands and results one to one with its jaxpr's
+# The calls (jit, jax.checkpoint, custom_jvp/vjp/vmap functions), by the names JAX >= 0.10.2 uses.
+_CALLS = "jit remat2 call closed_call custom_jvp_call custom_vjp_call custom_vmap_call".split()
+
+
+class Rules(NamedTuple):
+  """A walk of a jaxpr: what an equation's results are, and what a literal is.
+
+  Attributes:
+    table: a rule per kind of equation (:func:`kind`: ``CALL`` for every call,
+      else the primitive's name): ``rule(ctx, eqn, ins)`` returns the values of
+      ``eqn``'s results from ``ins``, its operands'.
+    default: the rule of every kind the table does not name.
+    literal: a literal's value (``literal(v)``, ``v`` a ``jax_core.Literal``).
+  """
+
+  table: Mapping[str, Rule]
+  default: Rule
+  literal: Callable[[Any], Any]
+
+
+def kind(eqn: Any) -> str:
+  """``CALL`` for a call (jit, checkpoint, custom rules, whatever JAX names it), else the name."""
+  return CALL if eqn.primitive.name in _CALLS else eqn.primitive.name
+
+
+def interpret(rules: Rules, jaxpr: Any, consts: Sequence, args: Sequence, ctx: Any = None) -> list:
+  """The values of ``jaxpr``'s outputs, from its constants' and inputs', rule by rule.
+
+  Each equation's rule is looked up by its :func:`kind` and given ``ctx``
+  (whatever the walk carries along), the equation and its operands' values.
+  """
+  env = dict(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
+
+  def read(v: Any) -> Any:
+    return rules.literal(v) if isinstance(v, jax_core.Literal) else env[v]
+
+  for eqn in jaxpr.eqns:
+    rule = rules.table.get(kind(eqn), rules.default)
+    env.update(zip(eqn.outvars, rule(ctx, eqn, [read(v) for v in eqn.invars]), strict=True))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def closed(jaxpr: Any) -> jax_core.ClosedJaxpr:
+  """An inner jaxpr as a ``ClosedJaxpr``: JAX keeps them closed before 0.11, open from it."""
+  return jaxpr if isinstance(jaxpr, jax_core.ClosedJaxpr) else jax_core.ClosedJaxpr(jaxpr, ())
+
+
+def callee(eqn: Any) -> jax_core.ClosedJaxpr:
+  """The jaxpr a call, ``scan`` (its body) or ``shard_map`` (per device) runs on its operands."""
+  p = eqn.params  # `call_jaxpr`: custom rules, `call`, `closed_call`; else `jaxpr`
+  return closed(p["call_jaxpr"] if "call_jaxpr" in p else p["jaxpr"])
+
+
+def descend(eqn: Any, ins: list, walk: Callable[..., list], join: Callable[..., Any]) -> list:
+  """The values of ``eqn``'s results from its operands', through its jaxprs.
+
+  For a walk of what values depend on: ``walk(jaxpr, ins)`` gives an (open)
+  jaxpr's outputs from its inputs' values, ``join`` one value from several
+  that reach one result. A call, a ``scan`` (its body once: what the carry
+  brings round is not followed) and a ``shard_map`` pass their operands to
+  their jaxpr and its outputs back, one to one. A ``cond``'s branches get the
+  operands after the index, and each result joins theirs (the index feeds
+  none: a walk that needs it adds it). A ``while``'s condition is walked on its
+  constants and the carry, for what the walk records; its body on its own
+  constants and the carry, and each result joins the body's with the carry's.
+  Any other equation's results each join all its operands; its jaxprs (a
+  reduction's scalar computation) are walked on that too.
+  """
+  p, k = eqn.params, kind(eqn)
+  if k in (CALL, "scan", "shard_map"):
+    return walk(callee(eqn).jaxpr, ins)
+  if k == "cond":
+    outs = [walk(closed(b).jaxpr, ins[1:]) for b in p["branches"]]
+    return [join(o) for o in zip(*outs, strict=True)]
+  if k == "while":
+    c, b = p["cond_nconsts"], p["body_nconsts"]
+    consts, carry = ins[c:][:b], ins[c:][b:]
+    walk(closed(p["cond_jaxpr"]).jaxpr, ins[:c] + carry)
+    outs = walk(closed(p["body_jaxpr"]).jaxpr, consts + carry)
+    return [join(o) for o in zip(outs, carry, strict=True)]
+  every = join(ins)
+  for j in jax_core.jaxprs_in_params(p):
+    walk(j, [every] * len(j.invars))
+  return [every] * len(eqn.outvars)
+
+
+def map_jaxprs(params: Mapping[str, Any], f: Callable[[Any], Any]) -> dict[str, Any]:
+  """``params`` with each jaxpr in them rewritten by ``f``: one in a tuple too (``cond``'s
+  branches, ``custom_linear_solve``'s functions)."""
+  is_jaxpr = lambda v: isinstance(v, (jax_core.Jaxpr, jax_core.ClosedJaxpr))
+
+  def one(v: Any) -> Any:
+    if isinstance(v, tuple) and any(map(is_jaxpr, v)):  # other tuples stay (a PartitionSpec)
+      return v._make(map(one, v)) if hasattr(v, "_make") else tuple(map(one, v))
+    return f(v) if is_jaxpr(v) else v
+
+  return {k: one(v) for k, v in params.items()}
