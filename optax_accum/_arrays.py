@@ -74,6 +74,15 @@ def array_type(x: Any) -> ArrayType:
                    getattr(sharding, "mesh", None))
 
 
+def filled(s: Any, dtype: Any, fill: Any = 0) -> jax.Array:
+  """``fill`` shaped like ``s``; under explicit sharding also sharded like ``s``.
+
+  A ``lax.scan`` carry must keep its type, and under explicit sharding the
+  type includes the sharding (a gradient sharded over a ``"model"`` axis).
+  """
+  return jnp.full(s.shape, fill, dtype, out_sharding=array_type(s).explicit_spec)
+
+
 def leading_axes(x: Any) -> tuple[Any, ...]:
   """The mesh axes ``x``'s type splits its leading dim (its rows) over; ``()`` for none."""
   lead = (*array_type(x).spec, None)[0]

@@ -17,7 +17,7 @@ too), and each gradient given back in its param's layout.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -247,12 +247,38 @@ def index(x: jax.Array, i: jax.Array, split: str = "strided") -> jax.Array:
   return lax.dynamic_index_in_dim(x, i, axis=1 if split == "strided" else 0, keepdims=False)
 
 
+def split_microbatches(tree: Any, num_microbatches: int, split: str = "strided") -> Any:
+  """Splits a batch pytree into a stacked ``[k, batch // k, ...]`` pytree.
+
+  The same split :func:`~optax_accum.microbatched` and
+  :func:`~optax_accum.cached_microbatched` use, exposed for inspection and
+  for reference computations: micro-batch ``i`` holds rows ``i, i + k,
+  i + 2k, ...`` (a reshape to ``[batch // k, k, ...]``, so a batch sharded
+  along its leading dim stays sharded without any data movement). ``split``
+  is for the layout of ``microbatched``'s deprecated ``split="contiguous"``
+  (rows ``i * m ... (i + 1) * m - 1``), which goes with it in 0.4.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_accum.microbatching import split_microbatches
+    >>> split_microbatches(jnp.arange(6), 2).tolist()
+    [[0, 2, 4], [1, 3, 5]]
+  """
+  k, split = check_num_microbatches(num_microbatches), check_split(split)
+  rows = leading_rows({"`tree`": tree})[0]
+  Batch((), (), rows, rows, ()).check_divides(k)  # (the whole batch: one device's rule)
+  return _split(tree, k, split)
+
+
 def split(tree: Any, k: int, split: str = "strided") -> Any:
   """A batch pytree as ``[k, B // k, ...]`` leaves, micro-batch ``i`` at index ``i``."""
   def one(x: Any) -> jax.Array:
     x = reshape(x, k, split)
     return jnp.swapaxes(x, 0, 1) if split == "strided" else x
   return jax.tree.map(one, tree)
+
+
+_split = split  # (the name `split_microbatches`'s parameter hides)
 
 
 def unsplit(tree: Any, split: str = "strided") -> Any:
@@ -315,19 +341,12 @@ def unpack(out: Any, normalize: str, has_aux: bool) -> Out:
   return Out(value, den, aux, grads)
 
 
-def at_rows(f: Callable[..., Any], args: Sequence[Any], positions: tuple[int, ...], rows: int,
-            jaxpr: bool = False) -> Any:
-  """``jax.eval_shape`` of ``f`` on ``args`` holding ``rows`` rows (``jaxpr``: and its jaxpr).
-
-  Every leaf of the arguments at ``positions`` gets ``rows`` rows; only the
-  array leaves are abstract (an Equinox module's functions stay static).
-  """
+def shapes_at(args: Sequence[Any], positions: tuple[int, ...], rows: int) -> list[Any]:
+  """The shapes of the array leaves of ``args``, those at ``positions`` holding ``rows`` rows."""
   leaves = _arrays.ArrayLeaves.of(tuple(args))
-  shapes = [jax.ShapeDtypeStruct((rows, *jnp.shape(x)[1:]) if path[0].idx in positions
-                                 else jnp.shape(x), jnp.result_type(x))
-            for path, x in zip(leaves.paths, leaves.arrays, strict=True)]
-  g = lambda *v: f(*leaves.rebuild(v))
-  return jax.make_jaxpr(g, return_shape=True)(*shapes) if jaxpr else jax.eval_shape(g, *shapes)
+  return [jax.ShapeDtypeStruct((rows, *jnp.shape(x)[1:]) if path[0].idx in positions
+                               else jnp.shape(x), jnp.result_type(x))
+          for path, x in zip(leaves.paths, leaves.arrays, strict=True)]
 
 
 def param_specs(params: Any, grads: Any) -> list[Any] | None:

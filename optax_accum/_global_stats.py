@@ -6,10 +6,14 @@ receives (its load-balancing loss), the number of real tokens that divides a
 token-weighted loss. Such a statistic is a sum over the rows, so the whole
 batch's is the sum of the micro-batches' (and the devices'). In one step,
 ``microbatched(fn, k, global_stats=stats_fn)`` computes it in a pass of its
-own before the gradient pass (:func:`summable` checks ``stats_fn`` and pools a
-statistic kept per row); across steps, ``accumulate(k, opt, global_stats=like)``
-carries the open window's running sum and the last window's total
-(:class:`GlobalStats`, :func:`init`, :func:`advance`).
+own before the gradient pass: :func:`summable` checks ``stats_fn`` (traced
+once per row count it compares) and pools a statistic kept per row, and
+:func:`over_microbatches` sums it, evaluating that trace. Across
+steps, ``accumulate(k, opt, global_stats=like)`` carries the open window's
+running sum and the last window's total (:class:`GlobalStats`, :func:`init`,
+:func:`advance`, told by the window when it closes). ``check_large_batch``
+compares the whole batch's statistics with their sum over the micro-batches
+(:func:`check_sums`).
 
 A statistic is computed in the forward and returned, never kept in a mutable
 counter: ``jax.checkpoint`` recomputes a forward, and a recomputation returns
@@ -24,7 +28,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.extend import core as jax_core
 from jax.extend.core import Literal
 
 from optax_accum import _arrays, _batch, _jaxpr
@@ -64,26 +70,37 @@ def check_fn(stats_fn: Any) -> Callable[..., Any] | None:
   return stats_fn
 
 
-def summable(stats_fn: Callable[..., Any], args: Sequence[Any], positions: tuple[int, ...],
-             rows: int) -> Callable[..., Any]:
+def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[Any],
+             positions: tuple[int, ...], rows: int,
+             ) -> tuple[Callable[..., Any], Callable[[Sequence[Any]], Any]]:
   """``microbatched``'s ``stats_fn``, checked on micro-batches of ``rows`` and ``2 * rows`` rows.
 
-  Its two jaxprs (read together by :func:`_walk`) give the shapes and the
+  ``avals``: the types of the array leaves of ``args`` on a micro-batch of
+  ``rows`` rows (``_batch.shapes_at``'s, or a micro-batch's in the loop's own
+  context); those at ``positions`` get twice the rows for the second jaxpr.
+  The two jaxprs (read together by :func:`_walk`) give the shapes and the
   checks. Raises for a leaf that is not an array of numbers; that is a max, a
   min or a mean over the rows (its sum over the micro-batches is not the
   whole batch's); or that has a gradient: a float that a float param reaches
   through floats (a counted choice, an integer, or ``stop_gradient``, do
-  not). A leaf whose shape follows the rows is a statistic per row: the
-  function returned pools it, summed over the axis that holds the rows.
+  not).
+
+  Returns ``stats_fn`` on any rows, and ``on``: the statistics of the
+  micro-batch whose array leaves are given, the first jaxpr evaluated
+  (``stats_fn`` is not traced again). In both a statistic kept per row (a
+  leaf whose shape follows the rows) is pooled, summed over the axis that
+  holds the rows.
   """
   def checked(*a: Any) -> Any:
     out = stats_fn(*a)
     check_summable(out, "The statistics `global_stats` returns")
     return out
 
-  (small, shapes), (large, large_shapes) = (
-      _batch.at_rows(checked, args, positions, r, jaxpr=True) for r in (rows, 2 * rows))
   leaves = _arrays.ArrayLeaves.of(tuple(args))
+  doubled = jax.eval_shape(lambda xs: [jnp.concatenate([x, x]) if p[0].idx in positions else x
+                                       for x, p in zip(xs, leaves.paths, strict=True)], avals)
+  (small, shapes), (large, large_shapes) = (jax.make_jaxpr(
+      lambda *v: checked(*leaves.rebuild(v)), return_shape=True)(*a) for a in (avals, doubled))
   flows = _walk(small.jaxpr, large.jaxpr, [_Flow(None, p[0].idx == _batch.PARAMS and jnp.issubdtype(
       x.dtype, jnp.inexact)) for p, x in zip(leaves.paths, leaves.arrays, strict=True)])
   found, treedef = jax.tree_util.tree_flatten_with_path(shapes)
@@ -101,14 +118,51 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], positions: tuple
           " probabilities) in the loss from its rows, counts in the statistics; or wrap it in"
           " `jax.lax.stop_gradient` to take it as a constant on purpose.")
     axes.append(_rows_axis(a, b, rows, where))
-  if all(axis is None for axis in axes):
-    return stats_fn
 
-  def pooled(*a: Any) -> Any:
-    leaves = treedef.flatten_up_to(stats_fn(*a))
+  def pool(out: Any) -> Any:
     return treedef.unflatten([x if axis is None else jnp.sum(x, axis)
-                              for x, axis in zip(leaves, axes, strict=True)])
-  return pooled
+                              for x, axis in zip(treedef.flatten_up_to(out), axes, strict=True)])
+  pooled = stats_fn if all(axis is None for axis in axes) else lambda *a: pool(stats_fn(*a))
+  run = jax_core.jaxpr_as_fun(small)
+  return pooled, lambda arrays: pool(treedef.unflatten(run(*arrays)))
+
+
+def over_microbatches(at: Callable[[jax.Array], Any],
+                      loop: Callable[[Callable[[Any, jax.Array], Any], Any], Any], axis_name: Any,
+                      acc_dtype: Any) -> Any:
+  """The statistics summed over the micro-batches, then over ``axis_name`` (one ``psum``).
+
+  ``at(i)``: micro-batch ``i``'s statistics (``on`` of :func:`summable`), added
+  in the dtypes :func:`sum_dtype` gives (integers in int32 or wider);
+  ``loop(body, init)`` runs ``body`` over the micro-batches. No gradient.
+  """
+  init = jax.tree.map(lambda s: _arrays.filled(s, sum_dtype(s.dtype, acc_dtype)),
+                      jax.eval_shape(at, jnp.zeros([], jnp.int32)))
+  out = loop(lambda c, i: jax.tree.map(lambda t, x: t + jnp.asarray(x).astype(t.dtype), c, at(i)),
+             init)
+  return lax.stop_gradient(out if axis_name is None else lax.psum(out, axis_name))
+
+
+def check_sums(whole: Any, parts: list[Any]) -> Any:
+  """Raises unless the statistics of the whole batch are their sum over the micro-batches.
+
+  ``check_large_batch``'s check, on values computed in float64. Integers are
+  compared in their own dtype (an int8 count may wrap), and returned as
+  ``microbatched`` sums them (:func:`sum_dtype`: int32); floats as they are.
+  """
+  out = []
+  for (path, w), *ps in zip(jax.tree_util.tree_flatten_with_path(whole)[0],
+                            *map(jax.tree.leaves, parts), strict=True):
+    terms, v = np.stack([np.asarray(x) for x in ps]), np.asarray(w)
+    total = terms.sum(0, dtype=np.int64 if np.issubdtype(v.dtype, np.integer) else None)
+    out.append(jnp.asarray(total.astype(sum_dtype(v.dtype)))
+               if np.issubdtype(v.dtype, np.integer) else w)  # floats: float64, as they are
+    if np.any(np.abs(v - total.astype(v.dtype)) > 1e-9 * np.abs(terms).sum(0)):
+      raise ValueError(
+          f"`global_stats` is not a sum over rows: its {jax.tree_util.keystr(path)} on the"
+          " whole batch is not the sum of the micro-batches' that `microbatched` gives the"
+          " loss. Return sums and counts (not a mean or a max) and divide in the loss.")
+  return jax.tree.unflatten(jax.tree.structure(whole), out)
 
 
 def sum_dtype(dtype: Any, requested: Any = None) -> jnp.dtype:
@@ -207,14 +261,13 @@ def init(like: Any) -> GlobalStats | tuple[()]:
   return GlobalStats(zeros, zeros)
 
 
-def advance(state: Any, stats: Any, like: Any, accept: Any, mini_steps: tuple[Any, Any],
-            axis_name: Any) -> Any:
+def advance(state: Any, stats: Any, like: Any, accept: Any, closes: Any, axis_name: Any) -> Any:
   """The statistics after one micro-step of ``accumulate``.
 
   ``stats`` (this micro-batch's, if it counts: ``accept``) is added to the
-  running sum; when the window closed (``mini_steps``: its ``mini_step``
-  before and after), the sum over ``axis_name`` (manual axes: one ``psum``,
-  in the closing branch) becomes ``last`` and the running sum restarts.
+  running sum; when the window closes (``closes``: the window's decision,
+  ``_window.StepOut.closes``), the sum over ``axis_name`` (manual axes: one
+  ``psum``, in the closing branch) becomes ``last`` and the running sum restarts.
   """
   if stats is None and accept is False:  # a flush carries no micro-batch
     stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), like)
@@ -225,11 +278,9 @@ def advance(state: Any, stats: Any, like: Any, accept: Any, mini_steps: tuple[An
         f"`update(..., stats=...)` got shapes {jax.tree.map(jnp.shape, stats)}, but"
         f" `accumulate(..., global_stats=...)` declared {like and jax.tree.map(jnp.shape, like)}.")
   check_summable(stats, "`stats`")
-  before, after = mini_steps
-  closed = jnp.logical_and(after == 0, jnp.logical_or(before > 0, accept))
   running = jax.tree.map(lambda r, s: r + jnp.where(accept, s, 0).astype(r.dtype),
                          state.running, stats)
   total = (lambda r: r) if axis_name is None else (lambda r: lax.psum(r, axis_name))
-  last = lax.cond(closed, total, lambda r: state.last, running)
-  return GlobalStats(jax.tree.map(lambda r: jnp.where(closed, jnp.zeros([], r.dtype), r),
+  last = lax.cond(closes, total, lambda r: state.last, running)
+  return GlobalStats(jax.tree.map(lambda r: jnp.where(closes, jnp.zeros([], r.dtype), r),
                                   running), last)

@@ -308,10 +308,12 @@ def check_large_batch(
 
     own, wide = kwargs, kwargs  # fn's keywords; with global_stats, the whole batch's `stats=`
     if global_stats is not None:  # (pooled like microbatched's, the float64 sum in float64)
-      pooled = _global_stats.summable(global_stats, args, b_nums, rows // k)
+      pooled = _global_stats.summable(global_stats, args, _batch.shapes_at(args, b_nums, rows // k),
+                                      b_nums, rows // k)[0]
       on_all = _in_float64(pooled, args, {}, b_nums, programs["stats"])[0](args)
       on_part = _in_float64(pooled, micro(0), {}, b_nums, programs["stats"])[0]
-      wide = {**kwargs, "stats": _check_sums(on_all, [on_part(micro(j)) for j in range(k)])}
+      wide = {**kwargs, "stats": _global_stats.check_sums(on_all, [on_part(micro(j))
+                                                                   for j in range(k)])}
       own = {**kwargs, "stats": jax.tree.map(lambda n, w: w if jnp.issubdtype(
           w.dtype, jnp.integer) else jnp.asarray(n), pooled(*args), wide["stats"])}
     native = grads(fn(*args, **own), "the whole batch")  # fn as it runs: what training sees
@@ -358,27 +360,6 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
   run, out, trail = programs[key]
   return (lambda new, kw=kwargs: jax.tree.unflatten(
       out, run(*_arrays.ArrayLeaves.of((new, kw)).arrays))), trail
-
-
-def _check_sums(whole: Any, parts: list[Any]) -> Any:
-  """Raises unless ``global_stats`` on the whole batch is its sum over the micro-batches.
-
-  Integers are compared in their own dtype (an int8 count may wrap), and returned as
-  ``microbatched`` sums them (``_global_stats.sum_dtype``: int32); floats as they are.
-  """
-  out = []
-  for (path, w), *ps in zip(jax.tree_util.tree_flatten_with_path(whole)[0],
-                            *map(jax.tree.leaves, parts), strict=True):
-    terms, v = np.stack([np.asarray(x) for x in ps]), np.asarray(w)
-    total = terms.sum(0, dtype=np.int64 if np.issubdtype(v.dtype, np.integer) else None)
-    out.append(jnp.asarray(total.astype(_global_stats.sum_dtype(v.dtype)))
-               if np.issubdtype(v.dtype, np.integer) else w)  # floats: float64, as they are
-    if np.any(np.abs(v - total.astype(v.dtype)) > 1e-9 * np.abs(terms).sum(0)):
-      raise ValueError(
-          f"`global_stats` is not a sum over rows: its {jax.tree_util.keystr(path)} on the"
-          " whole batch is not the sum of the micro-batches' that `microbatched` gives the"
-          " loss. Return sums and counts (not a mean or a max) and divide in the loss.")
-  return jax.tree.unflatten(jax.tree.structure(whole), out)
 
 
 def _rows(x: Any, order: np.ndarray) -> jax.Array:

@@ -94,6 +94,7 @@ class StepOut(NamedTuple):
   window: Window
   inner_state: optax.OptState
   emitted: jax.Array  # this call took an optimizer step
+  closes: jax.Array  # the window closed with this call (a window of weight 0 too)
 
 
 class Operands(NamedTuple):
@@ -281,7 +282,7 @@ def micro_step(
       acc_weight=jnp.where(d.closes, jnp.zeros_like(d.total_weight), d.total_weight)
       if config.reduction == "weighted" else window.acc_weight,
       noise_stats=new_noise)
-  return StepOut(out, new_window, new_inner, d.emits)
+  return StepOut(out, new_window, new_inner, d.emits, d.closes)
 
 
 def on_host(branch: Callable[[Operands, Any], Any], inner_state: Any, *,

@@ -290,8 +290,8 @@ def accumulate(
       out = _window.micro_step(now, updates, window, state.inner_opt_state, params,
                                accept=accept, weight=weight, emit_now=emit_now, apply=apply,
                                extra_args=extra_args)
-      new_stats = _global_stats.advance(state.global_stats, stats, stats_like, accept, (
-          window.mini_step, out.window.mini_step), config.axis_name if now.layout.manual else None)
+      new_stats = _global_stats.advance(state.global_stats, stats, stats_like, accept, out.closes,
+                                        config.axis_name if now.layout.manual else None)
     num_skipped = state.num_skipped
     if skip_nonfinite and not flushing:
       num_skipped = num_skipped + jnp.logical_not(accept).astype(jnp.int32)

@@ -158,6 +158,33 @@ def per_device_micro_batch(grads: Any, weight: jax.Array | None) -> tuple[jax.Ar
   return sq * n**2, None if weight is None else weight / n
 
 
+def add_value_and_grad(state: NoiseScaleState, grads: Any, den: Any) -> NoiseScaleState:
+  r"""The open window with one ``microbatched`` micro-batch added: ``fn``'s ``grads``, ``den``.
+
+  Weighted (a denominator ``d``): ``grads`` are those of the numerator ``n``,
+  the micro-batch's mean gradient is ``g = grad n / d`` and its weight
+  ``w = d``, so :math:`w |g|^2 = |\nabla n|^2 / d` (NaN for ``d = 0``, which does
+  not count). A scalar per micro-batch: no gradient-sized buffer.
+  """
+  sq = sq_norm(grads)
+  den = None if den is None else jnp.asarray(den).astype(jnp.float32)
+  return add_micro_batch(state, sq if den is None else sq / den / den, True, den)
+
+
+def window_of(sq_norms: jax.Array, count: jax.Array, mean_sq_norm: jax.Array, reduction: str,
+              den: Any) -> WindowStats:
+  """``microbatched``'s micro-batches (over every device) as the window ``accumulate`` folds.
+
+  ``mean_sq_norm`` is that of the reduced output: the window's mean gradient
+  for ``"mean"`` and ``"weighted"``; for ``"sum"`` the sum, divided here by the
+  count squared. ``count`` is a float (it crossed devices with the sums).
+  """
+  if reduction == "sum":
+    mean_sq_norm = mean_sq_norm / jnp.maximum(count, 1.0) ** 2
+  total = den.astype(jnp.float32) if reduction == "weighted" else count
+  return WindowStats(sq_norms, count.astype(jnp.int32), total, mean_sq_norm)
+
+
 def fold_window(state: NoiseScaleState, stats: WindowStats, decay: float) -> NoiseScaleState:
   r"""Closes a window: folds its estimates into the averages, empties the window.
 

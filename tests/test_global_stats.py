@@ -18,6 +18,7 @@ integers, under ``shard_map`` on 8 devices, through orbax and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from typing import Any
@@ -478,3 +479,37 @@ def test_the_statistics_are_traced_four_times_a_call() -> None:
   jax.jit(oa.microbatched(jax.value_and_grad(loss), 4, normalize="sum", global_stats=counted))(
       init_params(), make_batch())
   assert len(traced) <= 4
+
+
+@pytest.mark.parametrize("where", ["one device", pytest.param("plain jit", marks=needs_8),
+                                   pytest.param("shard_map", marks=needs_8)])
+def test_stats_fn_is_traced_twice_and_fn_once_per_trace_of_the_step(where: str) -> None:
+  """``stats_fn``: once per row count its check compares (a micro-batch, twice its rows), the
+  pass evaluating the first trace; ``fn``: once, the loop evaluating that trace (once more on a
+  mesh under plain jit, for the shard_map's out_specs). None on a call that reuses the trace.
+  Before: ``stats_fn`` 4 times (6 on a mesh), ``fn`` twice (4 on a mesh)."""
+  traced = {"stats_fn": 0, "fn": 0}
+
+  def counted_stats(p: Any, b: Any) -> Any:
+    traced["stats_fn"] += 1
+    return stats_fn(p, b)
+
+  def counted_loss(p: Any, b: Any, stats: Any) -> jax.Array:
+    traced["fn"] += 1
+    return loss(p, b, stats=stats)
+
+  params, batch = init_params(), make_batch()
+  options = dict(normalize="sum", global_stats=counted_stats)
+  fn = oa.microbatched(jax.value_and_grad(counted_loss), 4, **options)
+  if where == "shard_map":
+    inner = oa.microbatched(jax.value_and_grad(counted_loss), 4, axis_name="data", **options)
+    fn = jax.shard_map(lambda p, b: inner(lax.pcast(p, "data", to="varying"), b), mesh=mesh8(),
+                       in_specs=(P(), P("data")), out_specs=P())
+  if where != "one device":
+    batch = on_devices(8, batch, mesh8())
+  with jax.set_mesh(mesh8()) if where != "one device" else contextlib.nullcontext():
+    step = jax.jit(fn)
+    step(params, batch)
+    assert traced == {"stats_fn": 2, "fn": 2 if where == "plain jit" else 1}
+    step(params, batch)  # the step's trace is cached: nothing is traced again
+  assert traced == {"stats_fn": 2, "fn": 2 if where == "plain jit" else 1}
