@@ -285,8 +285,7 @@ def micro_step(
   return StepOut(out, new_window, new_inner, d.emits, d.closes)
 
 
-def on_host(branch: Callable[[Operands, Any], Any], inner_state: Any, *,
-            parked: bool) -> Callable[..., Any]:
+def on_host(branch: Callable[..., Any], inner_state: Any, *, parked: bool) -> Callable[..., Any]:
   """The emitting ``branch``, on the host where the inner state is (``offload``)."""
   d = jax.memory.Space.Device  # what comes back: the params or updates (and a parked buffer)
   return offload.branch_on_host(branch, inner_state, lambda spaces: (
