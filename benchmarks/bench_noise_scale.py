@@ -206,10 +206,9 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark and writes the reports; returns the result dict."""
   ap = harness.parser(__doc__, quick="256K params, 5 rounds")
-  ap.add_argument("--size", default="4M", help="params for the cost measurement")
   ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 41)")
   args = ap.parse_args(argv)
-  size = ba.parse_size("256K" if args.quick else args.size)
+  size = 2**18 if args.quick else 2**22
   rounds = args.rounds or (5 if args.quick else 41)
 
   start = time.perf_counter()
