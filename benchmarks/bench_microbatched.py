@@ -146,15 +146,11 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+  # batch: the global batch (examples); trick_k: the k combined with remat and bf16; rounds:
+  # interleaved timing rounds, iters steps per config each.
   ap = harness.parser(__doc__, quick="d_model 32, 1 block, seq 16, batch 16, k 2 and 4, 2 rounds:"
-                                    " a smoke run")
-  for flag, default in (("d-model", 128), ("heads", 4), ("layers", 2), ("seq", 64),
-                        ("vocab", 512), ("batch", 64)):  # batch: the global batch (examples)
-    ap.add_argument(f"--{flag}", type=int, default=default)
-  ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8, 16])
-  ap.add_argument("--trick-k", type=int, default=8, help="k combined with remat and bf16")
-  ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
-  ap.add_argument("--iters", type=int, default=3, help="steps per config per round")
+                      " a smoke run", d_model=128, heads=4, layers=2, seq=64, vocab=512, batch=64,
+                      ks=[2, 4, 8, 16], trick_k=8, rounds=5, iters=3)
   args = ap.parse_args(argv)
   if args.quick:
     args.d_model, args.heads, args.layers, args.seq, args.vocab = 32, 2, 1, 16, 64
