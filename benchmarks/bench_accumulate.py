@@ -104,7 +104,6 @@ class Timer:
   carry: list[Any]
   grads: Tree
   info: dict[str, Any]
-  calls: int = 0
   samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
   def call(self) -> None:
@@ -115,7 +114,6 @@ class Timer:
   def dispatch(self, calls: int) -> None:
     for _ in range(calls):
       self.carry = list(self.compiled(self.carry[0], self.carry[1], self.grads))
-      self.calls += 1
 
   def run_round(self, windows: int) -> None:
     """``windows`` whole windows, dispatched as a training loop does (a call does not wait for
