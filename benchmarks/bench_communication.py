@@ -152,28 +152,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       return harness.protocol_step(tx)(p, s, grads)
     return step
 
-  # 1. accumulate(axis_name) under shard_map: all-reduce in the emitting branch.
+  # 1. accumulate(axis_name) under shard_map: all-reduce in the emitting branch. 2. Naive: pmean
+  # of the gradients on every micro-step, then accumulate. 3. Plain jit, batch sharded, params
+  # replicated (GSPMD inserts the all-reduce).
   tx = per_device_state(oa.accumulate(K, opt, axis_name="data"), "data")
+  naive_tx = oa.accumulate(K, opt)
   specs = shard_map_specs(tx, params, "data")
   state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-  ours = shard_mapped(tx, specs, lambda g: g).lower(params, state, x, y).compile()
-  rows.append(("accumulate(k, opt, axis_name) + shard_map (ours)", "across steps",
-               bytes_per_window(ours, K)))
-  # 2. Naive: pmean of the gradients on every micro-step, then accumulate.
-  naive_tx = oa.accumulate(K, opt)
-  naive = shard_mapped(naive_tx, P(), lambda g: lax.pmean(g, "data"))
-  rows.append(("naive: pmean every micro-step, then accumulate", "across steps",
-               bytes_per_window(naive.lower(params, naive_tx.init(params), x, y).compile(), K)))
-
-  # 3. Plain jit, batch sharded, params replicated (GSPMD inserts the all-reduce).
   batch, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-  jit_step = jax.jit(lambda p, s, xb, yb: harness.protocol_step(naive_tx)(
-      p, s, jax.grad(loss_fn)(p, xb, yb)))
-  rows.append(("accumulate(k, opt) under plain jit (auto-sharded)", "across steps",
-               bytes_per_window(jit_step.lower(
-                   jax.device_put(params, rep), jax.device_put(naive_tx.init(params), rep),
-                   jax.device_put(x, batch), jax.device_put(y, batch)).compile(), K)))
-
+  for name, step, inputs in (
+      ("accumulate(k, opt, axis_name) + shard_map (ours)", shard_mapped(tx, specs, lambda g: g),
+       (params, state, x, y)),
+      ("naive: pmean every micro-step, then accumulate", shard_mapped(
+          naive_tx, P(), lambda g: lax.pmean(g, "data")), (params, naive_tx.init(params), x, y)),
+      ("accumulate(k, opt) under plain jit (auto-sharded)", jax.jit(
+          lambda p, s, xb, yb: harness.protocol_step(naive_tx)(p, s, jax.grad(loss_fn)(p, xb, yb))),
+       jax.device_put((params, naive_tx.init(params), x, y), (rep, rep, batch, batch)))):
+    rows.append((name, "across steps", bytes_per_window(step.lower(*inputs).compile(), K)))
   rows += plain_jit_rows(params, x, y, opt)
 
   # 4-7. microbatched: one reduction after the loop under shard_map with axis_name, and
