@@ -123,16 +123,12 @@ def measure(cfgs: list[dict[str, Any]], params: Params, batch: dict[str, jax.Arr
   return rows
 
 
-def table(rows: list[dict[str, Any]]) -> list[str]:
+def markdown(result: dict[str, Any]) -> str:
   def bound(r: dict[str, Any]) -> str:
     if "temp_bound" not in r:
       return ""
     met = "met" if r["temp_bytes"] <= r["temp_bound"] else "**missed**"
     return f"{harness.mib(r['temp_bound'])} {met}"
-  return harness.compare_table(rows, ("bound 1.3 full / k + 1 gradient (MiB)", bound))
-
-
-def markdown(result: dict[str, Any]) -> str:
   s = result["setup"]
   return "\n".join([
       f"`python benchmarks/bench_microbatched.py {' '.join(s['argv'])}`: transformer d_model"
@@ -142,7 +138,8 @@ def markdown(result: dict[str, Any]) -> str:
       f" global batch {s['global_batch']}; {s['backend']} ({s['device']}, {s['cpu_count']}"
       f" cores), jax {s['jax']}, {s['date']}; timing: median of {s['rounds']} interleaved"
       " rounds, ratio to the full-batch step of the same round.", "",
-      *table(result["rows"]), ""])
+      *harness.compare_table(result["rows"], ("bound 1.3 full / k + 1 gradient (MiB)", bound)),
+      ""])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
