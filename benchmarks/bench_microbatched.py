@@ -109,20 +109,6 @@ def grad_fn(cfg: dict[str, Any], heads: int, batch_size: int) -> Callable:
   return fn
 
 
-def measure(cfgs: list[dict[str, Any]], params: Params, batch: dict[str, jax.Array],
-            heads: int, rounds: int, iters: int) -> list[dict[str, Any]]:
-  """``harness.compare``'s rows (the full batch ``cfgs[0]`` first), with their bound."""
-  n = batch["tokens"].shape[0]
-  grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
-  rows = harness.compare([(config_name(c), grad_fn(c, heads, n)) for c in cfgs], (params, batch),
-                         rounds, iters)
-  for row, cfg in zip(rows, cfgs, strict=True):
-    row.update(cfg)
-    if row["k"] > 1 and not (row["remat"] or row["bf16"]):
-      row["temp_bound"] = 1.3 * rows[0]["temp_bytes"] / row["k"] + grad_bytes
-  return rows
-
-
 def markdown(result: dict[str, Any]) -> str:
   def bound(r: dict[str, Any]) -> str:
     if "temp_bound" not in r:
@@ -157,9 +143,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        layers=args.layers, seq=args.seq)
   batch = {"tokens": jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0,
                                         args.vocab)}
-  rows = measure(configs(args.ks, args.trick_k), params, batch, args.heads, args.rounds,
-                 args.iters)
-  n = sum(x.size for x in jax.tree.leaves(params))
+  cfgs, n = configs(args.ks, args.trick_k), sum(x.size for x in jax.tree.leaves(params))
+  rows = harness.compare([(config_name(c), grad_fn(c, args.heads, args.batch)) for c in cfgs],
+                         (params, batch), args.rounds, args.iters)
+  for row, cfg in zip(rows, cfgs, strict=True):  # (the full batch, cfgs[0], first)
+    row.update(cfg)
+    if row["k"] > 1 and not (row["remat"] or row["bf16"]):
+      row["temp_bound"] = 1.3 * rows[0]["temp_bytes"] / row["k"] + 4 * n  # + one gradient
   result = {"setup": {"argv": list(argv or []), "d_model": args.d_model, "heads": args.heads,
                       "layers": args.layers, "seq": args.seq, "vocab": args.vocab,
                       "global_batch": args.batch, "params": int(n), "grad_bytes": int(4 * n),
