@@ -324,8 +324,8 @@ def result(sizes: Sequence[int], opts: Sequence[str], rounds: int, copy: CopyTim
           "tracked": tracked(records, tracked_size, limits) if "adam" in opts else []}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-  """Runs the benchmark and writes the reports; returns the result dict."""
+def main(argv: list[str] | None = None) -> None:
+  """Runs the benchmark and writes the reports."""
   ap = harness.parser(__doc__, quick="256K params, 3 rounds: a smoke run")
   ap.add_argument("--rounds", type=int, default=None,
                   help="interleaved rounds per size and optimizer (default 15; --quick 3)")
@@ -345,7 +345,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   out["meta"].update(argv=list(argv if argv is not None else sys.argv[1:]),
                      wall_s=round(time.perf_counter() - t_start, 1))
   harness.write(args.out, "accumulate", out, markdown(out), plot)
-  return out
 
 
 if __name__ == "__main__":

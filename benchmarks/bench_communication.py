@@ -132,7 +132,7 @@ def plot(result: dict[str, Any]) -> Any:
   return fig
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> None:
   args = harness.parser(__doc__).parse_args(argv)
   assert jax.device_count() >= N_DEV, "set XLA_FLAGS before jax is imported"
   mesh = Mesh(np.array(jax.devices()[:N_DEV]), ("data",))
@@ -224,7 +224,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   lines += ["", "FSDP all-gathers the params for the forward pass on every micro-step, in"
             " both paths (the last column)."]
   harness.write(args.out, "communication", result, "\n".join(lines).rstrip() + "\n", plot)
-  return result
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def markdown(result: dict[str, Any]) -> str:
       ""])
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> None:
   # batch: the global batch (examples); trick_k: the k combined with remat and bf16; rounds:
   # interleaved timing rounds, iters steps per config each.
   ap = harness.parser(__doc__, quick="d_model 32, 1 block, seq 16, batch 16, k 2 and 4, 2 rounds:"
@@ -157,7 +157,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "rows": rows, "wall_seconds": time.perf_counter() - t0}
   harness.write(args.out, "microbatched", result, markdown(result),
                 lambda r: harness.bars(r["rows"]))
-  return result
 
 
 if __name__ == "__main__":

@@ -192,8 +192,8 @@ def markdown(result: dict[str, Any]) -> str:
   ]) + "\n"
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-  """Runs the benchmark and writes the reports; returns the result dict."""
+def main(argv: list[str] | None = None) -> None:
+  """Runs the benchmark and writes the reports."""
   ap = harness.parser(__doc__, quick="256K params, 5 rounds")
   ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 41)")
   args = ap.parse_args(argv)
@@ -207,7 +207,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      **harness.machine(), "wall_s": round(time.perf_counter() - start, 1)},
             "cost": cost, "closed_form": table}
   harness.write(args.out, "noise_scale", result, markdown(result))
-  return result
 
 
 if __name__ == "__main__":
