@@ -202,8 +202,7 @@ def plot(r):
   fig, ax = harness.pyplot().subplots(figsize=(7, 3.2), dpi=120)
   steps = [x for x in r["memory"] if x["state"] == "device"]
   for i, (label, state) in enumerate((("state on the device", "device"), (f"host: {FORM}", HOST))):
-    values = [next(x for x in r["memory"] if x["state"] == state and x["step"] == s["step"]
-                   and x["params"] == s["params"]).get(FORM) for s in steps]
+    values = [x.get(FORM) for x in r["memory"] if x["state"] == state]  # in steps' order
     ax.bar([j + 0.2 * (i - 1.5) for j in range(len(steps))],
            [v if isinstance(v, (int, float)) else 0 for v in values], 0.2, label=label)
   ax.set_xticks(range(len(steps)), [f"{s['step']}, {s['params']}".replace(", ", "\n")
