@@ -103,14 +103,6 @@ TILED = {"CLIP": (dense_clip, contrastive.clip_loss, (0.07,)),
          "SigLIP": (dense_siglip, contrastive.siglip_loss, (0.1, -10.0))}
 
 
-def tiled_inputs(rows: int, dim: int, scalars: tuple[float, ...]) -> tuple[jax.Array, ...]:
-  kx, ky = jax.random.split(jax.random.key(2))
-  x = jax.random.normal(kx, (rows, dim))
-  y = x + jax.random.normal(ky, (rows, dim))
-  unit = lambda v: v / jnp.linalg.norm(v, axis=1, keepdims=True)
-  return unit(x), unit(y), *(jnp.float32(v) for v in scalars)
-
-
 def tiled_losses(a: Any, sharding: Any = None) -> list[dict[str, Any]]:
   """Per loss and batch: compiled temporaries, dense and tiled; unless ``sharding`` (a
   deviceless target), their step times and the tiled's difference from the dense."""
@@ -127,7 +119,10 @@ def tiled_losses(a: Any, sharding: Any = None) -> list[dict[str, Any]]:
       rows.append(row)
       if sharding is not None:
         continue
-      args = tiled_inputs(batch, a.dim, scalars)
+      kx, ky = jax.random.split(jax.random.key(2))  # unit rows, y near x
+      x = jax.random.normal(kx, (batch, a.dim))
+      unit = lambda v: v / jnp.linalg.norm(v, axis=1, keepdims=True)
+      args = unit(x), unit(x + jax.random.normal(ky, (batch, a.dim))), *map(jnp.float32, scalars)
       runs = {k: (lambda c=c, args=args: jax.block_until_ready(c(*args)))
               for k, c in compiled.items()
               if k == "tiled" or row["dense_temp_bytes"] <= a.max_dense_gib * 2**30}
