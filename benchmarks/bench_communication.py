@@ -93,15 +93,13 @@ def plain_jit_rows(params: Any, x: jax.Array, y: jax.Array,
   """Ours (defer_reduction + axis_name) and naive, replicated and FSDP, on an Explicit mesh."""
   mesh = explicit_mesh()
 
-  def make_step(tx: optax.GradientTransformation, ours: bool) -> Any:
-    def step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> Any:
-      # Ours: unreduced gradients. Naive: FSDP params all-gathered (their
-      # gradient is then all-reduced on every call), replicated ones as they are.
-      local = defer_reduction(p, "data") if ours else jax.tree.map(
-          lambda a: jax.reshard(a, P()), p)
-      grads = jax.grad(loss_fn)(local, xb, yb)
-      return oa.update_and_apply(tx, grads, s, p)
-    return jax.jit(step)
+  def step(tx: Any, ours: bool, p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> Any:
+    # Ours: unreduced gradients. Naive: FSDP params all-gathered (their
+    # gradient is then all-reduced on every call), replicated ones as they are.
+    local = defer_reduction(p, "data") if ours else jax.tree.map(
+        lambda a: jax.reshard(a, P()), p)
+    grads = jax.grad(loss_fn)(local, xb, yb)
+    return oa.update_and_apply(tx, grads, s, p)
 
   rows = []
   with jax.set_mesh(mesh):
@@ -110,7 +108,7 @@ def plain_jit_rows(params: Any, x: jax.Array, y: jax.Array,
       placed = {name: jax.device_put(v, specs[name]) for name, v in params.items()}
       for ours in (True, False):
         tx = oa.accumulate(K, opt, axis_name="data") if ours else oa.accumulate(K, opt)
-        compiled = make_step(tx, ours).lower(placed, tx.init(placed), xb, yb).compile()
+        compiled = jax.jit(partial(step, tx, ours)).lower(placed, tx.init(placed), xb, yb).compile()
         name = ("accumulate(k, opt, axis_name) + defer_reduction, plain jit (ours)" if ours
                 else "naive: jax.grad(params), accumulate(k, opt), plain jit")
         rows.append((f"{name}, {layout}", "across steps", bytes_per_window(compiled, K)))
