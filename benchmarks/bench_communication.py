@@ -93,15 +93,13 @@ def plain_jit_rows(params: Any, x: jax.Array, y: jax.Array,
   """Ours (defer_reduction + axis_name) and naive, replicated and FSDP, on an Explicit mesh."""
   mesh = explicit_mesh()
 
-  def make_step(tx: optax.GradientTransformation, ours: bool) -> Any:
-    def step(p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> Any:
-      # Ours: unreduced gradients. Naive: FSDP params all-gathered (their
-      # gradient is then all-reduced on every call), replicated ones as they are.
-      local = defer_reduction(p, "data") if ours else jax.tree.map(
-          lambda a: jax.reshard(a, P()), p)
-      grads = jax.grad(loss_fn)(local, xb, yb)
-      return oa.update_and_apply(tx, grads, s, p)
-    return jax.jit(step)
+  def step(tx: Any, ours: bool, p: Any, s: Any, xb: jax.Array, yb: jax.Array) -> Any:
+    # Ours: unreduced gradients. Naive: FSDP params all-gathered (their
+    # gradient is then all-reduced on every call), replicated ones as they are.
+    local = defer_reduction(p, "data") if ours else jax.tree.map(
+        lambda a: jax.reshard(a, P()), p)
+    grads = jax.grad(loss_fn)(local, xb, yb)
+    return oa.update_and_apply(tx, grads, s, p)
 
   rows = []
   with jax.set_mesh(mesh):
@@ -110,7 +108,7 @@ def plain_jit_rows(params: Any, x: jax.Array, y: jax.Array,
       placed = {name: jax.device_put(v, specs[name]) for name, v in params.items()}
       for ours in (True, False):
         tx = oa.accumulate(K, opt, axis_name="data") if ours else oa.accumulate(K, opt)
-        compiled = make_step(tx, ours).lower(placed, tx.init(placed), xb, yb).compile()
+        compiled = jax.jit(partial(step, tx, ours)).lower(placed, tx.init(placed), xb, yb).compile()
         name = ("accumulate(k, opt, axis_name) + defer_reduction, plain jit (ours)" if ours
                 else "naive: jax.grad(params), accumulate(k, opt), plain jit")
         rows.append((f"{name}, {layout}", "across steps", bytes_per_window(compiled, K)))
@@ -132,7 +130,7 @@ def plot(result: dict[str, Any]) -> Any:
   return fig
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> None:
   args = harness.parser(__doc__).parse_args(argv)
   assert jax.device_count() >= N_DEV, "set XLA_FLAGS before jax is imported"
   mesh = Mesh(np.array(jax.devices()[:N_DEV]), ("data",))
@@ -152,28 +150,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       return harness.protocol_step(tx)(p, s, grads)
     return step
 
-  # 1. accumulate(axis_name) under shard_map: all-reduce in the emitting branch.
+  # 1. accumulate(axis_name) under shard_map: all-reduce in the emitting branch. 2. Naive: pmean
+  # of the gradients on every micro-step, then accumulate. 3. Plain jit, batch sharded, params
+  # replicated (GSPMD inserts the all-reduce).
   tx = per_device_state(oa.accumulate(K, opt, axis_name="data"), "data")
+  naive_tx = oa.accumulate(K, opt)
   specs = shard_map_specs(tx, params, "data")
   state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-  ours = shard_mapped(tx, specs, lambda g: g).lower(params, state, x, y).compile()
-  rows.append(("accumulate(k, opt, axis_name) + shard_map (ours)", "across steps",
-               bytes_per_window(ours, K)))
-  # 2. Naive: pmean of the gradients on every micro-step, then accumulate.
-  naive_tx = oa.accumulate(K, opt)
-  naive = shard_mapped(naive_tx, P(), lambda g: lax.pmean(g, "data"))
-  rows.append(("naive: pmean every micro-step, then accumulate", "across steps",
-               bytes_per_window(naive.lower(params, naive_tx.init(params), x, y).compile(), K)))
-
-  # 3. Plain jit, batch sharded, params replicated (GSPMD inserts the all-reduce).
   batch, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-  jit_step = jax.jit(lambda p, s, xb, yb: harness.protocol_step(naive_tx)(
-      p, s, jax.grad(loss_fn)(p, xb, yb)))
-  rows.append(("accumulate(k, opt) under plain jit (auto-sharded)", "across steps",
-               bytes_per_window(jit_step.lower(
-                   jax.device_put(params, rep), jax.device_put(naive_tx.init(params), rep),
-                   jax.device_put(x, batch), jax.device_put(y, batch)).compile(), K)))
-
+  for name, step, inputs in (
+      ("accumulate(k, opt, axis_name) + shard_map (ours)", shard_mapped(tx, specs, lambda g: g),
+       (params, state, x, y)),
+      ("naive: pmean every micro-step, then accumulate", shard_mapped(
+          naive_tx, P(), lambda g: lax.pmean(g, "data")), (params, naive_tx.init(params), x, y)),
+      ("accumulate(k, opt) under plain jit (auto-sharded)", jax.jit(
+          lambda p, s, xb, yb: harness.protocol_step(naive_tx)(p, s, jax.grad(loss_fn)(p, xb, yb))),
+       jax.device_put((params, naive_tx.init(params), x, y), (rep, rep, batch, batch)))):
+    rows.append((name, "across steps", bytes_per_window(step.lower(*inputs).compile(), K)))
   rows += plain_jit_rows(params, x, y, opt)
 
   # 4-7. microbatched: one reduction after the loop under shard_map with axis_name, and
@@ -229,7 +222,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   lines += ["", "FSDP all-gathers the params for the forward pass on every micro-step, in"
             " both paths (the last column)."]
   harness.write(args.out, "communication", result, "\n".join(lines).rstrip() + "\n", plot)
-  return result
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import os
 import sys
 
 if "--h200" in sys.argv:  # gpu_hlo hides the GPU runtime before jax is imported (deviceless)
-  import gpu_hlo  # noqa: F401
+  import gpu_hlo
 
 from typing import Any
 
@@ -103,14 +103,6 @@ TILED = {"CLIP": (dense_clip, contrastive.clip_loss, (0.07,)),
          "SigLIP": (dense_siglip, contrastive.siglip_loss, (0.1, -10.0))}
 
 
-def tiled_inputs(rows: int, dim: int, scalars: tuple[float, ...]) -> tuple[jax.Array, ...]:
-  kx, ky = jax.random.split(jax.random.key(2))
-  x = jax.random.normal(kx, (rows, dim))
-  y = x + jax.random.normal(ky, (rows, dim))
-  unit = lambda v: v / jnp.linalg.norm(v, axis=1, keepdims=True)
-  return unit(x), unit(y), *(jnp.float32(v) for v in scalars)
-
-
 def tiled_losses(a: Any, sharding: Any = None) -> list[dict[str, Any]]:
   """Per loss and batch: compiled temporaries, dense and tiled; unless ``sharding`` (a
   deviceless target), their step times and the tiled's difference from the dense."""
@@ -127,7 +119,10 @@ def tiled_losses(a: Any, sharding: Any = None) -> list[dict[str, Any]]:
       rows.append(row)
       if sharding is not None:
         continue
-      args = tiled_inputs(batch, a.dim, scalars)
+      kx, ky = jax.random.split(jax.random.key(2))  # unit rows, y near x
+      x = jax.random.normal(kx, (batch, a.dim))
+      unit = lambda v: v / jnp.linalg.norm(v, axis=1, keepdims=True)
+      args = unit(x), unit(x + jax.random.normal(ky, (batch, a.dim))), *map(jnp.float32, scalars)
       runs = {k: (lambda c=c, args=args: jax.block_until_ready(c(*args)))
               for k, c in compiled.items()
               if k == "tiled" or row["dense_temp_bytes"] <= a.max_dense_gib * 2**30}
@@ -202,7 +197,6 @@ def tiled_plot(r: dict[str, Any]) -> Any:
 def main_tiled(a: Any, argv: list[str] | None) -> dict[str, Any]:
   sharding, where = None, f"XLA:CPU ({os.cpu_count()} cores)"
   if a.h200:
-    import gpu_hlo
     sharding, info = gpu_hlo.target(None)
     where = info["title"]
   result = {"setup": {**vars(a), "argv": list(argv or []), "out": None, **harness.machine(),
@@ -213,19 +207,15 @@ def main_tiled(a: Any, argv: list[str] | None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-  ap = harness.parser(__doc__, quick="tiny towers, batch 32, k 1 2 4, 2 rounds: a smoke run")
-  for flag, default in (("width", 128), ("layers", 4), ("seq", 16), ("d-in", 32), ("emb", 64),
-                        ("batch", 256), ("micro", 32), ("rounds", 5), ("iters", 2)):
-    ap.add_argument(f"--{flag}", type=int, default=default)
-  ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+  # The tiled losses' batch sizes and embedding dim; the dense one runs where its temporaries
+  # are at most max_dense_gib.
+  ap = harness.parser(
+      __doc__, quick="tiny towers, batch 32, k 1 2 4, 2 rounds: a smoke run", width=128,
+      layers=4, seq=16, d_in=32, emb=64, batch=256, micro=32, rounds=5, iters=2,
+      ks=[1, 2, 4, 8, 16], sizes=[4096, 16384, 32768], dim=256, max_dense_gib=8.0)
   ap.add_argument("--tiled", action="store_true", help="the tiled losses only")
   ap.add_argument("--h200", action="store_true",
                   help="with --tiled: temporaries from the H200 compiler, deviceless")
-  ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 32768],
-                  help="the tiled losses' batch sizes")
-  ap.add_argument("--dim", type=int, default=256, help="the tiled losses' embedding dim")
-  ap.add_argument("--max-dense-gib", type=float, default=8.0,
-                  help="run the dense loss where its temporaries are at most this")
   a = ap.parse_args(argv)
   if a.quick:
     a.width, a.layers, a.seq, a.batch, a.ks, a.rounds = 16, 1, 4, 32, [1, 2, 4], 2

@@ -42,21 +42,6 @@ def args_of(params, batch, dev, on_host, across, concrete):
       inner), put(batch, dev)
 
 
-def compiled(step, args):
-  """``step`` jitted (params and state donated) and compiled on ``args``."""
-  return jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
-
-
-def flat(n, leaves, dtype):
-  """``n`` params in ``leaves`` 1-D leaves."""
-  return {f"w{i}": jax.ShapeDtypeStruct((n // leaves,), dtype) for i in range(leaves)}
-
-
-def update_step(opt):
-  """The update alone, the gradients an argument: ``accumulate(K, opt)``, applied."""
-  return lambda p, s, g: oa.update_and_apply(oa.accumulate(K, opt), g, s, p)
-
-
 def device_bytes(m, host):
   """Arguments + temporaries on the device, of a compiled step whose state holds ``host`` bytes."""
   return m.argument_size_in_bytes + (m.host_argument_size_in_bytes or 0) - host + (
@@ -64,13 +49,15 @@ def device_bytes(m, host):
 
 
 def forms(row, step, params, batch, dev, abstract):
-  """``row`` with the device bytes per parameter of ``step``'s one program."""
+  """``row`` with the device bytes per parameter of ``step``'s one program (jitted, params and
+  state donated)."""
   on_host, across = row["state"] == HOST, row["step"] != "MLP, in-step"
   args = args_of(params, batch, dev, on_host, across, not abstract)
   n = sum(x.size for x in jax.tree.leaves(params))
   host = 8 * n * (row["params"] == "float32" or 0.5) if on_host else 0  # adam's mu and nu
   try:
-    row[FORM] = round(device_bytes(compiled(step, args).memory_analysis(), host) / n, 2)
+    m = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile().memory_analysis()
+    row[FORM] = round(device_bytes(m, host) / n, 2)
   except Exception as e:  # the one program where the compiler cannot take it
     row[FORM] = f"fails: {type(e).__name__}"
   return {**row, "host bytes": host / n}
@@ -91,10 +78,11 @@ def memory(quick, dev, abstract):
     return optax.apply_updates(p, u), s
   for state in ("device", HOST):
     opt = optax.adam(1e-3) if state == "device" else oa.host_state(optax.adam(1e-3))
-    for dt, leaves in (("float32", 4), ("bfloat16", 4), ("float32", 16)):
-      params = flat(n, leaves, dt)
+    update = lambda p, s, g, opt=opt: oa.update_and_apply(oa.accumulate(K, opt), g, s, p)
+    for dt, leaves in (("float32", 4), ("bfloat16", 4), ("float32", 16)):  # n in 1-D leaves
+      params = {f"w{i}": jax.ShapeDtypeStruct((n // leaves,), dt) for i in range(leaves)}
       rows.append(forms({"step": f"update, {leaves} leaves", "params": dt, "state": state},
-                        update_step(opt), params, params, dev, abstract))
+                        update, params, params, dev, abstract))
     across = lambda f, opt=opt: lambda p, s, x: oa.update_and_apply(
         oa.accumulate(8, opt), jax.grad(f)(p, x), s, p)
     for step, fn, params, rows_ in (
@@ -214,8 +202,7 @@ def plot(r):
   fig, ax = harness.pyplot().subplots(figsize=(7, 3.2), dpi=120)
   steps = [x for x in r["memory"] if x["state"] == "device"]
   for i, (label, state) in enumerate((("state on the device", "device"), (f"host: {FORM}", HOST))):
-    values = [next(x for x in r["memory"] if x["state"] == state and x["step"] == s["step"]
-                   and x["params"] == s["params"]).get(FORM) for s in steps]
+    values = [x.get(FORM) for x in r["memory"] if x["state"] == state]  # in steps' order
     ax.bar([j + 0.2 * (i - 1.5) for j in range(len(steps))],
            [v if isinstance(v, (int, float)) else 0 for v in values], 0.2, label=label)
   ax.set_xticks(range(len(steps)), [f"{s['step']}, {s['params']}".replace(", ", "\n")

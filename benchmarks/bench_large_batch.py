@@ -174,8 +174,7 @@ def plot(result: dict[str, Any]) -> Any:
 
 
 def main() -> None:
-  ap = harness.parser(__doc__, quick="1e5 params (checks the script)")
-  ap.add_argument("--params", type=float, default=1e7, help="parameters (default 1e7)")
+  ap = harness.parser(__doc__, quick="1e5 params (checks the script)", params=1e7)
   ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one k
   ap.add_argument("--decoder", action="store_true", help="time the check of a bf16 decoder")
   args = ap.parse_args()

@@ -109,30 +109,12 @@ def grad_fn(cfg: dict[str, Any], heads: int, batch_size: int) -> Callable:
   return fn
 
 
-def measure(cfgs: list[dict[str, Any]], params: Params, batch: dict[str, jax.Array],
-            heads: int, rounds: int, iters: int) -> list[dict[str, Any]]:
-  """``harness.compare``'s rows (the full batch ``cfgs[0]`` first), with their bound."""
-  n = batch["tokens"].shape[0]
-  grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
-  rows = harness.compare([(config_name(c), grad_fn(c, heads, n)) for c in cfgs], (params, batch),
-                         rounds, iters)
-  for row, cfg in zip(rows, cfgs, strict=True):
-    row.update(cfg)
-    if row["k"] > 1 and not (row["remat"] or row["bf16"]):
-      row["temp_bound"] = 1.3 * rows[0]["temp_bytes"] / row["k"] + grad_bytes
-  return rows
-
-
-def table(rows: list[dict[str, Any]]) -> list[str]:
+def markdown(result: dict[str, Any]) -> str:
   def bound(r: dict[str, Any]) -> str:
     if "temp_bound" not in r:
       return ""
     met = "met" if r["temp_bytes"] <= r["temp_bound"] else "**missed**"
     return f"{harness.mib(r['temp_bound'])} {met}"
-  return harness.compare_table(rows, ("bound 1.3 full / k + 1 gradient (MiB)", bound))
-
-
-def markdown(result: dict[str, Any]) -> str:
   s = result["setup"]
   return "\n".join([
       f"`python benchmarks/bench_microbatched.py {' '.join(s['argv'])}`: transformer d_model"
@@ -142,19 +124,16 @@ def markdown(result: dict[str, Any]) -> str:
       f" global batch {s['global_batch']}; {s['backend']} ({s['device']}, {s['cpu_count']}"
       f" cores), jax {s['jax']}, {s['date']}; timing: median of {s['rounds']} interleaved"
       " rounds, ratio to the full-batch step of the same round.", "",
-      *table(result["rows"]), ""])
+      *harness.compare_table(result["rows"], ("bound 1.3 full / k + 1 gradient (MiB)", bound)),
+      ""])
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> None:
+  # batch: the global batch (examples); trick_k: the k combined with remat and bf16; rounds:
+  # interleaved timing rounds, iters steps per config each.
   ap = harness.parser(__doc__, quick="d_model 32, 1 block, seq 16, batch 16, k 2 and 4, 2 rounds:"
-                                    " a smoke run")
-  for flag, default in (("d-model", 128), ("heads", 4), ("layers", 2), ("seq", 64),
-                        ("vocab", 512), ("batch", 64)):  # batch: the global batch (examples)
-    ap.add_argument(f"--{flag}", type=int, default=default)
-  ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8, 16])
-  ap.add_argument("--trick-k", type=int, default=8, help="k combined with remat and bf16")
-  ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
-  ap.add_argument("--iters", type=int, default=3, help="steps per config per round")
+                      " a smoke run", d_model=128, heads=4, layers=2, seq=64, vocab=512, batch=64,
+                      ks=[2, 4, 8, 16], trick_k=8, rounds=5, iters=3)
   args = ap.parse_args(argv)
   if args.quick:
     args.d_model, args.heads, args.layers, args.seq, args.vocab = 32, 2, 1, 16, 64
@@ -164,9 +143,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        layers=args.layers, seq=args.seq)
   batch = {"tokens": jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0,
                                         args.vocab)}
-  rows = measure(configs(args.ks, args.trick_k), params, batch, args.heads, args.rounds,
-                 args.iters)
-  n = sum(x.size for x in jax.tree.leaves(params))
+  cfgs, n = configs(args.ks, args.trick_k), sum(x.size for x in jax.tree.leaves(params))
+  rows = harness.compare([(config_name(c), grad_fn(c, args.heads, args.batch)) for c in cfgs],
+                         (params, batch), args.rounds, args.iters)
+  for row, cfg in zip(rows, cfgs, strict=True):  # (the full batch, cfgs[0], first)
+    row.update(cfg)
+    if row["k"] > 1 and not (row["remat"] or row["bf16"]):
+      row["temp_bound"] = 1.3 * rows[0]["temp_bytes"] / row["k"] + 4 * n  # + one gradient
   result = {"setup": {"argv": list(argv or []), "d_model": args.d_model, "heads": args.heads,
                       "layers": args.layers, "seq": args.seq, "vocab": args.vocab,
                       "global_batch": args.batch, "params": int(n), "grad_bytes": int(4 * n),
@@ -174,7 +157,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "rows": rows, "wall_seconds": time.perf_counter() - t0}
   harness.write(args.out, "microbatched", result, markdown(result),
                 lambda r: harness.bars(r["rows"]))
-  return result
 
 
 if __name__ == "__main__":

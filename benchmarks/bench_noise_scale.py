@@ -60,9 +60,14 @@ def mlp_loss(params: dict[str, jax.Array], batch: tuple[jax.Array, jax.Array]) -
   return jnp.mean((x - y) ** 2)
 
 
-def make_programs() -> list[ba.Program]:
-  """Every program of ``PROGRAMS``: untracked and tracked."""
-  progs = []
+def measure_cost(size: int, rounds: int) -> dict[str, Any]:
+  """Times and temporaries of the programs at ``size`` params (and of the MLP steps)."""
+  kp, kx, ky = jax.random.split(jax.random.key(0), 3)
+  mlp = mlp_params(kp)
+  batch = (jax.random.normal(kx, (MLP_BATCH, MLP_WIDTH)),
+           jax.random.normal(ky, (MLP_BATCH, MLP_WIDTH)))
+  params, grads = ba.make_tree(size), ba.make_tree(size, fill=1e-3)
+  timers = {}
   for key, _, tracked in PROGRAMS:
     tx = oa.accumulate(ba.K_WINDOW, optax.adam(1e-3), track_noise_scale=tracked)
     if key.startswith("accumulate"):
@@ -71,19 +76,8 @@ def make_programs() -> list[ba.Program]:
       step = harness.fast_step(tx)
     else:  # the MLP's gradient computed in the step
       step = lambda p, s, b, tx=tx: oa.update_and_apply(tx, jax.grad(mlp_loss)(p, b), s, p)
-    progs.append(ba.Program(key, ba.K_WINDOW, step, tx.init))
-  return progs
-
-
-def measure_cost(size: int, rounds: int) -> dict[str, Any]:
-  """Times and temporaries of the programs at ``size`` params (and of the MLP steps)."""
-  kp, kx, ky = jax.random.split(jax.random.key(0), 3)
-  mlp = mlp_params(kp)
-  batch = (jax.random.normal(kx, (MLP_BATCH, MLP_WIDTH)),
-           jax.random.normal(ky, (MLP_BATCH, MLP_WIDTH)))
-  params, grads = ba.make_tree(size), ba.make_tree(size, fill=1e-3)
-  timers = {p.key: ba.compile_program(p, *((mlp, batch) if p.key.startswith("mlp")
-                                           else (params, grads))) for p in make_programs()}
+    timers[key] = ba.compile_program(ba.Program(key, ba.K_WINDOW, step, tx.init),
+                                     *((mlp, batch) if key.startswith("mlp") else (params, grads)))
   copy = ba.CopyTimer(64 * 2**20)
   ba.run_rounds(list(timers.values()), copy, rounds, ba.windows_for(size))
   pbytes = 4 * size
@@ -105,11 +99,6 @@ def measure_cost(size: int, rounds: int) -> dict[str, Any]:
             / programs[base]["param_bytes"]} for base, tracked in PAIRS]
   return {"size": size, "param_bytes": pbytes, "mlp_param_bytes": mlp_bytes, "rounds": rounds,
           "programs": programs, "pairs": pairs}
-
-
-def b_simple(d: int, sigma: float) -> float:
-  """``tr(Sigma) / |G|^2`` in examples at ``w = w* + delta``."""
-  return d + 1 + sigma**2 * d / DELTA_NORM**2
 
 
 def simulate(d: int, sigma: float, sizes: tuple[int, ...], weighted: bool) -> np.ndarray:
@@ -153,7 +142,7 @@ def closed_form_table() -> list[dict[str, Any]]:
   for d, sigma, sizes, weighted in cases:
     b = sum(sizes) / len(sizes)
     est = simulate(d, sigma, sizes, weighted) * b
-    truth = b_simple(d, sigma)
+    truth = d + 1 + sigma**2 * d / DELTA_NORM**2  # B_simple: tr(Sigma) / |G|^2 at w* + delta
     rows.append({
         "d": d, "sigma": sigma, "b": b, "k": len(sizes), "weighted": weighted,
         "sizes": list(sizes), "b_simple": truth, "estimate_mean": float(est.mean()),
@@ -203,13 +192,12 @@ def markdown(result: dict[str, Any]) -> str:
   ]) + "\n"
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-  """Runs the benchmark and writes the reports; returns the result dict."""
+def main(argv: list[str] | None = None) -> None:
+  """Runs the benchmark and writes the reports."""
   ap = harness.parser(__doc__, quick="256K params, 5 rounds")
-  ap.add_argument("--size", default="4M", help="params for the cost measurement")
   ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 41)")
   args = ap.parse_args(argv)
-  size = ba.parse_size("256K" if args.quick else args.size)
+  size = 2**18 if args.quick else 2**22
   rounds = args.rounds or (5 if args.quick else 41)
 
   start = time.perf_counter()
@@ -219,7 +207,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      **harness.machine(), "wall_s": round(time.perf_counter() - start, 1)},
             "cost": cost, "closed_form": table}
   harness.write(args.out, "noise_scale", result, markdown(result))
-  return result
 
 
 if __name__ == "__main__":

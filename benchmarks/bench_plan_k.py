@@ -177,13 +177,11 @@ def run_case(case: dict[str, Any], mode: str) -> dict[str, Any]:
   }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> None:
   ap = harness.parser(__doc__, quick="tiny sizes (MLP 2 x 32, batch 64; transformer d 16, 1"
-                                    " block, seq 16, batch 8): a smoke run")
-  for flag, default in (("mlp-width", 256), ("mlp-layers", 4), ("mlp-batch", 4096),
-                        ("tf-batch", 32), ("tf-seq", 64), ("tf-d-model", 64), ("tf-layers", 2),
-                        ("tf-heads", 4)):  # tf-batch: the demo's --batch-size
-    ap.add_argument(f"--{flag}", type=int, default=default)
+                      " block, seq 16, batch 8): a smoke run", mlp_width=256, mlp_layers=4,
+                      mlp_batch=4096, tf_batch=32, tf_seq=64, tf_d_model=64, tf_layers=2,
+                      tf_heads=4)  # tf_batch: the demo's --batch-size
   args = ap.parse_args(argv)
   if args.quick:
     args.mlp_width, args.mlp_layers, args.mlp_batch = 32, 2, 64
@@ -196,7 +194,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       "peak": "argument + output + temp - alias (memory_analysis, per device)"},
             "rows": results, "wall_seconds": time.perf_counter() - t_start}
   harness.write(args.out, "plan_k", result, markdown(result))
-  return result
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -28,14 +28,19 @@ K = TypeVar("K", bound=Hashable)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def parser(doc: str, quick: str | None = None) -> argparse.ArgumentParser:
+def parser(doc: str, quick: str | None = None, **flags: Any) -> argparse.ArgumentParser:
   """The script's first docstring line as description, ``--out`` (default
-  ``benchmarks/results``) and, with its help text, ``--quick``."""
+  ``benchmarks/results``), with its help text ``--quick``, and per keyword a flag typed as its
+  default (``d_model=128``: ``--d-model``; a list takes one or more)."""
   ap = argparse.ArgumentParser(description=doc.split("\n")[0])
   ap.add_argument("--out", type=Path, default=RESULTS,
                   help="folder for the results files (default benchmarks/results)")
   if quick:
     ap.add_argument("--quick", action="store_true", help=quick)
+  for name, default in flags.items():
+    many = isinstance(default, list)
+    ap.add_argument(f"--{name.replace('_', '-')}", default=default, nargs="+" if many else None,
+                    type=type(default[0] if many else default))
   return ap
 
 

@@ -8,17 +8,18 @@ from pathlib import Path
 import bench_accumulate as bench
 
 
-def run(script: str, out: Path, *flags: str) -> None:
-  """``benchmarks/script --quick --out out`` in a fresh process; fails with its stderr."""
+def run(script: str, out: Path, stem: str, *flags: str) -> dict:
+  """``benchmarks/script --quick --out out`` in a fresh process (fails with its stderr); the
+  ``stem.json`` it wrote."""
   proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script)), *flags, "--quick",
                          "--out", str(out)], capture_output=True, text=True, timeout=300,
                         check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads((out / f"{stem}.json").read_text())
 
 
 def test_bench_accumulate_quick(tmp_path: Path) -> None:
-  run("bench_accumulate.py", tmp_path)
-  result = json.loads((tmp_path / "accumulate.json").read_text())
+  result = run("bench_accumulate.py", tmp_path, "accumulate")
   seen = {(r["optimizer"], r["row"]) for r in result["records"]}
   assert {(opt, row) for opt in ("sgd", "adam") for row, _ in bench.ROWS} <= seen
   assert result["bandwidth"]["copy_GBps"] > 0
@@ -27,16 +28,14 @@ def test_bench_accumulate_quick(tmp_path: Path) -> None:
 
 
 def test_bench_large_batch_quick(tmp_path: Path) -> None:
-  run("bench_large_batch.py", tmp_path)
-  result = json.loads((tmp_path / "large_batch.json").read_text())
+  result = run("bench_large_batch.py", tmp_path, "large_batch")
   assert [r["k"] for r in result["records"]] == [2, 8]
   assert all(r["cause"] == "equal" and r["numpy_peak_bytes"] > 0 for r in result["records"])
   assert (tmp_path / "large_batch.png").stat().st_size > 0
 
 
 def test_bench_contrastive_tiled_quick(tmp_path: Path) -> None:
-  run("bench_contrastive.py", tmp_path, "--tiled")
-  rows = json.loads((tmp_path / "contrastive_tiled.json").read_text())["rows"]
+  rows = run("bench_contrastive.py", tmp_path, "contrastive_tiled", "--tiled")["rows"]
   assert {(r["loss"], r["batch"]) for r in rows} == {
       (loss, b) for loss in ("CLIP", "SigLIP") for b in (256, 1024, 2048)}
   temps = {(r["loss"], r["batch"]): r["tiled_temp_bytes"] for r in rows}
@@ -49,8 +48,7 @@ def test_bench_contrastive_tiled_quick(tmp_path: Path) -> None:
 
 
 def test_bench_host_state_quick(tmp_path: Path) -> None:  # and --gpu's, --tpu's runs, on the CPU
-  run("bench_host_state.py", tmp_path, "--gpu", "--tpu")
-  result = json.loads((tmp_path / "host_state_tpu.json").read_text())
+  result = run("bench_host_state.py", tmp_path, "host_state_tpu", "--gpu", "--tpu")
   fits, rows = result["tpu"]["fits"], result["memory"]  # (XLA:CPU: 22 device B/param, 14)
   assert fits["pinned_host"]["params"] > 1.5 * fits["device"]["params"] > 0, fits
   assert all(len(f["ms"]) == 2 for f in fits.values()) and result["gpu"], fits
@@ -62,8 +60,7 @@ def test_bench_host_state_quick(tmp_path: Path) -> None:  # and --gpu's, --tpu's
 
 
 def test_accelerator_cpu_smoke(tmp_path: Path) -> None:  # --quick is --cpu-smoke
-  run("accelerator.py", tmp_path)
-  result = json.loads((tmp_path / "cpu.json").read_text())
+  result = run("accelerator.py", tmp_path, "cpu")
   assert len(result["meta"]["sizes"]) == 3 and "does not fit" in result["sizing"][0]
   assert {r["row"] for r in result["records"]} == {row for row, _ in bench.ROWS}
   full, *micro = result["transformer"]["rows"]  # the full batch, k / 2, k, k at "highest"
