@@ -104,8 +104,7 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
     # In: what `inner` reads (the gradients; the params, extra args where it reads them).
     # Out: the updates, to the device; the new state, in host memory.
     run = lambda u, s, p, kw: inner.update(u, s, p, **kw)
-    if not any(jax.typeof(x).memory_space == jax.memory.Space.Host
-               for x in jax.tree.leaves(state.inner_state)):
+    if not typed_on_host(state.inner_state):
       # Already on the host (the emitting branch of `accumulate`, typed on the device there:
       # `on_host`), or a state the caller placed on the device: the update runs where it is.
       updates, new = run(updates, state.inner_state, params, extra_args)
@@ -138,10 +137,15 @@ def branch_on_host(branch: Callable[..., Any], inner_state: Any,
   application run there, and only what the step returns on the device comes back
   (``out_spaces(inner_state's spaces)``): no parameter-sized temporary on the device for 1-D
   leaves. The inner state's leaves stay where they are."""
-  spaces = jax.tree.map(lambda x: jax.typeof(x).memory_space, inner_state)
-  if jax.memory.Space.Host not in jax.tree.leaves(spaces):
+  if not typed_on_host(inner_state):
     return branch
+  spaces = jax.tree.map(lambda x: jax.typeof(x).memory_space, inner_state)
   return lambda ops, acc: on_host(branch, out_spaces(spaces), ops, acc)
+
+
+def typed_on_host(tree: Any) -> bool:
+  """Whether a leaf of ``tree`` is typed in host memory (a :func:`host_state` state)."""
+  return any(jax.typeof(x).memory_space == jax.memory.Space.Host for x in jax.tree.leaves(tree))
 
 
 def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any, copied: bool = True) -> Any:
