@@ -421,8 +421,8 @@ def _numpy(x: Any) -> np.ndarray:
   """``x`` in numpy, read shard by shard through the host CPU: ``np.asarray`` of an array it
   cannot read in place (an accelerator's, one laid out over devices) keeps its copy cached on
   the array for the array's life, and the check holds whole gradients."""
-  if not isinstance(x, jax.Array):
-    return np.asarray(x)
+  if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+    return np.asarray(x)  # (another process's shards: numpy's own rules, and its errors)
   out = np.empty(x.shape, x.dtype)
   for shard in x.addressable_shards[:1] if x.is_fully_replicated else x.addressable_shards:
     out[shard.index] = np.asarray(jax.device_put(shard.data, jax.devices("cpu")[0]))
