@@ -115,18 +115,35 @@ class Timer:
     for _ in range(calls):
       self.carry = list(self.compiled(self.carry[0], self.carry[1], self.grads))
 
+  def timed(self, calls: int) -> float:
+    """Seconds from dispatching ``calls`` calls back to back to their last result."""
+    t0 = time.perf_counter()
+    self.dispatch(calls)
+    jax.block_until_ready(self.carry)
+    return time.perf_counter() - t0
+
   def run_round(self, windows: int) -> None:
-    """``windows`` whole windows, dispatched as a training loop does (a call does not wait for
-    the previous one), the clock read where a phase ends; appends each phase's time per call."""
+    """``windows`` pairs of whole windows, dispatched as a training loop does (a call does not
+    wait for the previous one); appends each phase's time per call.
+
+    A run of calls timed to its last result costs the latency L of one call (dispatch, then
+    the wait for the result) plus the calls' own time; a loop pays L once per run, not per
+    call, so every phase is a difference of two runs in which L cancels: the first window in
+    two runs (its mid-steps, t_mid; its emitting step, t_emit), the second in one (t_window);
+    mid = (t_window - t_emit) / (k - 1), emit = t_window - t_mid. A program without a window
+    ("step"): (t(K_WINDOW) - t(1)) / (K_WINDOW - 1).
+    """
     times: dict[str, list[float]] = {}
     k = self.program.k
-    for _ in range(windows):
-      for phase, calls in ((("step", K_WINDOW),) if k is None else
-                           (("mid", k - 1), ("emit", 1))):  # (windows start aligned: warm-up)
-        t0 = time.perf_counter()
-        self.dispatch(calls)
-        jax.block_until_ready(self.carry)
-        times.setdefault(phase, []).append((time.perf_counter() - t0) / calls)
+    for _ in range(windows):  # (windows start aligned: warm-up)
+      if k is None:
+        one = self.timed(1)
+        times.setdefault("step", []).append((self.timed(K_WINDOW) - one) / (K_WINDOW - 1))
+        continue
+      t_mid, t_emit = self.timed(k - 1), self.timed(1)
+      t_window = self.timed(k)
+      times.setdefault("mid", []).append((t_window - t_emit) / (k - 1))
+      times.setdefault("emit", []).append(t_window - t_mid)
     for phase, ts in times.items():
       self.samples.setdefault(phase, []).append(statistics.fmean(ts))
 
@@ -144,7 +161,8 @@ def compile_program(prog: Program, params: Tree, grads: Tree, compiled: Any = No
 class CopyTimer:
   """A jitted copy of ``n_bytes`` into a donated, kept buffer (a fresh output would be
   page-faulted on every call: that times the allocator); one sample per round, the time per
-  copy of ``CALLS`` dispatched back to back, so that no call's dispatch is counted."""
+  copy with the latency of a call cancelled as in :meth:`Timer.run_round`:
+  (t(CALLS + 1) - t(1)) / CALLS, the copies dispatched back to back."""
 
   CALLS = 4
 
@@ -156,12 +174,16 @@ class CopyTimer:
     self.compiled = fn.lower(self.src, self.src).compile()
     self.dst = jax.block_until_ready(jnp.zeros_like(self.src))
 
-  def call(self) -> float:
+  def timed(self, calls: int) -> float:
     t0 = time.perf_counter()
-    for _ in range(self.CALLS):
+    for _ in range(calls):
       self.dst = self.compiled(self.dst, self.src)
     jax.block_until_ready(self.dst)
-    return (time.perf_counter() - t0) / self.CALLS
+    return time.perf_counter() - t0
+
+  def call(self) -> float:
+    one = self.timed(1)
+    return (self.timed(self.CALLS + 1) - one) / self.CALLS
 
   def run_round(self, windows: int) -> None:
     self.samples.append(self.call())

@@ -1,7 +1,7 @@
 """Tests of :mod:`optax_accum.offload`: the inner optimizer's state in host memory.
 
 Every run is compared bit for bit with the same run on the device (the inner optimizer
-without ``host_state``; on an accelerator within float32 rounding: ``ROUNDING``), and
+without ``host_state``; on an accelerator within the device's rounding: ``ROUNDING``), and
 after every step every leaf of the inner state must be in ``pinned_host`` and typed
 there. On XLA:CPU host and device memory are one, so where the update runs and what
 moves is checked where JAX decides it: in the step's jaxpr (one ``compute_on`` on the
@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
 from optax_accum.sharding import local_value_and_grad, reshard_state, state_shardings
+from tests._reference import tolerance
 
 HOST = "pinned_host"
 PARAMS = {"w": np.linspace(-1.0, 1.0, 24, dtype=np.float32).reshape(8, 3),
@@ -46,6 +47,14 @@ def makes_arrays() -> optax.GradientTransformation:
 
 
 OPTIMIZERS = {"adam": adam, "adamw_clipped": adamw_clipped, "makes_arrays": makes_arrays}
+# On a TPU v5e (jax 0.10.2, libtpu 0.0.42.1) the host compiler aborts the process (a CHECK in
+# its computation_partitioner.cc:269, seen 2026-12-06) on the second step's program of
+# makes_arrays, whose host computation calls each of Lamb's norms from two places: the run
+# would end there, not fail. Everything else of it runs on the chip.
+RUNS = [pytest.param(name, marks=pytest.mark.skipif(
+    name == "makes_arrays" and jax.default_backend() == "tpu",
+    reason="libtpu 0.0.42.1's host compiler aborts the process on this program (CHECK"
+           " computation_partitioner.cc:269)")) for name in sorted(OPTIMIZERS)]
 
 
 def loss(params: Any, x: jax.Array) -> jax.Array:
@@ -71,17 +80,24 @@ def assert_on_host(state: Any) -> None:
 
 
 # On XLA:CPU the host's update and the device's are one compiler's: bit for bit. On an
-# accelerator the host's kernels round apart from the device's: float32 rounding, a few ulp.
-ROUNDING = {} if jax.default_backend() == "cpu" else {"rtol": 4e-6, "atol": 1e-7}
+# accelerator the device's own optimizer rounds apart from the host's: Adam's bias corrections
+# (1 - b**t) go through its exp and log, whose float32 error a TPU v5e measures at 7e-5
+# (tests/_reference.py), and each later gradient carries the difference (a step's 8.8e-6 in
+# a param of 1e-2 there, 5.9e-4 of the step's size). Each leaf then agrees within ten times
+# that error (``tolerance``) of its largest entry: a missed, doubled or mis-scaled step of
+# 3e-2 is 40x over it.
+ROUNDING = None if jax.default_backend() == "cpu" else tolerance(0.0, "exp", "log")
 
 
 def assert_bitwise(a: Any, b: Any) -> None:
+  """Bit for bit on XLA:CPU; on an accelerator floats within ``ROUNDING`` of each leaf's size."""
   a, b = jax.device_get((a, b))
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     assert np.asarray(x).dtype == np.asarray(y).dtype, (x, y)
-    if ROUNDING and jnp.issubdtype(np.asarray(x).dtype, jnp.floating):
-      np.testing.assert_allclose(x, y, **ROUNDING)
+    if ROUNDING is not None and jnp.issubdtype(np.asarray(x).dtype, jnp.floating) and np.size(x):
+      scale = float(np.max(np.abs(np.asarray(y, np.float64))))
+      np.testing.assert_allclose(x, y, rtol=0, atol=ROUNDING * scale)
     else:
       assert np.array_equal(x, y), (x, y)
 
@@ -96,7 +112,7 @@ def across_steps(k: int, make: Callable[[], Any], host: bool) -> tuple[Any, Call
 
 
 @pytest.mark.parametrize("k", [1, 4])
-@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("opt", RUNS)
 @pytest.mark.catches("host_state_on_device")
 def test_across_steps_equals_the_device_run_bit_for_bit(k: int, opt: str) -> None:
   """``jax.jit``, params and state donated, over two windows and one micro-batch more."""
@@ -118,7 +134,7 @@ def test_across_steps_equals_the_device_run_bit_for_bit(k: int, opt: str) -> Non
 
 
 @pytest.mark.parametrize("k", [1, 4])
-@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("opt", RUNS)
 @pytest.mark.catches("host_state_on_device")
 def test_in_step_equals_the_device_run_bit_for_bit(k: int, opt: str) -> None:
   """``microbatched`` for the gradients, then the optimizer in the same step; with
@@ -185,7 +201,11 @@ def test_the_update_runs_on_the_host_and_the_state_never_enters_the_device() -> 
   spaces = [str(s).split(".")[1] for s in host.params["out_memory_spaces"]]
   assert spaces == ["Device"] * 2 + ["Host"] * 5  # the new params; adam's count, mu and nu
   assert [s for s in to_host(jaxpr) if s] == sorted(SHAPES * 3)  # params, buffer, gradients
-  assert '_xla_compute_type="host"' in jax.jit(step).lower(*args).compile().as_text()
+  lowered = jax.jit(step).lower(*args)
+  assert '_xla_compute_type = "host"' in lowered.as_text()
+  # The compiled program keeps it: XLA:CPU marks the computation, a TPU calls it on the host.
+  compiled = lowered.compile().as_text()
+  assert '_xla_compute_type="host"' in compiled or 'custom_call_target="HostExecute"' in compiled
 
 
 @pytest.mark.parametrize("opt", ["adam", "adamw"])
