@@ -106,33 +106,20 @@ class Timer:
   info: dict[str, Any]
   samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
-  def call(self) -> None:
-    """One blocking step (the warm-up)."""
-    self.dispatch(1)
-    jax.block_until_ready(self.carry)
-
-  def dispatch(self, calls: int) -> None:
-    for _ in range(calls):
-      self.carry = list(self.compiled(self.carry[0], self.carry[1], self.grads))
-
   def timed(self, calls: int) -> float:
     """Seconds from dispatching ``calls`` calls back to back to their last result."""
     t0 = time.perf_counter()
-    self.dispatch(calls)
+    for _ in range(calls):
+      self.carry = list(self.compiled(self.carry[0], self.carry[1], self.grads))
     jax.block_until_ready(self.carry)
     return time.perf_counter() - t0
 
   def run_round(self, windows: int) -> None:
-    """``windows`` pairs of whole windows, dispatched as a training loop does (a call does not
-    wait for the previous one); appends each phase's time per call.
-
-    A run of calls timed to its last result costs the latency L of one call (dispatch, then
-    the wait for the result) plus the calls' own time; a loop pays L once per run, not per
-    call, so every phase is a difference of two runs in which L cancels: the first window in
-    two runs (its mid-steps, t_mid; its emitting step, t_emit), the second in one (t_window);
-    mid = (t_window - t_emit) / (k - 1), emit = t_window - t_mid. A program without a window
-    ("step"): (t(K_WINDOW) - t(1)) / (K_WINDOW - 1).
-    """
+    """Each phase's time per call over ``windows`` pairs of windows, calls dispatched back to
+    back. A timed run costs one call's latency L (its dispatch, the wait for its result), which
+    a loop pays once, so each phase is a difference of runs that cancels L: mid = (t_window -
+    t_emit) / (k - 1), emit = t_window - t_mid (the first window in two runs, the second in
+    one); without a window, (t(K_WINDOW) - t(1)) / (K_WINDOW - 1)."""
     times: dict[str, list[float]] = {}
     k = self.program.k
     for _ in range(windows):  # (windows start aligned: warm-up)
@@ -160,9 +147,8 @@ def compile_program(prog: Program, params: Tree, grads: Tree, compiled: Any = No
 
 class CopyTimer:
   """A jitted copy of ``n_bytes`` into a donated, kept buffer (a fresh output would be
-  page-faulted on every call: that times the allocator); one sample per round, the time per
-  copy with the latency of a call cancelled as in :meth:`Timer.run_round`:
-  (t(CALLS + 1) - t(1)) / CALLS, the copies dispatched back to back."""
+  page-faulted on every call: that times the allocator); a sample per round, the time per
+  copy with one call's latency cancelled: (t(CALLS + 1) - t(1)) / CALLS."""
 
   CALLS = 4
 
@@ -181,12 +167,9 @@ class CopyTimer:
     jax.block_until_ready(self.dst)
     return time.perf_counter() - t0
 
-  def call(self) -> float:
-    one = self.timed(1)
-    return (self.timed(self.CALLS + 1) - one) / self.CALLS
-
   def run_round(self, windows: int) -> None:
-    self.samples.append(self.call())
+    one = self.timed(1)
+    self.samples.append((self.timed(self.CALLS + 1) - one) / self.CALLS)
 
 
 def run_rounds(timers: Sequence[Timer], copy: CopyTimer, rounds: int, windows: int,
@@ -194,9 +177,8 @@ def run_rounds(timers: Sequence[Timer], copy: CopyTimer, rounds: int, windows: i
   """One warm-up window per program, then ``harness.interleaved`` rounds of every
   program (``windows`` windows) and the copy; returns the copy's time per round."""
   for t in timers:
-    for _ in range(t.program.k or 1):
-      t.call()
-  copy.call()
+    t.timed(t.program.k or 1)
+  copy.timed(1)
   start = len(copy.samples)
   runs = [*timers, copy]  # keyed by position: a Timer is not hashable
   harness.interleaved({i: functools.partial(t.run_round, windows) for i, t in enumerate(runs)},
