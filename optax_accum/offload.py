@@ -33,6 +33,8 @@ from jax.interpreters import mlir
 __all__ = ["HostState", "host_state"]
 
 HOST = "pinned_host"
+# True while `on_host` traces what runs on the host: JAX keys its trace and compile caches on it.
+ON_HOST = jax.make_user_context(False)
 
 
 class HostState(NamedTuple):
@@ -73,7 +75,9 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
 
   Raises:
     ValueError: from ``init``, where the devices have no ``pinned_host``
-      memory (it names the platform and the JAX version).
+      memory (it names the platform and the JAX version); from ``update``, where
+      a leaf of the state is typed in device memory (placed there by the caller):
+      it is never updated on the device in silence.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_accum as oa
@@ -110,11 +114,17 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
     # In: what `inner` reads (the gradients; the params, extra args where it reads them).
     # Out: the updates, to the device; the new state, in host memory.
     run = lambda u, s, p, kw: inner.update(u, s, p, **kw)
-    if not typed_on_host(state.inner_state):
-      # Already on the host (the emitting branch of `accumulate`, typed on the device there:
-      # `on_host`), or a state the caller placed on the device: the update runs where it is.
+    if ON_HOST.value:  # traced for the host already (`accumulate`'s emitting branch)
       updates, new = run(updates, state.inner_state, params, extra_args)
       return updates, HostState(new)
+    on_device = [jax.tree_util.keystr(k) for k, x in jax.tree.leaves_with_path(state.inner_state)
+                 if jax.typeof(x).memory_space != jax.memory.Space.Host]
+    if on_device:  # never a silent update on the device
+      raise ValueError(
+          f"`host_state`: the `state` given to `update` holds {len(on_device)} leaves in device"
+          f" memory (inner_state{on_device[0]}, ...). Give it the state `init` returned, or place"
+          " it in host memory: `jax.device_put(state, optax_accum.sharding.state_shardings(tx,"
+          " params))` (a checkpoint restored into those shardings lands there too).")
     updates, new = on_host(run, (jax.memory.Space.Device, jax.memory.Space.Host), updates,
                            state.inner_state, params, extra_args, copied=False)
     return updates, HostState(new)
@@ -170,7 +180,8 @@ def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any, copied: bool = 
   """
   host, device = jax.memory.Space.Host, jax.memory.Space.Device
   typed = jax.tree.map(lambda x: jax.typeof(x).update(memory_space=device), args)
-  closed, shape = jax.make_jaxpr(fn, return_shape=True)(*typed)
+  with ON_HOST(True):
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*typed)
   spaces = jax.tree.leaves(jax.tree.map(
       lambda space, out: jax.tree.map(lambda _: space, out), out_spaces, shape,
       is_leaf=lambda x: isinstance(x, jax.memory.Space)))

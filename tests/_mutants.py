@@ -340,6 +340,18 @@ def host_state_on_device(patch: pytest.MonkeyPatch) -> None:
 
 
 @mutant
+def host_state_updates_a_device_state(patch: pytest.MonkeyPatch) -> None:
+  """``host_state`` updates a state the caller placed in device memory where it is: a silent
+  fallback that holds the state's bytes on the device."""
+  def host_state(inner: Any) -> optax.GradientTransformationExtraArgs:
+    inner, real = optax.with_extra_args_support(inner), _host_state(inner)
+    return optax.GradientTransformationExtraArgs(real.init, lambda g, s, p=None, **kw: (
+        real.update(g, s, p, **kw) if offload.typed_on_host(s) else (lambda u, s: (
+            u, offload.HostState(s)))(*inner.update(g, s.inner_state, p, **kw))))
+  patch.setattr(oa, "host_state", host_state)
+
+
+@mutant
 def non_additive_statistic_unseen(patch: pytest.MonkeyPatch) -> None:
   """``microbatched`` sums a ``global_stats`` statistic that is a max or a mean over the rows
   without a word: the check of additivity cannot see into the function (a ``lax.cond``)."""

@@ -437,6 +437,26 @@ def test_a_platform_without_host_memory_is_named(monkeypatch: pytest.MonkeyPatch
   assert f"jax {jax.__version__}" in str(raised.value) and "'device'" in str(raised.value)
 
 
+@pytest.mark.catches("host_state_updates_a_device_state")
+def test_a_state_in_device_memory_raises() -> None:
+  """A ``host_state`` state placed in device memory (a checkpoint restored into device
+  shardings, say) is refused by name, alone and inside ``accumulate``: never updated on the
+  device in silence, its bytes there."""
+  on_device = lambda s: jax.tree.map(
+      lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), s)
+  for tx in (oa.host_state(adam()), oa.accumulate(2, oa.host_state(adam()))):
+    state = on_device(tx.init(fresh(PARAMS)))
+    try:
+      jax.jit(tx.update)(fresh(PARAMS), state, fresh(PARAMS))
+      message = ""
+    except ValueError as e:
+      message = str(e)
+    assert "`state`" in message and "device memory" in message, message
+    assert "state_shardings(tx, params)" in message
+    placed = jax.device_put(state, state_shardings(tx, fresh(PARAMS)))  # the fix it names
+    assert_on_host(jax.jit(tx.update)(fresh(PARAMS), placed, fresh(PARAMS))[1])
+
+
 TILED = {"w": np.linspace(-1.0, 1.0, 32, dtype=np.float32).reshape(8, 4),
          "b": np.full(4, 0.1, np.float32)}
 
