@@ -121,10 +121,9 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
                  if jax.typeof(x).memory_space != jax.memory.Space.Host]
     if on_device:  # never a silent update on the device
       raise ValueError(
-          f"`host_state`: the `state` given to `update` holds {len(on_device)} leaves in device"
-          f" memory (inner_state{on_device[0]}, ...). Give it the state `init` returned, or place"
-          " it in host memory: `jax.device_put(state, optax_accum.sharding.state_shardings(tx,"
-          " params))` (a checkpoint restored into those shardings lands there too).")
+          f"`host_state`: `state` holds {len(on_device)} leaves in device memory (inner_state"
+          f"{on_device[0]}, ...); place it in host memory: `jax.device_put(state,"
+          " optax_accum.sharding.state_shardings(tx, params))`, or restore into those shardings.")
     updates, new = on_host(run, (jax.memory.Space.Device, jax.memory.Space.Host), updates,
                            state.inner_state, params, extra_args, copied=False)
     return updates, HostState(new)
