@@ -152,15 +152,10 @@ def branch_on_host(branch: Callable[..., Any], inner_state: Any,
   application run there, and only what the step returns on the device comes back
   (``out_spaces(inner_state's spaces)``), in the device's layout: no parameter-sized
   temporary on the device. The inner state's leaves stay where they are."""
-  if not typed_on_host(inner_state):
-    return branch
   spaces = jax.tree.map(lambda x: jax.typeof(x).memory_space, inner_state)
+  if jax.memory.Space.Host not in jax.tree.leaves(spaces):
+    return branch
   return lambda ops, acc: on_host(branch, out_spaces(spaces), ops, acc)
-
-
-def typed_on_host(tree: Any) -> bool:
-  """Whether a leaf of ``tree`` is typed in host memory (a :func:`host_state` state)."""
-  return any(jax.typeof(x).memory_space == jax.memory.Space.Host for x in jax.tree.leaves(tree))
 
 
 def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any, copied: bool = True) -> Any:

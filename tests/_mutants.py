@@ -345,9 +345,13 @@ def host_state_updates_a_device_state(patch: pytest.MonkeyPatch) -> None:
   fallback that holds the state's bytes on the device."""
   def host_state(inner: Any) -> optax.GradientTransformationExtraArgs:
     inner, real = optax.with_extra_args_support(inner), _host_state(inner)
-    return optax.GradientTransformationExtraArgs(real.init, lambda g, s, p=None, **kw: (
-        real.update(g, s, p, **kw) if offload.typed_on_host(s) else (lambda u, s: (
-            u, offload.HostState(s)))(*inner.update(g, s.inner_state, p, **kw))))
+
+    def update(g: Any, s: Any, p: Any = None, **kw: Any) -> Any:
+      if jax.typeof(jax.tree.leaves(s)[-1]).memory_space == jax.memory.Space.Host:
+        return real.update(g, s, p, **kw)
+      u, new = inner.update(g, s.inner_state, p, **kw)  # where it is: on the device
+      return u, offload.HostState(new)
+    return optax.GradientTransformationExtraArgs(real.init, update)
   patch.setattr(oa, "host_state", host_state)
 
 
