@@ -3,7 +3,7 @@
 Device bytes per parameter (arguments + temporaries - the state's in pinned_host) of compiled
 steps, params and state donated, adam: ``accumulate(k, adam)`` against ``accumulate(k,
 host_state(adam))``, compiled with ``jax.jit`` (one program); the update alone (k = 4);
-an MLP's step, 4 layers of d x d (3 in a lax.scan in one row), micro-batches of d rows (k = 8).
+an MLP's step, 4 layers of d x d, micro-batches of d rows (k = 8); the real run's step (below).
 ``--tpu`` (on the chip; ``--quick`` checks it on the CPU): the largest MLP that trains with the
 state on the device and with ``host_state``, bisected by compiling (f32 adam, k = 4), each run for
 two windows; the host update's ns/param and threads; ``host_state_tpu.{md,json}`` in ``--out``.
@@ -67,11 +67,6 @@ def memory(quick, dev, abstract):
   n, d, rows = 1 << (16 if quick else 22), 256 if quick else 2048, []
   mlp = {f"w{i}": jax.ShapeDtypeStruct((d, d), jnp.float32) for i in range(4)}
   loss = lambda p, x: jnp.mean(functools.reduce(lambda h, w: jnp.tanh(h @ w), p.values(), x)**2)
-  # The layers after the first in a lax.scan: the backward pass is one loop (XLA moves copies
-  # across a loop whole; the state must still wait for the gradients).
-  scanned = {"w0": mlp["w0"], "w": jax.ShapeDtypeStruct((3, d, d), jnp.float32)}
-  scan_loss = lambda p, x: jnp.mean(lax.scan(lambda h, w: (jnp.tanh(h @ w), None), jnp.tanh(
-      x @ p["w0"]), p["w"])[0]**2)
 
   def in_step(opt, p, s, x):
     u, s = opt.update(oa.microbatched(jax.value_and_grad(loss), 8)(p, x)[1], s, p)
@@ -85,12 +80,16 @@ def memory(quick, dev, abstract):
                         update, params, params, dev, abstract))
     across = lambda f, opt=opt: lambda p, s, x: oa.update_and_apply(
         oa.accumulate(8, opt), jax.grad(f)(p, x), s, p)
-    for step, fn, params, rows_ in (
-        ("MLP, in-step", functools.partial(in_step, opt), mlp, 8 * d),
-        ("MLP, across steps", across(loss), mlp, d),
-        ("MLP in a scan, across steps", across(scan_loss), scanned, d)):
+    for step, fn, params, rows_ in (("MLP, in-step", functools.partial(in_step, opt), mlp, 8 * d),
+                                    ("MLP, across steps", across(loss), mlp, d)):
       rows.append(forms({"step": step, "params": "float32", "state": state}, fn, params,
                         jax.ShapeDtypeStruct((rows_, d), jnp.float32), dev, abstract))
+    # The real run's step (`real_run`): (layers, d, d) in a lax.scan, one backward loop.
+    layers, width = (2, 128) if quick else (8, 4096)
+    held = real_run(layers, width, state == HOST, float("inf"), False, dev)["device bytes"]
+    rows.append({"step": f"real run's MLP in a scan ({layers} x {width}^2)", "params": "float32",
+                 "state": state, FORM: round(held / (layers * width**2), 2), "host bytes": 8.0 * (
+                     state == HOST)})
   return rows
 
 
@@ -108,7 +107,7 @@ def gpu_times(quick, rounds):
           for name, t in timers.items()}
 
 
-def real_run(layers, d, host, limit, run_it):
+def real_run(layers, d, host, limit, run_it, dev=None):
   """Compiles (and with ``run_it`` runs two windows of) the step of an MLP of ``layers`` tanh
   layers of d x d in a lax.scan, f32 adam, k = 4: its device bytes, or None where it does not
   fit ``limit``; with ``run_it``, the median seconds of its mid-steps and of its closing step."""
@@ -116,7 +115,7 @@ def real_run(layers, d, host, limit, run_it):
   tx = oa.accumulate(K, oa.host_state(optax.adam(1e-4)) if host else optax.adam(1e-4))
   step = jax.jit(lambda p, s, x: oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p),
                  donate_argnums=(0, 1))
-  dev, n = jax.sharding.SingleDeviceSharding(jax.devices()[0]), layers * d * d
+  dev, n = dev or jax.sharding.SingleDeviceSharding(jax.devices()[0]), layers * d * d
   params = jax.ShapeDtypeStruct((layers, d, d), jnp.float32, sharding=dev)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        jax.eval_shape(tx.init, params), oa.sharding.state_shardings(tx, params))

@@ -8,25 +8,33 @@ enters the device. A train step compiles as usual (``jax.jit``). Inside
 :func:`~optax_accum.accumulate` the window's whole emitting branch runs on the
 host: the buffer, the last gradients and the params are copied there, the
 window's mean, the update and its application are computed there, and the new
-params (or the updates) come back: no parameter-sized temporary on the device
-for 1-D leaves; mid-steps pass the state through. Alone, the gradients go to the
-host and the updates come back.
+params (or the updates) come back, stored by the host in the device's own layout
+(:func:`device_ordered`): they land in place, no parameter-sized temporary on the
+device; mid-steps pass the state through. Alone, the gradients go to the host and
+the updates come back.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax._src import compute_on  # private: see `on_host`
+from jax.experimental.layout import Layout
+from jax.interpreters import mlir
 
 __all__ = ["HostState", "host_state"]
 
 HOST = "pinned_host"
+# True while `on_host` traces what runs on the host: JAX keys its trace and compile caches on it.
+ON_HOST = jax.make_user_context(False)
 
 
 class HostState(NamedTuple):
@@ -67,7 +75,9 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
 
   Raises:
     ValueError: from ``init``, where the devices have no ``pinned_host``
-      memory (it names the platform and the JAX version).
+      memory (it names the platform and the JAX version); from ``update``, where
+      a leaf of the state is typed in device memory (placed there by the caller):
+      it is never updated on the device in silence.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_accum as oa
@@ -104,11 +114,16 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
     # In: what `inner` reads (the gradients; the params, extra args where it reads them).
     # Out: the updates, to the device; the new state, in host memory.
     run = lambda u, s, p, kw: inner.update(u, s, p, **kw)
-    if not typed_on_host(state.inner_state):
-      # Already on the host (the emitting branch of `accumulate`, typed on the device there:
-      # `on_host`), or a state the caller placed on the device: the update runs where it is.
+    if ON_HOST.value:  # traced for the host already (`accumulate`'s emitting branch)
       updates, new = run(updates, state.inner_state, params, extra_args)
       return updates, HostState(new)
+    on_device = [jax.tree_util.keystr(k) for k, x in jax.tree.leaves_with_path(state.inner_state)
+                 if jax.typeof(x).memory_space != jax.memory.Space.Host]
+    if on_device:  # never a silent update on the device
+      raise ValueError(
+          f"`host_state`: `state` holds {len(on_device)} leaves in device memory (inner_state"
+          f"{on_device[0]}, ...); place it in host memory: `jax.device_put(state,"
+          " optax_accum.sharding.state_shardings(tx, params))`, or restore into those shardings.")
     updates, new = on_host(run, (jax.memory.Space.Device, jax.memory.Space.Host), updates,
                            state.inner_state, params, extra_args, copied=False)
     return updates, HostState(new)
@@ -135,17 +150,12 @@ def branch_on_host(branch: Callable[..., Any], inner_state: Any,
   typed in host memory (:func:`host_state`), else ``branch`` itself: the buffer, the gradients
   and the params go to host memory, the window's sum, its scaling, the update and its
   application run there, and only what the step returns on the device comes back
-  (``out_spaces(inner_state's spaces)``): no parameter-sized temporary on the device for 1-D
-  leaves. The inner state's leaves stay where they are."""
-  if not typed_on_host(inner_state):
-    return branch
+  (``out_spaces(inner_state's spaces)``), in the device's layout: no parameter-sized
+  temporary on the device. The inner state's leaves stay where they are."""
   spaces = jax.tree.map(lambda x: jax.typeof(x).memory_space, inner_state)
+  if jax.memory.Space.Host not in jax.tree.leaves(spaces):
+    return branch
   return lambda ops, acc: on_host(branch, out_spaces(spaces), ops, acc)
-
-
-def typed_on_host(tree: Any) -> bool:
-  """Whether a leaf of ``tree`` is typed in host memory (a :func:`host_state` state)."""
-  return any(jax.typeof(x).memory_space == jax.memory.Space.Host for x in jax.tree.leaves(tree))
 
 
 def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any, copied: bool = True) -> Any:
@@ -157,17 +167,27 @@ def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any, copied: bool = 
   Adagrad fail on JAX 0.10.2 to 0.12). So ``fn`` is traced on device types and bound to
   the host values with ``compute_on``'s primitive: the same arguments from JAX 0.10.2
   (where ``compute_on`` is a context manager) to 0.12 (where it takes ``out_memory_spaces``).
+  An output in device memory leaves the host in the device's storage order
+  (``device_order_p``): a TPU compiler (libtpu 0.0.50) lays a host's output to the device
+  out linearly and copies each matrix into its tiles there (deviceless v5e, f32: +4 device
+  B/param at an update's closing step, +8 in a scanned MLP's); in that order it is a bitcast.
   """
-  host = jax.memory.Space.Host
-  typed = jax.tree.map(lambda x: jax.typeof(x).update(memory_space=jax.memory.Space.Device), args)
-  closed, shape = jax.make_jaxpr(fn, return_shape=True)(*typed)
+  host, device = jax.memory.Space.Host, jax.memory.Space.Device
+  typed = jax.tree.map(lambda x: jax.typeof(x).update(memory_space=device), args)
+  with ON_HOST(True):
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*typed)
+  spaces = jax.tree.leaves(jax.tree.map(
+      lambda space, out: jax.tree.map(lambda _: space, out), out_spaces, shape,
+      is_leaf=lambda x: isinstance(x, jax.memory.Space)))
+  # What comes back to the device leaves the host in the device's order: no relayout there.
+  closed = jax.make_jaxpr(lambda *a: [device_order_p.bind(o, inverse=False) if s == device else o
+                                      for o, s in zip(jax.extend.core.jaxpr_as_fun(closed)(*a),
+                                                      spaces, strict=True)])(*closed.in_avals)
   # Its constants are operands too (a learning rate traced in the step, say).
   jaxpr = closed.jaxpr.replace(constvars=[], invars=[*closed.jaxpr.constvars, *closed.jaxpr.invars])
   leaves = [*closed.consts, *jax.tree.leaves(args)]
   read = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, jax.extend.core.Var)}
   keep = [v in read or v in jaxpr.outvars for v in jaxpr.invars]
-  spaces = jax.tree.map(lambda space, out: jax.tree.map(lambda _: space, out), out_spaces, shape,
-                        is_leaf=lambda x: isinstance(x, jax.memory.Space))
   # Moved through a barrier: the TPU compiler (libtpu 0.0.50) otherwise hands the host the
   # device buffers themselves, in a linear layout: a relayout copy of each 2-D leaf on the
   # device (+12 B/param for params, buffer and gradients); this way they are copied into
@@ -179,6 +199,50 @@ def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any, copied: bool = 
       *moved,
       jaxpr=jax.extend.core.ClosedJaxpr(jaxpr.replace(invars=[
           v for v, k in zip(jaxpr.invars, keep, strict=True) if k]), []),
-      compute_type="device_host", out_memory_spaces=tuple(jax.tree.leaves(spaces)),
-      compiler_options_json=None)
-  return jax.tree.unflatten(jax.tree.structure(shape), outs)
+      compute_type="device_host", out_memory_spaces=tuple(spaces), compiler_options_json=None)
+  return jax.tree.unflatten(jax.tree.structure(shape), [
+      device_order_p.bind(o, inverse=True) if s == device else o
+      for o, s in zip(outs, spaces, strict=True)])
+
+
+def device_ordered(x: jax.Array, layout: Layout, *, inverse: bool = False) -> jax.Array:
+  """``x``'s elements in the order ``layout`` stores them, read row-major (or back: ``inverse``).
+
+  The dims in ``layout``'s major-to-minor order, each split by its tile (``T(8,128)`` of a
+  TPU's float32 matrix), the tiles' dims before the tile's. An array stored by a host in
+  that order is, to the device, already laid out: the inverse is a bitcast there. ``x`` as
+  it is where ``layout`` nests tiles (16-bit types: ``T(8,128)(2,1)``) or a tile pads it.
+  """
+  tile, m2m = (layout.tiling or ((),))[0], layout.major_to_minor
+  dims = [x.shape[i] for i in m2m]
+  n = len(dims) - len(tile)
+  if len(layout.tiling) > 1 or n < 0 or any(d % t for d, t in zip(dims[n:], tile, strict=True)):
+    return x
+  split = dims[:n] + [v for d, t in zip(dims[n:], tile, strict=True) for v in (d // t, t)]
+  perm = [*range(n), *range(n, len(split), 2), *range(n + 1, len(split), 2)]
+  if inverse:
+    return x.reshape([split[p] for p in perm]).transpose(np.argsort(perm)).reshape(
+        dims).transpose(np.argsort(m2m))
+  return x.transpose(m2m).reshape(split).transpose(perm).reshape(x.shape)
+
+
+def _device_order_lowering(ctx: Any, x: Any, *, inverse: bool) -> Any:
+  """:func:`device_ordered` in the default layout of the device the program is compiled for
+  (its backend's answer): on one device (a sharded leaf's reorder would cross devices)."""
+  aval, backend = ctx.avals_in[0], ctx.module_context.backend
+  if (backend is None or not aval.ndim or not jnp.issubdtype(aval.dtype, jnp.inexact)
+      or getattr(ctx.module_context.axis_context, "num_devices", 0) != 1):
+    return [x]
+  layout = Layout.from_pjrt_layout(backend.get_default_layout(
+      np.dtype(aval.dtype), aval.shape, backend.devices()[0]))
+  return mlir.lower_fun(functools.partial(device_ordered, layout=layout, inverse=inverse),
+                        multiple_results=False)(ctx, x)
+
+
+# The identity on values; compiled, what the host returns to the device leaves it in the
+# device's order (`device_ordered`), and the device reads it in place.
+device_order_p = jax.extend.core.Primitive("optax_accum_device_order")
+device_order_p.def_abstract_eval(lambda x, *, inverse: x)
+device_order_p.def_impl(lambda x, *, inverse: jax.jit(
+    functools.partial(device_order_p.bind, inverse=inverse))(x))
+mlir.register_lowering(device_order_p, _device_order_lowering)

@@ -340,6 +340,22 @@ def host_state_on_device(patch: pytest.MonkeyPatch) -> None:
 
 
 @mutant
+def host_state_updates_a_device_state(patch: pytest.MonkeyPatch) -> None:
+  """``host_state`` updates a state the caller placed in device memory where it is: a silent
+  fallback that holds the state's bytes on the device."""
+  def host_state(inner: Any) -> optax.GradientTransformationExtraArgs:
+    inner, real = optax.with_extra_args_support(inner), _host_state(inner)
+
+    def update(g: Any, s: Any, p: Any = None, **kw: Any) -> Any:
+      if jax.typeof(jax.tree.leaves(s)[-1]).memory_space == jax.memory.Space.Host:
+        return real.update(g, s, p, **kw)
+      u, new = inner.update(g, s.inner_state, p, **kw)  # where it is: on the device
+      return u, offload.HostState(new)
+    return optax.GradientTransformationExtraArgs(real.init, update)
+  patch.setattr(oa, "host_state", host_state)
+
+
+@mutant
 def non_additive_statistic_unseen(patch: pytest.MonkeyPatch) -> None:
   """``microbatched`` sums a ``global_stats`` statistic that is a max or a mean over the rows
   without a word: the check of additivity cannot see into the function (a ``lax.cond``)."""

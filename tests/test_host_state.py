@@ -455,3 +455,77 @@ def test_a_platform_without_host_memory_is_named(monkeypatch: pytest.MonkeyPatch
   with pytest.raises(ValueError, match="someplatform") as raised:
     oa.host_state(adam()).init(PARAMS)
   assert f"jax {jax.__version__}" in str(raised.value) and "'device'" in str(raised.value)
+
+
+@pytest.mark.catches("host_state_updates_a_device_state")
+def test_a_state_in_device_memory_raises() -> None:
+  """A ``host_state`` state placed in device memory (a checkpoint restored into device
+  shardings, say) is refused by name, alone and inside ``accumulate``: never updated on the
+  device in silence, its bytes there."""
+  on_device = lambda s: jax.tree.map(
+      lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), s)
+  for tx in (oa.host_state(adam()), oa.accumulate(2, oa.host_state(adam()))):
+    state = on_device(tx.init(fresh(PARAMS)))
+    try:
+      jax.jit(tx.update)(fresh(PARAMS), state, fresh(PARAMS))
+      message = ""
+    except ValueError as e:
+      message = str(e)
+    assert "`state`" in message and "device memory" in message, message
+    assert "state_shardings(tx, params)" in message
+    placed = jax.device_put(state, state_shardings(tx, fresh(PARAMS)))  # the fix it names
+    assert_on_host(jax.jit(tx.update)(fresh(PARAMS), placed, fresh(PARAMS))[1])
+
+
+TILED = {"w": np.linspace(-1.0, 1.0, 32, dtype=np.float32).reshape(8, 4),
+         "b": np.full(4, 0.1, np.float32)}
+
+
+def tiled_layout(m2m: tuple[int, ...], tile: tuple[int, ...]) -> Any:
+  return jax.experimental.layout.Layout(major_to_minor=m2m, tiling=(tile,))
+
+
+def test_device_order_is_the_tiled_storage_order() -> None:
+  """``device_ordered`` reads the elements in the order a tiled layout stores them; its
+  inverse undoes it; a nested tiling or a padding tile leaves the array as it is."""
+  x = jnp.arange(16 * 256, dtype=jnp.float32).reshape(16, 256)
+  ordered = oa.offload.device_ordered(x, tiled_layout((0, 1), (8, 128)))
+  tiles = x.reshape(2, 8, 2, 128).transpose(0, 2, 1, 3)  # T(8,128): tile by tile
+  assert np.array_equal(ordered.reshape(-1), tiles.reshape(-1))
+  transposed = oa.offload.device_ordered(x, tiled_layout((1, 0), (8, 8)))  # dim 1 major
+  assert np.array_equal(transposed.reshape(-1), x.T.reshape(32, 8, 2, 8).transpose(
+      0, 2, 1, 3).reshape(-1))
+  for layout in (tiled_layout((0, 1), (8, 128)), tiled_layout((1, 0), (8, 8)),
+                 tiled_layout((0,), (128,))):
+    y = x if len(layout.major_to_minor) == 2 else x.reshape(-1)
+    assert np.array_equal(oa.offload.device_ordered(oa.offload.device_ordered(
+        y, layout), layout, inverse=True), y)
+  nested = jax.experimental.layout.Layout((0, 1), tiling=((8, 128), (2, 1)))
+  for layout in (nested, tiled_layout((0, 1), (16, 512))):
+    assert oa.offload.device_ordered(x, layout) is x
+
+
+@pytest.mark.parametrize("apply", [False, True])
+def test_what_returns_to_the_device_leaves_the_host_in_its_order(
+    apply: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+  """Compiled for a device whose layouts are tiled and transposed (as a TPU's are), the host
+  stores what it returns (the new params, or the updates: parked in the buffer) in that
+  order and the device reads it back: the run still equals the device run bit for bit."""
+  real, seen = jax.experimental.layout.Layout.from_pjrt_layout, []
+
+  def tiled(pjrt_layout: Any) -> Any:
+    layout = real(pjrt_layout)
+    seen.append(layout)
+    return tiled_layout(layout.major_to_minor[::-1], (2,) * min(2, len(layout.major_to_minor)))
+  monkeypatch.setattr(oa.offload.Layout, "from_pjrt_layout", tiled)
+  run, ref = ((oa.accumulate(2, oa.host_state(adam()) if host else adam()), fresh(TILED))
+              for host in (True, False))
+  step = lambda tx: jax.jit(lambda p, s, g: oa.update_and_apply(tx, g, s, p) if apply else (
+      optax.apply_updates(p, tx.update(g, s, p)[0]), tx.update(g, s, p)[1]))
+  runs, steps = [(p, tx.init(p)) for tx, p in (run, ref)], [step(tx) for tx, _ in (run, ref)]
+  for i in range(4):
+    g = {name: x * (i + 1.0) for name, x in fresh(TILED).items()}
+    runs = [f(*r, g) for f, r in zip(steps, runs, strict=True)]
+    assert_on_host(runs[0][1])
+    assert_bitwise(runs[0][0], runs[1][0])
+  assert seen  # the lowering asked for the device's layouts
