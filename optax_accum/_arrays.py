@@ -45,6 +45,21 @@ def accumulator_dtype(dtype: Any, requested: jnp.dtype | None = None) -> jnp.dty
   return dtype
 
 
+def sum_dtype(dtype: Any, requested: Any = None, mean: bool = False) -> jnp.dtype:
+  """The dtype a sum over micro-batches keeps values of ``dtype`` in (``microbatched``'s loop,
+  its aux rules and its statistics alike).
+
+  Floats and complex as :func:`accumulator_dtype` gives (``requested`` as
+  given); integers narrower than int32 in int32 (512 int8 counts would wrap to
+  0), and in a mean (or as the denominator of one) in float32.
+  """
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return accumulator_dtype(dtype, requested)
+  if mean:
+    return jnp.dtype(jnp.float32)
+  return jnp.promote_types(dtype, jnp.int32) if jnp.dtype(dtype).itemsize < 4 else jnp.dtype(dtype)
+
+
 class ArrayType(NamedTuple):
   """What an array's type says about where it lives."""
 

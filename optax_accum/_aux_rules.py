@@ -89,17 +89,6 @@ def check(aux_rules: Any) -> Any:
   return aux_rules
 
 
-def acc_dtype(dtype: Any, requested: Any, mean: bool = False) -> Any:
-  """The dtype that sums values of ``dtype``: ``accumulate``'s rule for floats and complex.
-
-  Integers (aux outputs, token counts) keep their own dtype in a sum, which is
-  exact, and become float32 in a mean (or as a denominator).
-  """
-  if not jnp.issubdtype(dtype, jnp.inexact):
-    return jnp.dtype(jnp.float32) if mean else jnp.dtype(dtype)
-  return _arrays.accumulator_dtype(dtype, requested)
-
-
 def resolve(aux_rules: Any, aux_shapes: Any, loop: Loop) -> AuxRule:
   """The program that reduces the whole aux: each rule's (a built-in one's own), side by side.
 
@@ -169,7 +158,7 @@ def _leaf_init(loop: Loop, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array:
     return jnp.zeros((loop.k, *s.shape), s.dtype,
                      out_sharding=None if spec is None else P(None, *spec))
   if rule in ("mean", "sum"):
-    return _arrays.filled(s, acc_dtype(s.dtype, loop.acc_dtype, mean=rule == "mean"))
+    return _arrays.filled(s, _arrays.sum_dtype(s.dtype, loop.acc_dtype, mean=rule == "mean"))
   if rule == "last":
     return _arrays.filled(s, s.dtype)
   if jnp.issubdtype(s.dtype, jnp.inexact):

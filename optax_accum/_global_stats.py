@@ -133,10 +133,10 @@ def over_microbatches(at: Callable[[jax.Array], Any],
   """The statistics summed over the micro-batches, then over ``axis_name`` (one ``psum``).
 
   ``at(i)``: micro-batch ``i``'s statistics (``on`` of :func:`summable`), added
-  in the dtypes :func:`sum_dtype` gives (integers in int32 or wider);
+  in the dtypes ``_arrays.sum_dtype`` gives (integers in int32 or wider);
   ``loop(body, init)`` runs ``body`` over the micro-batches. No gradient.
   """
-  init = jax.tree.map(lambda s: _arrays.filled(s, sum_dtype(s.dtype, acc_dtype)),
+  init = jax.tree.map(lambda s: _arrays.filled(s, _arrays.sum_dtype(s.dtype, acc_dtype)),
                       jax.eval_shape(at, jnp.zeros([], jnp.int32)))
   out = loop(lambda c, i: jax.tree.map(lambda t, x: t + jnp.asarray(x).astype(t.dtype), c, at(i)),
              init)
@@ -148,14 +148,14 @@ def check_sums(whole: Any, parts: list[Any]) -> Any:
 
   ``check_large_batch``'s check, on values computed in float64. Integers are
   compared in their own dtype (an int8 count may wrap), and returned as
-  ``microbatched`` sums them (:func:`sum_dtype`: int32); floats as they are.
+  ``microbatched`` sums them (``_arrays.sum_dtype``: int32); floats as they are.
   """
   out = []
   for (path, w), *ps in zip(jax.tree_util.tree_flatten_with_path(whole)[0],
                             *map(jax.tree.leaves, parts), strict=True):
     terms, v = np.stack([np.asarray(x) for x in ps]), np.asarray(w)
     total = terms.sum(0, dtype=np.int64 if np.issubdtype(v.dtype, np.integer) else None)
-    out.append(jnp.asarray(total.astype(sum_dtype(v.dtype)))
+    out.append(jnp.asarray(total.astype(_arrays.sum_dtype(v.dtype)))
                if np.issubdtype(v.dtype, np.integer) else w)  # floats: float64, as they are
     if np.any(np.abs(v - total.astype(v.dtype)) > 1e-9 * np.abs(terms).sum(0)):
       raise ValueError(
@@ -163,14 +163,6 @@ def check_sums(whole: Any, parts: list[Any]) -> Any:
           " whole batch is not the sum of the micro-batches' that `microbatched` gives the"
           " loss. Return sums and counts (not a mean or a max) and divide in the loss.")
   return jax.tree.unflatten(jax.tree.structure(whole), out)
-
-
-def sum_dtype(dtype: Any, requested: Any = None) -> jnp.dtype:
-  """The dtype statistics of ``dtype`` are summed in: floats as ``accumulate`` sums them,
-  integers narrower than int32 in int32 (512 int8 counts would wrap to 0)."""
-  if jnp.issubdtype(dtype, jnp.inexact):
-    return _arrays.accumulator_dtype(dtype, requested)
-  return jnp.promote_types(dtype, jnp.int32) if jnp.dtype(dtype).itemsize < 4 else jnp.dtype(dtype)
 
 
 def _rows_axis(a: Any, b: Any, rows: int, where: str) -> int | None:
@@ -249,8 +241,8 @@ def check_like(like: Any) -> Any:
   if like is None:
     return None
   check_summable(like, "`global_stats`")
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), sum_dtype(jnp.result_type(x))),
-                      like)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), _arrays.sum_dtype(
+      jnp.result_type(x))), like)
 
 
 def init(like: Any) -> GlobalStats | tuple[()]:

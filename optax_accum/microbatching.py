@@ -311,12 +311,12 @@ def _run(call: Callable[..., Any], config: _Config, args: Sequence[Any], batch: 
 
 def _init_carry(config: _Config, aux: AuxRule, shapes: _batch.Out) -> _Carry:
   """Zero accumulators shaped like one micro-batch's output, in the accumulator dtypes."""
-  num, grads = jax.tree.map(lambda s: _arrays.filled(s, _aux_rules.acc_dtype(
+  num, grads = jax.tree.map(lambda s: _arrays.filled(s, _arrays.sum_dtype(
       s.dtype, config.acc_dtype)), (shapes.num, shapes.grads))
   den = None
   if shapes.den is not None:
     # An integer token count is summed as a float, like the value it divides.
-    den = jnp.zeros([], _aux_rules.acc_dtype(shapes.den.dtype, config.acc_dtype, mean=True))
+    den = jnp.zeros([], _arrays.sum_dtype(shapes.den.dtype, config.acc_dtype, mean=True))
   noise = noise_lib.init() if config.return_noise_stats else ()
   return _Carry((num, den, grads), aux.init(shapes.aux), noise)
 
