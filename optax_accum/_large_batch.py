@@ -9,14 +9,12 @@ training step.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.extend import core as jax_core
 from jax.extend import source_info_util
 
@@ -420,24 +418,14 @@ _CHUNK = 1 << 16  # entries at a time: the temporaries stay a few MB on any mode
 
 
 def _numpy(x: Any) -> np.ndarray:
-  """``x`` in numpy, read a block of rows at a time: ``np.asarray`` of an array it cannot read
-  in place (an accelerator's) keeps its copy cached on the array, and on its shards, for the
-  array's life, so the check would hold whole gradients (measured on a TPU v5e: 8 more bytes
-  per entry). Each block is an array of its own (``lax.slice_in_dim``): its copy goes with it."""
+  """``x`` in numpy, read shard by shard through the host CPU: ``np.asarray`` of an array it
+  cannot read in place (an accelerator's, one laid out over devices) keeps its copy cached on
+  the array for the array's life, and the check holds whole gradients."""
   if not isinstance(x, jax.Array) or not x.is_fully_addressable:
     return np.asarray(x)  # (another process's shards: numpy's own rules, and its errors)
   out = np.empty(x.shape, x.dtype)
   for shard in x.addressable_shards[:1] if x.is_fully_replicated else x.addressable_shards:
-    data = shard.data
-    if data.ndim == 0:
-      out[...] = np.asarray(data)
-      continue
-    block = out[shard.index]  # a view: written below
-    rows = max(1, _CHUNK // max(1, math.prod(data.shape[1:])))
-    with jax.set_mesh(None):  # one device's slices, whatever mesh the caller set
-      for start in range(0, data.shape[0], rows):
-        stop = min(start + rows, data.shape[0])
-        block[start:stop] = np.asarray(lax.slice_in_dim(data, start, stop))
+    out[shard.index] = np.asarray(jax.device_put(shard.data, jax.devices("cpu")[0]))
   return out
 
 
