@@ -117,9 +117,10 @@ class Timer:
   def run_round(self, windows: int) -> None:
     """Each phase's time per call over ``windows`` pairs of windows, calls dispatched back to
     back. A timed run costs one call's latency L (its dispatch, the wait for its result), which
-    a loop pays once, so each phase is a difference of runs that cancels L: mid = (t_window -
-    t_emit) / (k - 1), emit = t_window - t_mid (the first window in two runs, the second in
-    one); without a window, (t(K_WINDOW) - t(1)) / (K_WINDOW - 1)."""
+    a loop pays once, so each phase is a difference of runs that cancels L: the first window's
+    mid-steps in runs of 1 and k - 2, mid = (t(k - 2) - t(1)) / (k - 3), the second window in
+    one run, emit = t_window - t(1) - (k - 2) mid (so a slow, noisy emitting step never enters
+    mid); without a window, (t(K_WINDOW) - t(1)) / (K_WINDOW - 1). Needs k >= 4."""
     times: dict[str, list[float]] = {}
     k = self.program.k
     for _ in range(windows):  # (windows start aligned: warm-up)
@@ -127,10 +128,10 @@ class Timer:
         one = self.timed(1)
         times.setdefault("step", []).append((self.timed(K_WINDOW) - one) / (K_WINDOW - 1))
         continue
-      t_mid, t_emit = self.timed(k - 1), self.timed(1)
-      t_window = self.timed(k)
-      times.setdefault("mid", []).append((t_window - t_emit) / (k - 1))
-      times.setdefault("emit", []).append(t_window - t_mid)
+      t_one, t_more, _ = self.timed(1), self.timed(k - 2), self.timed(1)
+      mid = (t_more - t_one) / (k - 3)
+      times.setdefault("mid", []).append(mid)
+      times.setdefault("emit", []).append(self.timed(k) - t_one - (k - 2) * mid)
     for phase, ts in times.items():
       self.samples.setdefault(phase, []).append(statistics.fmean(ts))
 
