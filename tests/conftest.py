@@ -51,6 +51,12 @@ if tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2]) < (0, 11):
 # module compiles test_accumulate.py and test_contrastive_losses.py in 18% less CPU time on
 # jaxlib 0.10, 12% less on 0.12 (buffer assignment, so `memory_analysis()`, comes before it).
 _add_xla_flag("--xla_cpu_parallel_codegen_split_count=1")
+# The MLIR locations of a program's ops hold, by JAX's default, up to 100 frames of their
+# Python traceback; under pytest most frames are pytest's, lowered and parsed again in each of
+# the suite's ~8000 compilations. The op's own frame (the HLO's source_file and source_line)
+# is kept: 5% less CPU time on the same two modules. An environment variable, so the
+# processes the tests start compile the same way.
+os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
 # One compilation cache per session, empty when it starts, shared by the xdist workers and
 # the processes the tests start: a program that two tests build alike compiles once.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -62,11 +68,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import jax  # noqa: E402  (after XLA_FLAGS: jax reads it on import)
 
 jax.config.update("jax_enable_x64", False)
-# The MLIR locations of a program's ops hold JAX's default up to 100 frames of their Python
-# traceback; under pytest most frames are pytest's, lowered and parsed again for each of the
-# suite's ~8000 compilations. The op's own frame (the HLO's source_file and source_line) is
-# kept: 5% less CPU time on the same two modules.
-jax.config.update("jax_include_full_tracebacks_in_locations", False)
 # Tests compare against float64 references with float32 tolerances. GPUs run
 # float32 matmuls in TF32 by default (about 1e-3 relative per product), which
 # no exactness test can absorb; pin full precision so the suite means the same
