@@ -46,16 +46,13 @@ _add_xla_flag("--xla_backend_optimization_level=0")
 # and 0.12 do not know the flag, and XLA aborts on a flag it does not know.
 if tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2]) < (0, 11):
   _add_xla_flag("--xla_cpu_use_fusion_emitters=false")
-# XLA:CPU splits each program's machine code into up to 32 modules that it compiles on a
-# thread pool; on 2 cores, shared by 2 workers, the split costs more than it saves: one
-# module compiles test_accumulate.py and test_contrastive_losses.py in 18% less CPU time on
-# jaxlib 0.10, 12% less on 0.12 (buffer assignment, so `memory_analysis()`, comes before it).
-_add_xla_flag("--xla_cpu_parallel_codegen_split_count=1")
 # The MLIR locations of a program's ops hold, by JAX's default, up to 100 frames of their
 # Python traceback; under pytest most frames are pytest's, lowered and parsed again in each of
 # the suite's ~8000 compilations. The op's own frame (the HLO's source_file and source_line)
-# is kept: 5% less CPU time on the same two modules. An environment variable, so the
-# processes the tests start compile the same way.
+# is kept: 5% less CPU time on test_accumulate.py and test_contrastive_losses.py. An
+# environment variable, so that the processes the tests start compile the same way.
+# (--xla_cpu_parallel_codegen_split_count=1 would save 12-18% more, but changes XLA:CPU's
+# code enough that test_parking's bit-for-bit noise-tracking case differs by an ulp.)
 os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
 # One compilation cache per session, empty when it starts, shared by the xdist workers and
 # the processes the tests start: a program that two tests build alike compiles once.
