@@ -242,13 +242,26 @@ CPU_PROCESSES = ("tests/test_multihost.py::", "tests/test_docs_one_device.py::",
                  "tests/test_flax_pairing.py::")
 
 
+def _slow_first(config: pytest.Config, items: list[pytest.Item]) -> None:
+  """In an xdist worker (each collects the same items, in the same order), the slow tests
+  first, each file's in their order. ``--dist worksteal`` hands each worker a contiguous
+  half of the items and later moves tests from the end of a worker's queue to the other:
+  the slow ones, first in the first worker's half, are never moved, so a module fixture
+  (the ResNet's and the demo's runs, 25 and 11 CPU-seconds) never runs in both workers,
+  and what is moved at the end are short tests, which even out the workers' ends."""
+  if hasattr(config, "workerinput"):
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
   """Marks the slow tests; off XLA:CPU, skips the examples of XLA:CPU facts and the tests
   of CPU processes; on a one-device platform, skips the docstring examples written for 8
-  devices."""
+  devices. Under pytest-xdist, the slow tests run first (:func:`_slow_first`)."""
   for item in items:
     if item.nodeid.startswith(SLOW):
       item.add_marker(pytest.mark.slow)
+  _slow_first(config, items)
+  for item in items:
     if _reference.XLA_CPU:
       continue
     fact = XLA_CPU_DOCTESTS.get(item.name)
