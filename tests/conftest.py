@@ -49,8 +49,10 @@ if tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2]) < (0, 11):
 # The MLIR locations of a program's ops hold, by JAX's default, up to 100 frames of their
 # Python traceback; under pytest most frames are pytest's, lowered and parsed again in each of
 # the suite's ~8000 compilations. The op's own frame (the HLO's source_file and source_line)
-# is kept: 5% less CPU time on the same two modules. An environment variable, so the
-# processes the tests start compile the same way.
+# is kept: 5% less CPU time on test_accumulate.py and test_contrastive_losses.py. An
+# environment variable, so that the processes the tests start compile the same way.
+# (--xla_cpu_parallel_codegen_split_count=1 would save 12-18% more, but changes XLA:CPU's
+# code enough that test_parking's bit-for-bit noise-tracking case differs by an ulp.)
 os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
 # One compilation cache per session, empty when it starts, shared by the xdist workers and
 # the processes the tests start: a program that two tests build alike compiles once.
@@ -240,13 +242,26 @@ CPU_PROCESSES = ("tests/test_multihost.py::", "tests/test_docs_one_device.py::",
                  "tests/test_flax_pairing.py::")
 
 
+def _slow_first(config: pytest.Config, items: list[pytest.Item]) -> None:
+  """In an xdist worker (each collects the same items, in the same order), the slow tests
+  first, each file's in their order. ``--dist worksteal`` hands each worker a contiguous
+  half of the items and later moves tests from the end of a worker's queue to the other:
+  the slow ones, first in the first worker's half, are never moved, so a module fixture
+  (the ResNet's and the demo's runs, 25 and 11 CPU-seconds) never runs in both workers,
+  and what is moved at the end are short tests, which even out the workers' ends."""
+  if hasattr(config, "workerinput"):
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
   """Marks the slow tests; off XLA:CPU, skips the examples of XLA:CPU facts and the tests
   of CPU processes; on a one-device platform, skips the docstring examples written for 8
-  devices."""
+  devices. Under pytest-xdist, the slow tests run first (:func:`_slow_first`)."""
   for item in items:
     if item.nodeid.startswith(SLOW):
       item.add_marker(pytest.mark.slow)
+  _slow_first(config, items)
+  for item in items:
     if _reference.XLA_CPU:
       continue
     fact = XLA_CPU_DOCTESTS.get(item.name)
