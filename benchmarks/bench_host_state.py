@@ -64,7 +64,7 @@ def forms(row, step, params, batch, dev, abstract):
 
 
 def memory(quick, dev, abstract):
-  n, d, rows = 1 << (16 if quick else 22), 256 if quick else 2048, []
+  n, d, rows = 1 << (16 if quick else 26), 256 if quick else 2048, []
   mlp = {f"w{i}": jax.ShapeDtypeStruct((d, d), jnp.float32) for i in range(4)}
   loss = lambda p, x: jnp.mean(functools.reduce(lambda h, w: jnp.tanh(h @ w), p.values(), x)**2)
 
@@ -107,11 +107,13 @@ def gpu_times(quick, rounds):
           for name, t in timers.items()}
 
 
-def real_run(layers, d, host, limit, run_it, dev=None):
+def real_run(layers, d, host, limit, run_it, dev=None, precision="default"):
   """Compiles (and with ``run_it`` runs two windows of) the step of an MLP of ``layers`` tanh
-  layers of d x d in a lax.scan, f32 adam, k = 4: its device bytes, or None where it does not
-  fit ``limit``; with ``run_it``, the median seconds of its mid-steps and of its closing step."""
-  loss = lambda p, x: jnp.mean(lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p)[0] ** 2)
+  layers of d x d in a lax.scan, f32 adam, k = 4, its matmuls at ``precision``: its device
+  bytes, or None where it does not fit ``limit``; with ``run_it``, the median seconds of its
+  mid-steps and of its closing step."""
+  layer = lambda h, w: (jnp.tanh(jnp.matmul(h, w, precision=precision)), None)
+  loss = lambda p, x: jnp.mean(lax.scan(layer, x, p)[0] ** 2)
   tx = oa.accumulate(K, oa.host_state(optax.adam(1e-4)) if host else optax.adam(1e-4))
   step = jax.jit(lambda p, s, x: oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p),
                  donate_argnums=(0, 1))
@@ -124,7 +126,8 @@ def real_run(layers, d, host, limit, run_it, dev=None):
     held = device_bytes(step.lower(params, state, x).compile().memory_analysis(), 8 * n * host)
   except Exception:  # over the chip's memory: the compiler refuses it
     return None
-  print(f"{layers} layers of {d}, {'host' if host else 'device'} state: {held / 2**30:.2f} GiB",
+  print(f"{layers} layers of {d}, {'host' if host else 'device'} state, {precision} precision:"
+        f" {held / 2**30:.2f} GiB",
         "> limit" if held > limit else "", flush=True)
   if held > limit or not run_it:
     return None if held > limit else {"device bytes": held}
@@ -143,30 +146,33 @@ def real_run(layers, d, host, limit, run_it, dev=None):
   return {"device bytes": held, "ms": ms}
 
 
-def largest(host, d, limit, top):
-  """The most layers (of d x d) whose step compiles within ``limit`` and trains two windows."""
-  lo, hi = 0, top  # lo fits (0: nothing), hi + 1 does not
+def largest(host, d, limit, bounds, precision):
+  """The most layers (of d x d, within ``bounds``) whose step compiles within ``limit`` and
+  trains two windows."""
+  lo, hi = bounds  # lo fits (0: nothing; a larger one, checked by the runs below), hi + 1 not
   while lo < hi:
     mid = (lo + hi + 1) // 2
-    lo, hi = (mid, hi) if real_run(mid, d, host, limit, False) else (lo, mid - 1)
+    lo, hi = (mid, hi) if real_run(mid, d, host, limit, False, None, precision) else (lo, mid - 1)
   for _ in range(3):  # a step down where the runtime needs more than the compiler said
-    if not lo or (run := real_run(lo, d, host, limit, True)) is not None:
+    if not lo or (run := real_run(lo, d, host, limit, True, None, precision)) is not None:
       break
     lo -= 1
   return {"layers": lo, "params": lo * d * d, **(run if lo else {})}
 
 
-def tpu(quick):
-  """The real run on the chip: the largest model each way; the host update's pace."""
+def tpu(quick, precision, layers):
+  """The real run on the chip: the largest model each way (``layers``: the bisection's bounds,
+  the device state's, then host_state's); the host update's pace."""
   limit = 8 << 20 if quick else jax.devices()[0].memory_stats()["bytes_limit"]
   d = 128 if quick else 4096
-  fits = {s: largest(s == HOST, d, limit, 64 if quick else 160) for s in ("device", HOST)}
+  fits = {s: largest(s == HOST, d, limit, layers[2 * i:2 * i + 2], precision)
+          for i, s in enumerate(("device", HOST))}
   same = fits["device"]["layers"]  # the price of the fit: host_state at the device's size
-  fits[f"{HOST}, {same} layers"] = {"layers": same, "params": same * d * d,
-                                     **(real_run(same, d, True, limit, True) or {})}
+  fits[f"{HOST}, {same} layers"] = {"layers": same, "params": same * d * d, **(real_run(
+      same, d, True, limit, True, None, precision) or {})}
   host = fits[HOST]
   closing, mid = (host["ms"][1], host["ms"][0]) if host["layers"] else (0.0, 0.0)
-  return {"limit": limit, "d": d, "fits": fits, "ratio": round(
+  return {"limit": limit, "d": d, "precision": precision, "fits": fits, "ratio": round(
       host["params"] / max(fits["device"]["params"], 1), 2),
           "host ns/param": round(1e6 * (closing - mid) / max(host["params"], 1), 2),
           "threads": len(os.sched_getaffinity(0)), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
@@ -185,8 +191,9 @@ def markdown(r):
 
 
 def tpu_markdown(t):
-  return ["", f"The largest MLP (layers of {t['d']} x {t['d']}, f32 adam, k = {K}) that trains"
-          f" within {t['limit'] / 2**30:.2f} GiB, bisected by compiling, then two windows run:", "",
+  return ["", f"The largest MLP (layers of {t['d']} x {t['d']}, f32 adam, k = {K}, matmuls at"
+          f" {t['precision']!r} precision) that trains within {t['limit'] / 2**30:.2f} GiB,"
+          " bisected by compiling, then two windows run:", "",
           *harness.table("state | layers | params | device B/param | ms micro-step | ms closing",
                          "lrrrrr", [[s, f["layers"], f"{f['params']:.4g}", round(f.get(
                              "device bytes", 0) / max(f["params"], 1), 2), *f.get("ms", ["-"] * 2)]
@@ -213,7 +220,8 @@ def plot(r):
 
 
 def main():
-  ap = harness.parser(__doc__, quick="small sizes (checks the script)")
+  ap = harness.parser(__doc__, quick="small sizes (checks the script)", precision="default",
+                      layers=[0, 160, 0, 160])
   ap.add_argument("--tpu-deviceless", action="store_true", help="the TPU v5e compiler, no chip")
   ap.add_argument("--gpu", action="store_true", help="also time both forms on this device")
   ap.add_argument("--tpu", action="store_true", help="also the real run on the chip (--quick: CPU)")
@@ -227,9 +235,10 @@ def main():
        **({"gpu": gpu_times(args.quick, 3 if args.quick else 21)} if args.gpu else {})}
   stem = "tpu_deviceless" if args.tpu_deviceless else "tpu" if args.tpu else (
       "gpu" if args.gpu else "cpu")
+  stem += "" if args.precision == "default" else f"_{args.precision}"
   if args.tpu:  # the memory rows first: a run stopped in the real run still leaves them
-    harness.write(args.out, "host_state_tpu", r, markdown(r))
-    r["tpu"] = tpu(args.quick)
+    harness.write(args.out, "host_state_" + stem, r, markdown(r))
+    r["tpu"] = tpu(args.quick, args.precision, args.layers)
   harness.write(args.out, "host_state_" + stem, r, markdown(r), plot)
 
 

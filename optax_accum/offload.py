@@ -30,6 +30,8 @@ from jax._src import compute_on  # private: see `on_host`
 from jax.experimental.layout import Layout
 from jax.interpreters import mlir
 
+from optax_accum import _jaxpr
+
 __all__ = ["HostState", "host_state"]
 
 HOST = "pinned_host"
@@ -180,8 +182,11 @@ def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any, copied: bool = 
       lambda space, out: jax.tree.map(lambda _: space, out), out_spaces, shape,
       is_leaf=lambda x: isinstance(x, jax.memory.Space)))
   # What comes back to the device leaves the host in the device's order: no relayout there.
+  # The calls (jit, custom rules) are inlined: a host compiler (libtpu 0.0.42.1) aborts on a
+  # computation called from two places (Lamb's norms; CHECK computation_partitioner.cc:269:
+  # tests/test_host_state.py's "makes_arrays" runs on a TPU v5e show it).
   closed = jax.make_jaxpr(lambda *a: [device_order_p.bind(o, inverse=False) if s == device else o
-                                      for o, s in zip(jax.extend.core.jaxpr_as_fun(closed)(*a),
+                                      for o, s in zip(inlined(closed.jaxpr, closed.consts, a),
                                                       spaces, strict=True)])(*closed.in_avals)
   # Its constants are operands too (a learning rate traced in the step, say).
   jaxpr = closed.jaxpr.replace(constvars=[], invars=[*closed.jaxpr.constvars, *closed.jaxpr.invars])
@@ -203,6 +208,20 @@ def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any, copied: bool = 
   return jax.tree.unflatten(jax.tree.structure(shape), [
       device_order_p.bind(o, inverse=True) if s == device else o
       for o, s in zip(outs, spaces, strict=True)])
+
+
+def inlined(jaxpr: Any, consts: Any, args: Any) -> list:
+  """``jaxpr``'s outputs, its calls (jit, checkpoint, custom rules) traced inline."""
+
+  def bind(_: Any, eqn: Any, ins: list) -> list:
+    out = eqn.primitive.bind(*ins, **eqn.params)  # (a call's functions: `call` inlines it)
+    return out if eqn.primitive.multiple_results else [out]
+
+  def call(_: Any, eqn: Any, ins: list) -> list:
+    return inlined(_jaxpr.callee(eqn).jaxpr, _jaxpr.callee(eqn).consts, ins)
+
+  return _jaxpr.interpret(_jaxpr.Rules({_jaxpr.CALL: call}, bind, lambda v: v.val), jaxpr,
+                          consts, args)
 
 
 def device_ordered(x: jax.Array, layout: Layout, *, inverse: bool = False) -> jax.Array:

@@ -47,14 +47,7 @@ def makes_arrays() -> optax.GradientTransformation:
 
 
 OPTIMIZERS = {"adam": adam, "adamw_clipped": adamw_clipped, "makes_arrays": makes_arrays}
-# On a TPU v5e (jax 0.10.2, libtpu 0.0.42.1) the host compiler aborts the process (a CHECK in
-# its computation_partitioner.cc:269, seen 2026-12-06) on the second step's program of
-# makes_arrays, whose host computation calls each of Lamb's norms from two places: the run
-# would end there, not fail. Everything else of it runs on the chip.
-RUNS = [pytest.param(name, marks=pytest.mark.skipif(
-    name == "makes_arrays" and jax.default_backend() == "tpu",
-    reason="libtpu 0.0.42.1's host compiler aborts the process on this program (CHECK"
-           " computation_partitioner.cc:269)")) for name in sorted(OPTIMIZERS)]
+RUNS = sorted(OPTIMIZERS)
 
 
 def loss(params: Any, x: jax.Array) -> jax.Array:
