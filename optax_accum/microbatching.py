@@ -293,9 +293,7 @@ def _run(call: Callable[..., Any], config: _Config, args: Sequence[Any], batch: 
       lambda i: jax.tree.unflatten(jax.tree.structure(out), jax_core.jaxpr_as_fun(closed)(i)))
   shapes = _batch.unpack(out, config.normalize, config.has_aux)
   _validation.check_no_float0(shapes.grads, where="gradient `fn` returns")
-  aux = _aux_rules.resolve(config.aux_rules if config.has_aux else None, shapes.aux,
-                           _aux_rules.Loop(config.k, config.split, config.acc_dtype,
-                                           config.axis_name))
+  aux = _aux_rules.resolve(config.aux_rules if config.has_aux else None, shapes.aux, config)
 
   def body(carry: _Carry, idx: jax.Array) -> _Carry:
     return _add(config, aux, carry, _batch.unpack(step(idx), config.normalize, config.has_aux),
