@@ -66,7 +66,7 @@ class _Carry(NamedTuple):
 
 
 class _Result(NamedTuple):
-  """What the loop gives back, in the one structure :func:`_assemble` turns into ``fn``'s."""
+  """What the loop gives back, in the one structure ``microbatched`` turns into ``fn``'s."""
 
   value: Any  # (value, aux) with has_aux
   grads: Any
@@ -214,19 +214,14 @@ def microbatched(
                            out_specs)
       if out_specs is not None:  # (Explicit axes: the params' shardings)
         result = result._replace(grads=_batch.to_params(result.grads, args[_batch.PARAMS]))
-    return _assemble(config, result)
+    out = result.value, result.grads  # fn's output structure: the one place it is built
+    return (out, result.noise) if config.return_noise_stats else out
 
   # Equinox warns of a "JAX-transformed callable" when a function's
   # `__wrapped__` chain reaches a module with array-like fields (its
   # `filter_value_and_grad` wrapper has a bool): keep the name, not the link.
   del wrapped.__wrapped__
   return wrapped
-
-
-def _assemble(config: _Config, result: _Result) -> Any:
-  """``fn``'s output structure, reduced: the one place it is built."""
-  out = result.value, result.grads
-  return (out, result.noise) if config.return_noise_stats else out
 
 
 # ----------------------------- stages 1 and 2: split the batch, one micro-batch
