@@ -135,14 +135,18 @@ def _program(loop: Any, rule: str | AuxRule, shapes: Any, where: str) -> AuxRule
       return jnp.maximum(c, v) if rule == "max" else jnp.minimum(c, v)
     return v if rule == "last" else c + v.astype(c.dtype)
 
-  def finalize(carry: Any) -> Any:
+  def finalize(c: jax.Array, s: jax.ShapeDtypeStruct) -> Any:  # one leaf, reduced across devices
     if rule in ("stack", "concat"):  # concat: [k, m, ...] back to [k * m, ...] in batch order
-      return carry if rule == "stack" else _batch.unsplit(carry, loop.split)
-    return jax.tree.map(lambda c, s: _leaf_finalize(loop, rule, c, s), carry, shapes)
+      return c if rule == "stack" else _batch.unsplit(c, loop.split)
+    if rule == "mean":
+      c = c / loop.k
+    if rule in CROSS_DEVICE and loop.axis_name is not None:
+      c = CROSS_DEVICE[rule](c, loop.axis_name)
+    return c if rule == "mean" and not jnp.issubdtype(s.dtype, jnp.inexact) else c.astype(s.dtype)
 
   return AuxRule(lambda shapes: jax.tree.map(lambda s: _leaf_init(loop, rule, s), shapes),
                  lambda carry, aux, idx: jax.tree.map(lambda c, v: update(c, v, idx), carry, aux),
-                 finalize)
+                 lambda carry: jax.tree.map(finalize, carry, shapes))
 
 
 def _leaf_init(loop: Any, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array:
@@ -162,15 +166,6 @@ def _leaf_init(loop: Any, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array:
   else:
     start = getattr(jnp.iinfo(s.dtype), "min" if rule == "max" else "max")
   return _arrays.filled(s, s.dtype, start)
-
-
-def _leaf_finalize(loop: Any, rule: str, c: jax.Array, s: jax.ShapeDtypeStruct) -> Any:
-  """A carried built-in rule's output for one aux leaf, reduced across devices."""
-  if rule == "mean":
-    c = c / loop.k
-  if rule in CROSS_DEVICE and loop.axis_name is not None:
-    c = CROSS_DEVICE[rule](c, loop.axis_name)
-  return c if rule == "mean" and not jnp.issubdtype(s.dtype, jnp.inexact) else c.astype(s.dtype)
 
 
 def out_specs(aux_rules: Any, aux_shapes: Any, axes: tuple[Any, ...], rows: int) -> Any:
