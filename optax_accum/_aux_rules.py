@@ -159,13 +159,9 @@ def _leaf_init(loop: Any, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array:
     return _arrays.filled(s, _arrays.sum_dtype(s.dtype, loop.acc_dtype, mean=rule == "mean"))
   if rule == "last":
     return _arrays.filled(s, s.dtype)
-  if jnp.issubdtype(s.dtype, jnp.inexact):
-    start = -jnp.inf if rule == "max" else jnp.inf
-  elif jnp.issubdtype(s.dtype, jnp.bool_):
-    start = rule == "min"
-  else:
-    start = getattr(jnp.iinfo(s.dtype), "min" if rule == "max" else "max")
-  return _arrays.filled(s, s.dtype, start)
+  # max, min: the reduction's identity (its value over no elements: -inf, the least int, False)
+  reduce = lax.reduce_max if rule == "max" else lax.reduce_min
+  return _arrays.filled(s, s.dtype, reduce(jnp.zeros((0,), s.dtype), (0,)))
 
 
 def out_specs(aux_rules: Any, aux_shapes: Any, axes: tuple[Any, ...], rows: int) -> Any:
