@@ -294,12 +294,8 @@ def _run(call: Callable[..., Any], config: _Config, args: Sequence[Any], batch: 
   shapes = _batch.unpack(out, config.normalize, config.has_aux)
   _validation.check_no_float0(shapes.grads, where="gradient `fn` returns")
   aux = _aux_rules.resolve(config.aux_rules if config.has_aux else None, shapes.aux, config)
-
-  def body(carry: _Carry, idx: jax.Array) -> _Carry:
-    return _add(config, aux, carry, _batch.unpack(step(idx), config.normalize, config.has_aux),
-                idx)
-
-  carry = _loop(config, body, _init_carry(config, aux, shapes), varying=varying)
+  carry = _loop(config, functools.partial(_add, config, aux, step),
+                _init_carry(config, aux, shapes), varying=varying)
   num, grads, stats = _normalize(config, carry, scatter)
   num, grads = jax.tree.map(lambda x, s: x.astype(s.dtype), (num, grads),
                             (shapes.num, shapes.grads))
@@ -319,9 +315,10 @@ def _init_carry(config: _Config, aux: AuxRule, shapes: _batch.Out) -> _Carry:
   return _Carry((num, den, grads), aux.init(shapes.aux), noise)
 
 
-def _add(config: _Config, aux: AuxRule, carry: _Carry, out: _batch.Out,
+def _add(config: _Config, aux: AuxRule, step: Callable[[jax.Array], Any], carry: _Carry,
          idx: jax.Array) -> _Carry:
-  """One loop step: micro-batch ``idx``'s outputs ``out`` added to the carry."""
+  """One loop step: micro-batch ``idx``'s outputs (``step(idx)``, ``fn``'s) added to the carry."""
+  out = _batch.unpack(step(idx), config.normalize, config.has_aux)
   sums = jax.tree.map(  # den: None (no leaves) unless normalize="weighted"
       lambda c, x: c + jnp.asarray(x).astype(c.dtype), carry.sums, (out.num, out.den, out.grads))
   noise = noise_lib.add_value_and_grad(carry.noise, out.grads, out.den) if (
