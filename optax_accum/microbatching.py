@@ -363,11 +363,8 @@ def _normalize(config: _Config, carry: _Carry, scatter: list[Any] | None,
   if config.axis_name is not None:
     (num, den, window), grads = all_reduce(config.axis_name, (num, den, window), grads, scatter)
     devices = lax.axis_size(config.axis_name)
-
-  def scaled(x: jax.Array) -> jax.Array:
-    return x * reduction_scale(config.normalize, config.k * devices, den, x.dtype)
-
-  num, grads = jax.tree.map(scaled, (num, grads))
+  num, grads = jax.tree.map(lambda x: x * reduction_scale(
+      config.normalize, config.k * devices, den, x.dtype), (num, grads))
   if not config.return_noise_stats:
     return num, grads, ()
   leaves = jax.tree.leaves(grads)  # the mean gradient's squared norm, over every device
