@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,15 +64,6 @@ class AuxRule:
   finalize: Callable[[Any], Any]
 
 
-class Loop(NamedTuple):
-  """What a built-in rule needs to know of the loop it runs in."""
-
-  k: int
-  split: str
-  acc_dtype: Any  # the requested accumulator dtype, or None
-  axis_name: Any  # the manual axes to reduce over, or None
-
-
 def is_rule(x: Any) -> bool:
   return isinstance(x, (str, AuxRule))
 
@@ -89,10 +80,13 @@ def check(aux_rules: Any) -> Any:
   return aux_rules
 
 
-def resolve(aux_rules: Any, aux_shapes: Any, loop: Loop) -> AuxRule:
+def resolve(aux_rules: Any, aux_shapes: Any, loop: Any) -> AuxRule:
   """The program that reduces the whole aux: each rule's (a built-in one's own), side by side.
 
-  ``aux_rules`` (None: no aux) is matched against ``aux_shapes``, one micro-batch's aux.
+  ``aux_rules`` (None: no aux) is matched against ``aux_shapes``, one micro-batch's aux;
+  ``loop`` is the loop's ``microbatching._Config``: a built-in rule reads its ``k``, ``split``,
+  ``acc_dtype`` (the requested accumulator dtype, or None) and ``axis_name`` (the manual axes
+  to reduce over, or None).
   """
   rules, shapes, where, treedef = _match(aux_rules, aux_shapes)
   programs = [_program(loop, *rule) for rule in zip(rules, shapes, where, strict=True)]
@@ -119,7 +113,7 @@ def _match(aux_rules: Any, aux_shapes: Any) -> tuple[list[Any], list[Any], list[
   return [r for _, r in leaves], subtrees, where, treedef
 
 
-def _program(loop: Loop, rule: str | AuxRule, shapes: Any, where: str) -> AuxRule:
+def _program(loop: Any, rule: str | AuxRule, shapes: Any, where: str) -> AuxRule:
   """What ``rule`` runs over the micro-batches: a built-in rule as an :class:`AuxRule`.
 
   Raises for ``"concat"`` of an aux leaf with no leading (per-example) dim.
@@ -141,17 +135,21 @@ def _program(loop: Loop, rule: str | AuxRule, shapes: Any, where: str) -> AuxRul
       return jnp.maximum(c, v) if rule == "max" else jnp.minimum(c, v)
     return v if rule == "last" else c + v.astype(c.dtype)
 
-  def finalize(carry: Any) -> Any:
+  def finalize(c: jax.Array, s: jax.ShapeDtypeStruct) -> Any:  # one leaf, reduced across devices
     if rule in ("stack", "concat"):  # concat: [k, m, ...] back to [k * m, ...] in batch order
-      return carry if rule == "stack" else _batch.unsplit(carry, loop.split)
-    return jax.tree.map(lambda c, s: _leaf_finalize(loop, rule, c, s), carry, shapes)
+      return c if rule == "stack" else _batch.unsplit(c, loop.split)
+    if rule == "mean":
+      c = c / loop.k
+    if rule in CROSS_DEVICE and loop.axis_name is not None:
+      c = CROSS_DEVICE[rule](c, loop.axis_name)
+    return c if rule == "mean" and not jnp.issubdtype(s.dtype, jnp.inexact) else c.astype(s.dtype)
 
   return AuxRule(lambda shapes: jax.tree.map(lambda s: _leaf_init(loop, rule, s), shapes),
                  lambda carry, aux, idx: jax.tree.map(lambda c, v: update(c, v, idx), carry, aux),
-                 finalize)
+                 lambda carry: jax.tree.map(finalize, carry, shapes))
 
 
-def _leaf_init(loop: Loop, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array:
+def _leaf_init(loop: Any, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array:
   """A built-in rule's state for one aux leaf before the first micro-batch."""
   if rule in ("stack", "concat"):
     spec = _arrays.array_type(s).explicit_spec
@@ -161,22 +159,9 @@ def _leaf_init(loop: Loop, rule: str, s: jax.ShapeDtypeStruct) -> jax.Array:
     return _arrays.filled(s, _arrays.sum_dtype(s.dtype, loop.acc_dtype, mean=rule == "mean"))
   if rule == "last":
     return _arrays.filled(s, s.dtype)
-  if jnp.issubdtype(s.dtype, jnp.inexact):
-    start = -jnp.inf if rule == "max" else jnp.inf
-  elif jnp.issubdtype(s.dtype, jnp.bool_):
-    start = rule == "min"
-  else:
-    start = getattr(jnp.iinfo(s.dtype), "min" if rule == "max" else "max")
-  return _arrays.filled(s, s.dtype, start)
-
-
-def _leaf_finalize(loop: Loop, rule: str, c: jax.Array, s: jax.ShapeDtypeStruct) -> Any:
-  """A carried built-in rule's output for one aux leaf, reduced across devices."""
-  if rule == "mean":
-    c = c / loop.k
-  if rule in CROSS_DEVICE and loop.axis_name is not None:
-    c = CROSS_DEVICE[rule](c, loop.axis_name)
-  return c if rule == "mean" and not jnp.issubdtype(s.dtype, jnp.inexact) else c.astype(s.dtype)
+  # max, min: the reduction's identity (its value over no elements: -inf, the least int, False)
+  reduce = lax.reduce_max if rule == "max" else lax.reduce_min
+  return _arrays.filled(s, s.dtype, reduce(jnp.zeros((0,), s.dtype), (0,)))
 
 
 def out_specs(aux_rules: Any, aux_shapes: Any, axes: tuple[Any, ...], rows: int) -> Any:

@@ -8,7 +8,7 @@ batch's is the sum of the micro-batches' (and the devices'). In one step,
 ``microbatched(fn, k, global_stats=stats_fn)`` computes it in a pass of its
 own before the gradient pass: :func:`summable` checks ``stats_fn`` (traced
 once per row count it compares) and pools a statistic kept per row, and
-:func:`over_microbatches` sums it, evaluating that trace. Across
+``microbatching`` sums it, evaluating that trace. Across
 steps, ``accumulate(k, opt, global_stats=like)`` carries the open window's
 running sum and the last window's total (:class:`GlobalStats`, :func:`init`,
 :func:`advance`, told by the window when it closes). ``check_large_batch``
@@ -122,25 +122,8 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
   def pool(out: Any) -> Any:
     return treedef.unflatten([x if axis is None else jnp.sum(x, axis)
                               for x, axis in zip(treedef.flatten_up_to(out), axes, strict=True)])
-  pooled = stats_fn if all(axis is None for axis in axes) else lambda *a: pool(stats_fn(*a))
   run = jax_core.jaxpr_as_fun(small)
-  return pooled, lambda arrays: pool(treedef.unflatten(run(*arrays)))
-
-
-def over_microbatches(at: Callable[[jax.Array], Any],
-                      loop: Callable[[Callable[[Any, jax.Array], Any], Any], Any], axis_name: Any,
-                      acc_dtype: Any) -> Any:
-  """The statistics summed over the micro-batches, then over ``axis_name`` (one ``psum``).
-
-  ``at(i)``: micro-batch ``i``'s statistics (``on`` of :func:`summable`), added
-  in the dtypes ``_arrays.sum_dtype`` gives (integers in int32 or wider);
-  ``loop(body, init)`` runs ``body`` over the micro-batches. No gradient.
-  """
-  init = jax.tree.map(lambda s: _arrays.filled(s, _arrays.sum_dtype(s.dtype, acc_dtype)),
-                      jax.eval_shape(at, jnp.zeros([], jnp.int32)))
-  out = loop(lambda c, i: jax.tree.map(lambda t, x: t + jnp.asarray(x).astype(t.dtype), c, at(i)),
-             init)
-  return lax.stop_gradient(out if axis_name is None else lax.psum(out, axis_name))
+  return lambda *a: pool(stats_fn(*a)), lambda arrays: pool(treedef.unflatten(run(*arrays)))
 
 
 def check_sums(whole: Any, parts: list[Any]) -> Any:

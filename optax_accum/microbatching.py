@@ -66,7 +66,7 @@ class _Carry(NamedTuple):
 
 
 class _Result(NamedTuple):
-  """What the loop gives back, in the one structure :func:`_assemble` turns into ``fn``'s."""
+  """What the loop gives back, in the one structure ``microbatched`` turns into ``fn``'s."""
 
   value: Any  # (value, aux) with has_aux
   grads: Any
@@ -214,19 +214,14 @@ def microbatched(
                            out_specs)
       if out_specs is not None:  # (Explicit axes: the params' shardings)
         result = result._replace(grads=_batch.to_params(result.grads, args[_batch.PARAMS]))
-    return _assemble(config, result)
+    out = result.value, result.grads  # fn's output structure: the one place it is built
+    return (out, result.noise) if config.return_noise_stats else out
 
   # Equinox warns of a "JAX-transformed callable" when a function's
   # `__wrapped__` chain reaches a module with array-like fields (its
   # `filter_value_and_grad` wrapper has a bool): keep the name, not the link.
   del wrapped.__wrapped__
   return wrapped
-
-
-def _assemble(config: _Config, result: _Result) -> Any:
-  """``fn``'s output structure, reduced: the one place it is built."""
-  out = result.value, result.grads
-  return (out, result.noise) if config.return_noise_stats else out
 
 
 # ----------------------------- stages 1 and 2: split the batch, one micro-batch
@@ -266,14 +261,19 @@ def _statistics(config: _Config, args: Sequence[Any], batch: _batch.Batch) -> An
   """Stage 0: ``global_stats`` checked and summed over every micro-batch, then over ``axis_name``.
 
   The check traces it on one micro-batch's types and on twice its rows
-  (``_global_stats.summable``); the pass evaluates the first trace.
+  (``_global_stats.summable``); the pass evaluates the first trace on every
+  micro-batch and adds it in the dtypes ``_arrays.sum_dtype`` gives (integers
+  in int32 or wider). No gradient.
   """
   micro, varying = _micro_batches(config, args, batch)
   arrays = lambda i: _arrays.ArrayLeaves.of(tuple(micro(i))).arrays
   on = _global_stats.summable(config.global_stats, args, jax.eval_shape(arrays, jnp.zeros(
       [], jnp.int32)), batch.positions, batch.per_device_rows // config.k)[1]
-  return _global_stats.over_microbatches(lambda i: on(arrays(i)), functools.partial(
-      _loop, config, varying=varying), config.axis_name, config.acc_dtype)
+  init = jax.tree.map(lambda s: _arrays.filled(s, _arrays.sum_dtype(s.dtype, config.acc_dtype)),
+                      jax.eval_shape(lambda i: on(arrays(i)), jnp.zeros([], jnp.int32)))
+  out = _loop(config, lambda c, i: jax.tree.map(lambda t, x: t + jnp.asarray(x).astype(t.dtype),
+                                                c, on(arrays(i))), init, varying=varying)
+  return lax.stop_gradient(out if config.axis_name is None else lax.psum(out, config.axis_name))
 
 
 # ------------------------------------------------------ stage 3: the loop
@@ -293,15 +293,9 @@ def _run(call: Callable[..., Any], config: _Config, args: Sequence[Any], batch: 
       lambda i: jax.tree.unflatten(jax.tree.structure(out), jax_core.jaxpr_as_fun(closed)(i)))
   shapes = _batch.unpack(out, config.normalize, config.has_aux)
   _validation.check_no_float0(shapes.grads, where="gradient `fn` returns")
-  aux = _aux_rules.resolve(config.aux_rules if config.has_aux else None, shapes.aux,
-                           _aux_rules.Loop(config.k, config.split, config.acc_dtype,
-                                           config.axis_name))
-
-  def body(carry: _Carry, idx: jax.Array) -> _Carry:
-    return _add(config, aux, carry, _batch.unpack(step(idx), config.normalize, config.has_aux),
-                idx)
-
-  carry = _loop(config, body, _init_carry(config, aux, shapes), varying=varying)
+  aux = _aux_rules.resolve(config.aux_rules if config.has_aux else None, shapes.aux, config)
+  carry = _loop(config, functools.partial(_add, config, aux, step),
+                _init_carry(config, aux, shapes), varying=varying)
   num, grads, stats = _normalize(config, carry, scatter)
   num, grads = jax.tree.map(lambda x, s: x.astype(s.dtype), (num, grads),
                             (shapes.num, shapes.grads))
@@ -321,9 +315,10 @@ def _init_carry(config: _Config, aux: AuxRule, shapes: _batch.Out) -> _Carry:
   return _Carry((num, den, grads), aux.init(shapes.aux), noise)
 
 
-def _add(config: _Config, aux: AuxRule, carry: _Carry, out: _batch.Out,
+def _add(config: _Config, aux: AuxRule, step: Callable[[jax.Array], Any], carry: _Carry,
          idx: jax.Array) -> _Carry:
-  """One loop step: micro-batch ``idx``'s outputs ``out`` added to the carry."""
+  """One loop step: micro-batch ``idx``'s outputs (``step(idx)``, ``fn``'s) added to the carry."""
+  out = _batch.unpack(step(idx), config.normalize, config.has_aux)
   sums = jax.tree.map(  # den: None (no leaves) unless normalize="weighted"
       lambda c, x: c + jnp.asarray(x).astype(c.dtype), carry.sums, (out.num, out.den, out.grads))
   noise = noise_lib.add_value_and_grad(carry.noise, out.grads, out.den) if (
@@ -368,11 +363,8 @@ def _normalize(config: _Config, carry: _Carry, scatter: list[Any] | None,
   if config.axis_name is not None:
     (num, den, window), grads = all_reduce(config.axis_name, (num, den, window), grads, scatter)
     devices = lax.axis_size(config.axis_name)
-
-  def scaled(x: jax.Array) -> jax.Array:
-    return x * reduction_scale(config.normalize, config.k * devices, den, x.dtype)
-
-  num, grads = jax.tree.map(scaled, (num, grads))
+  num, grads = jax.tree.map(lambda x: x * reduction_scale(
+      config.normalize, config.k * devices, den, x.dtype), (num, grads))
   if not config.return_noise_stats:
     return num, grads, ()
   leaves = jax.tree.leaves(grads)  # the mean gradient's squared norm, over every device
