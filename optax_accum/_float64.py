@@ -25,6 +25,7 @@ in float64.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,10 +80,7 @@ def evaluate(closed: jax_core.ClosedJaxpr) -> Callable[..., list[jax.Array]]:
     (1.0, 1.00390625)
   """
   meshed = _meshed(closed.jaxpr)  # a shard_map over several devices: run on them
-
-  @jax.jit
-  def run(consts: Sequence[Any], *args: Any) -> list[jax.Array]:
-    return _eval(closed.jaxpr, consts, args)
+  run = jax.jit(functools.partial(_eval, closed.jaxpr))  # (consts, *args) -> outputs
 
   def call(*args: Any) -> list[jax.Array]:
     values = [*closed.consts, *args]
@@ -101,13 +99,13 @@ def _meshed(jaxpr: jax_core.Jaxpr) -> bool:
              or any(map(_meshed, jax_core.jaxprs_in_params(e.params))) for e in jaxpr.eqns)
 
 
-def _eval(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+def _eval(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
   return _jaxpr.interpret(_WIDE, jaxpr, map(_up, consts), map(_up, args))
 
 
 def _run(j: Any) -> Callable[..., list[Any]]:
   closed = _jaxpr.closed(j)
-  return lambda *a: _eval(closed.jaxpr, closed.consts, a)
+  return functools.partial(_eval, closed.jaxpr, closed.consts)
 
 
 def _bound(_: Any, eqn: Any, ins: list[Any]) -> list[Any]:

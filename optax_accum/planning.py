@@ -145,12 +145,6 @@ def compiled_peak_bytes(compiled: Any) -> int:
     4096
   """
   stats = compiled.memory_analysis()
-  if isinstance(stats, (list, tuple)):  # one per program, where a backend splits them
-    return max(_peak_of(s) for s in stats)
-  return _peak_of(stats)
-
-
-def _peak_of(stats: Any) -> int:
   if stats is None:
     raise ValueError(
         f"The {jax.default_backend()} backend returns no memory_analysis() for compiled"
