@@ -81,7 +81,8 @@ def check_update(
 
 def update_values(config: Any, grads: Any, window: Any, weight: Any, emit_now: Any,
                   flushing: bool) -> tuple[Any, jax.Array | None, Any]:
-  """``(grads, weight, emit_now)`` as the window reads them, once :func:`check_update` passed.
+  """``(grads, weight, emit_now)`` as the window reads them, once :func:`check_update` (called
+  here first) passed.
 
   An integer param's gradient (``float0``) counts as zero, and so does a flush's (it
   carries no micro-batch): zeros like the buffer (one copy per device under plain jit).
@@ -90,6 +91,7 @@ def update_values(config: Any, grads: Any, window: Any, weight: Any, emit_now: A
   as NaN: it cannot be checked, and acts like a non-finite gradient, skipped with
   ``skip_nonfinite=True``, else NaN in the update), ``emit_now`` as a bool.
   """
+  check_update(config, grads, window, weight=weight, emit_now=emit_now, flushing=flushing)
   zeros = lambda b, dtype=None: _arrays.match_varying(jnp.zeros_like(b, dtype), b)
   if flushing:
     return jax.tree.map(lambda g, b: zeros(b, None if _is_float0(g) else jnp.result_type(g)),

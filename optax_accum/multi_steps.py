@@ -146,7 +146,6 @@ class MultiSteps:
     if self._config.noise_decay is not None:  # the noise estimate rides in `skip_state`
       skip_state, noise = state.skip_state
     window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads, (), noise)
-    _validation.check_update(self._config, updates, window, flushing=flush)
     updates = _validation.update_values(self._config, updates, window, None, False, flush)[0]
     accept: Any = not flush  # a flush carries no micro-batch
     if accept and self._should_skip is not None:
