@@ -150,7 +150,13 @@ class MultiSteps:
     accept: Any = not flush  # a flush carries no micro-batch
     if accept and self._should_skip is not None:
       should_skip, skip_state = self._should_skip(updates, state.gradient_step, params)
-      accept = jnp.logical_not(_check_skip(should_skip))
+      should_skip = jnp.asarray(should_skip)
+      if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
+        raise ValueError(
+            "`should_skip_update_fn` must return a boolean scalar array first;"
+            f" got dtype {should_skip.dtype} and shape {should_skip.shape}."
+        )
+      accept = jnp.logical_not(should_skip)
     with _arrays.mesh_context((updates, params)):
       out = _window.micro_step(
           self._config, updates, window, state.inner_opt_state, params, accept=accept,
@@ -178,14 +184,3 @@ class MultiSteps:
         acc_grads=window.acc_grads,
         skip_state=skip_state,
     )
-
-
-def _check_skip(should_skip: Any) -> jax.Array:
-  """``should_skip`` as an array, if it is a boolean scalar (else raises)."""
-  should_skip = jnp.asarray(should_skip)
-  if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
-    raise ValueError(
-        "`should_skip_update_fn` must return a boolean scalar array first;"
-        f" got dtype {should_skip.dtype} and shape {should_skip.shape}."
-    )
-  return should_skip
