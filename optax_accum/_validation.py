@@ -280,18 +280,17 @@ def check_weight(weight: Any, reduction: str) -> None:
           f"`weight` was given but reduction={reduction!r} ignores it. Build"
           " the transform with `accumulate(k, ..., reduction='weighted')`."
       )
-    return
-  if weight is None:
+  elif weight is None:
     raise ValueError(
         "reduction='weighted' needs a per-micro-batch weight: call `update(grads, state, params,"
         " weight=w)` with w e.g. the number of real tokens in the micro-batch."
     )
-  if jnp.ndim(weight) != 0:
+  elif jnp.ndim(weight) != 0:
     raise ValueError(
         "`weight` must be a scalar (one weight per micro-batch); got shape"
         f" {jnp.shape(weight)}. Pass e.g. the micro-batch's token count."
     )
-  if not isinstance(weight, jax.core.Tracer) and float(np.asarray(weight)) < 0:
+  elif not isinstance(weight, jax.core.Tracer) and float(np.asarray(weight)) < 0:
     raise ValueError(
         f"`weight` must be >= 0 (e.g. a count of real tokens); got {float(np.asarray(weight))}."
         " A negative weight has no meaning in a weighted mean."
