@@ -21,26 +21,19 @@ from jax.sharding import PartitionSpec
 from optax_accum import _arrays
 
 
-def stacked_spec(spec: PartitionSpec, axes: tuple[Any, ...]) -> PartitionSpec:
-  """The layout of one copy per device of an array laid out as ``spec``.
-
-  A leading axis over the data ``axes``; the copy's own dims keep their
-  sharding over the other mesh axes and are whole over ``axes``.
-  """
-  return PartitionSpec(_arrays.spec_entry(axes), *_arrays.strip_axes(spec.partitions, axes))
-
-
 def zeros(shape: tuple[int, ...], dtype: Any, spec: PartitionSpec, axes: tuple[Any, ...]
           ) -> jax.Array:
   """Zeros, one copy of ``shape`` per device: ``(device_count(axes), *shape)``.
 
-  Copies of size 0 are replicated instead: they hold nothing, and JAX 0.10
-  cannot read a sharded array of size 0 back to the host (each shard reports
-  the global shape: ``np.asarray`` raises). (A JAX 0.10 workaround: drop with
-  the floor.)
+  The copies of an array laid out as ``spec`` lie along a leading axis over the data
+  ``axes``; each copy's own dims keep their sharding over the other mesh axes and are
+  whole over ``axes``. Copies of size 0 are replicated instead: they hold nothing, and
+  JAX 0.10 cannot read a sharded array of size 0 back to the host (each shard reports
+  the global shape: ``np.asarray`` raises). (A JAX 0.10 workaround: drop with the floor.)
   """
-  layout = stacked_spec(spec, axes) if math.prod(shape) else PartitionSpec()
-  return jnp.zeros((_arrays.device_count(axes), *shape), dtype, out_sharding=layout)
+  layout = PartitionSpec(_arrays.spec_entry(axes), *_arrays.strip_axes(spec.partitions, axes))
+  return jnp.zeros((_arrays.device_count(axes), *shape), dtype,
+                   out_sharding=layout if math.prod(shape) else PartitionSpec())
 
 
 def stack(x: jax.Array, axes: tuple[Any, ...]) -> jax.Array:

@@ -39,9 +39,16 @@ def check_update(
   """
   g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
   b_leaves, b_def = jax.tree_util.tree_flatten_with_path(window.acc_grads)
-  if g_def != b_def:
-    _raise_tree_mismatch([_path_str(p) for p, _ in g_leaves],
-                         [_path_str(p) for p, _ in b_leaves], g_def, b_def)
+  if g_def != b_def:  # name the first path at which the trees differ
+    paths = itertools.zip_longest([_path_str(p) for p, _ in g_leaves],
+                                  [_path_str(p) for p, _ in b_leaves], fillvalue="nothing")
+    first = next((f"{g} in the gradients, {b} in the state" for g, b in paths if g != b),
+                 f"the node types (structures {g_def} vs {b_def})")
+    raise ValueError(
+        "The gradients tree does not match the accumulator built by `init(params)`: first"
+        f" difference at {first}. Pass gradients with the same structure as the params given"
+        " to `init`, or re-run `init` on the new params."
+    )
   if flushing:
     return
   pairs = [(path, g, b) for (path, g), (_, b) in zip(g_leaves, b_leaves, strict=True)
@@ -74,7 +81,8 @@ def check_update(
 
 def update_values(config: Any, grads: Any, window: Any, weight: Any, emit_now: Any,
                   flushing: bool) -> tuple[Any, jax.Array | None, Any]:
-  """``(grads, weight, emit_now)`` as the window reads them, once :func:`check_update` passed.
+  """``(grads, weight, emit_now)`` as the window reads them, once :func:`check_update` (called
+  here first) passed.
 
   An integer param's gradient (``float0``) counts as zero, and so does a flush's (it
   carries no micro-batch): zeros like the buffer (one copy per device under plain jit).
@@ -83,6 +91,7 @@ def update_values(config: Any, grads: Any, window: Any, weight: Any, emit_now: A
   as NaN: it cannot be checked, and acts like a non-finite gradient, skipped with
   ``skip_nonfinite=True``, else NaN in the update), ``emit_now`` as a bool.
   """
+  check_update(config, grads, window, weight=weight, emit_now=emit_now, flushing=flushing)
   zeros = lambda b, dtype=None: _arrays.match_varying(jnp.zeros_like(b, dtype), b)
   if flushing:
     return jax.tree.map(lambda g, b: zeros(b, None if _is_float0(g) else jnp.result_type(g)),
@@ -271,18 +280,17 @@ def check_weight(weight: Any, reduction: str) -> None:
           f"`weight` was given but reduction={reduction!r} ignores it. Build"
           " the transform with `accumulate(k, ..., reduction='weighted')`."
       )
-    return
-  if weight is None:
+  elif weight is None:
     raise ValueError(
         "reduction='weighted' needs a per-micro-batch weight: call `update(grads, state, params,"
         " weight=w)` with w e.g. the number of real tokens in the micro-batch."
     )
-  if jnp.ndim(weight) != 0:
+  elif jnp.ndim(weight) != 0:
     raise ValueError(
         "`weight` must be a scalar (one weight per micro-batch); got shape"
         f" {jnp.shape(weight)}. Pass e.g. the micro-batch's token count."
     )
-  if not isinstance(weight, jax.core.Tracer) and float(np.asarray(weight)) < 0:
+  elif not isinstance(weight, jax.core.Tracer) and float(np.asarray(weight)) < 0:
     raise ValueError(
         f"`weight` must be >= 0 (e.g. a count of real tokens); got {float(np.asarray(weight))}."
         " A negative weight has no meaning in a weighted mean."
@@ -332,63 +340,43 @@ def _path_str(path: tuple[Any, ...]) -> str:
   return jax.tree_util.keystr(path) or "<root>"
 
 
-def _raise_tree_mismatch(g_paths: list[str], b_paths: list[str], g_def: Any, b_def: Any) -> None:
-  """Raises naming the first path at which the gradients' tree differs from the accumulator's."""
-  pairs = itertools.zip_longest(g_paths, b_paths, fillvalue="nothing")
-  first = next((f"{g} in the gradients, {b} in the state" for g, b in pairs if g != b),
-               f"the node types (structures {g_def} vs {b_def})")
-  raise ValueError(
-      "The gradients tree does not match the accumulator built by `init(params)`: first"
-      f" difference at {first}. Pass gradients with the same structure as the params given"
-      " to `init`, or re-run `init` on the new params."
-  )
-
-
 def _check_placement(layout: _arrays.Layout, g_leaves: list[Any]) -> None:
   """Raises unless the gradients live where ``layout`` expects them: their types say it.
 
-  Without ``axis_name`` no gradient is a per-device partial sum; inside ``shard_map``
-  each is device-local (:func:`_check_local`). (Plain jit: :func:`_check_stacked`.)
+  Without ``axis_name`` no gradient is a per-device partial sum. Inside a checked
+  ``shard_map`` each is device-local: ``jax.grad`` with respect to replicated params
+  there sums the gradient over the mesh axis on every call, and accumulating that and
+  reducing again would scale it by the axis size. Where the types carry no manual-axis
+  information (pmap, ``check_vma=False``) nothing can be checked. (Plain jit:
+  :func:`_check_stacked`.)
   """
-  if layout.manual:  # shard_map / pmap
-    _check_local(g_leaves, layout.axis_name)
-  if layout.axis_name is not None:
-    return
-  for path, g in g_leaves:
-    have = _arrays.array_type(g).unreduced
-    if have:
-      names = sorted(have, key=str)
-      raise ValueError(
-          f"The gradient at {_path_str(path)} is unreduced over {names} (each device holds a"
-          " partial sum) but this accumulator was built without `axis_name`: build it with"
-          f" `accumulate(..., axis_name={names[0] if len(names) == 1 else tuple(names)!r})` so the"
-          " window is reduced once when it closes."
-      )
-
-
-def _check_local(g_leaves: list[Any], axis_name: Any) -> None:
-  """Raises if, inside a checked ``shard_map``, the gradients are already reduced.
-
-  ``jax.grad`` with respect to replicated params there sums the gradient over the mesh
-  axis on every call; accumulating that and reducing again would scale it by the axis
-  size. Where the types carry no manual-axis information (pmap, ``check_vma=False``)
-  nothing can be checked.
-  """
-  names = set(_arrays.axis_names(axis_name))
-  probe = _arrays.axis_indices(tuple(names))
-  if probe is None or not all(names & _arrays.array_type(p).varying for p in probe):
-    return  # no manual-axis types here: nothing to check
-  for path, g in g_leaves:
-    if not names <= _arrays.array_type(g).varying:
-      raise ValueError(
-          f"The gradient at {_path_str(path)} is already reduced over"
-          f" {axis_name!r} (it is the same on every device): inside shard_map,"
-          " jax.grad with respect to replicated params sums over the devices on"
-          " every micro-step, and `accumulate(..., axis_name=...)` would reduce"
-          " it again. Differentiate with respect to"
-          f" `jax.lax.pcast(params, {axis_name!r}, to='varying')` so each device"
-          " accumulates its local gradient and the all-reduce runs once per window."
-      )
+  if layout.axis_name is None:
+    for path, g in g_leaves:
+      have = _arrays.array_type(g).unreduced
+      if have:
+        names = sorted(have, key=str)
+        raise ValueError(
+            f"The gradient at {_path_str(path)} is unreduced over {names} (each device holds a"
+            " partial sum) but this accumulator was built without `axis_name`: build it with"
+            f" `accumulate(..., axis_name={names[0] if len(names) == 1 else tuple(names)!r})` so"
+            " the window is reduced once when it closes."
+        )
+  elif layout.manual:  # shard_map / pmap
+    names = set(_arrays.axis_names(layout.axis_name))
+    probe = _arrays.axis_indices(tuple(names))
+    if probe is None or not all(names & _arrays.array_type(p).varying for p in probe):
+      return  # no manual-axis types here: nothing to check
+    for path, g in g_leaves:
+      if not names <= _arrays.array_type(g).varying:
+        raise ValueError(
+            f"The gradient at {_path_str(path)} is already reduced over"
+            f" {layout.axis_name!r} (it is the same on every device): inside shard_map,"
+            " jax.grad with respect to replicated params sums over the devices on"
+            " every micro-step, and `accumulate(..., axis_name=...)` would reduce"
+            " it again. Differentiate with respect to"
+            f" `jax.lax.pcast(params, {layout.axis_name!r}, to='varying')` so each device"
+            " accumulates its local gradient and the all-reduce runs once per window."
+        )
 
 
 def check_keywords(extra: dict[str, Any], strict: bool, where: str, own: tuple[str, ...]) -> None:

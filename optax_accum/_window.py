@@ -215,13 +215,13 @@ def micro_step(
   """
   # 1. Decide: does the window close, and does it emit?
   layout = config.layout  # one device, manual axes, or plain jit's per-device copies
-  decision = decide(config, window, accept, weight, emit_now)
+  d = decide(config, window, accept, weight, emit_now)
   noise = window.noise_stats
   if config.noise_decay is not None:
     sq_norm, device_weight = (noise_lib.sq_norm(grads), weight) if layout.stacked is None else (
         noise_lib.per_device_micro_batch(grads, weight))
     noise = noise_lib.add_micro_batch(noise, sq_norm, accept, device_weight)
-  ops = Operands(decision.count, decision.window_weight, noise, inner_state, params, grads)
+  ops = Operands(d.count, d.window_weight, noise, inner_state, params, grads)
 
   # 2. Add this micro-batch: where(mini_step == 0, 0, acc) + w * g.
   seed = (window.gradient_step, window.mini_step)  # the narrow buffer's rounding
@@ -251,11 +251,11 @@ def micro_step(
       return emitted._replace(out=updates), buffer
 
     (out, new_inner, new_noise), buffer = lax.cond(
-        decision.emits,
+        d.emits,
         jax.named_scope(SCOPES["emit"])(on_host(emitting, inner_state, parked=True)),
         jax.named_scope(SCOPES["mid"])(lambda ops, acc: (waiting(ops), add(acc, ops.grads))),
         ops, window.acc_grads)
-    out = unpark(out, buffer, parks, decision.emits, updates_like)
+    out = unpark(out, buffer, parks, d.emits, updates_like)
   else:
     # The add's conditional writes the buffer on mid-steps; the emitting branch adds the
     # micro-batch where the inner optimizer reads it (no pass of its own, no write of the
@@ -263,17 +263,16 @@ def micro_step(
     # there it is the buffer (else a temporary: the TPU compiler's, "Two conditionals").
     closing = lambda ops, acc: run_emit(ops, add(acc, ops.grads))
     if config.noise_decay is None:
-      buffer = lax.cond(jnp.logical_not(decision.emits), add, lambda acc, grads: acc,
+      buffer = lax.cond(jnp.logical_not(d.emits), add, lambda acc, grads: acc,
                         window.acc_grads, grads)
     else:
       buffer, closing = add(window.acc_grads, grads), run_emit
     out, new_inner, new_noise = lax.cond(
-        decision.emits,
+        d.emits,
         jax.named_scope(SCOPES["emit"])(on_host(closing, inner_state, parked=False)),
         jax.named_scope(SCOPES["mid"])(lambda ops, acc: waiting(ops)), ops, buffer)
 
   # 4. Advance.
-  d = decision
   new_window = Window(
       mini_step=jnp.where(d.closes, jnp.zeros_like(d.count), d.count),
       gradient_step=jnp.where(d.emits, optax.safe_increment(window.gradient_step),

@@ -281,8 +281,6 @@ def accumulate(
     with _arrays.mesh_context((updates, params)):
       now = dataclasses.replace(config, layout=_arrays.device_layout(config.axis_name))
       window = _window.Window(**{f: getattr(state, f) for f in _window.Window._fields})
-      _validation.check_update(now, updates, window, weight=weight, emit_now=emit_now,
-                               flushing=flushing)
       updates, weight, emit_now = _validation.update_values(now, updates, window, weight,
                                                             emit_now, flushing)
       accept = False if flushing else (

@@ -146,12 +146,17 @@ class MultiSteps:
     if self._config.noise_decay is not None:  # the noise estimate rides in `skip_state`
       skip_state, noise = state.skip_state
     window = _window.Window(state.mini_step, state.gradient_step, state.acc_grads, (), noise)
-    _validation.check_update(self._config, updates, window, flushing=flush)
     updates = _validation.update_values(self._config, updates, window, None, False, flush)[0]
     accept: Any = not flush  # a flush carries no micro-batch
     if accept and self._should_skip is not None:
       should_skip, skip_state = self._should_skip(updates, state.gradient_step, params)
-      accept = jnp.logical_not(_check_skip(should_skip))
+      should_skip = jnp.asarray(should_skip)
+      if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
+        raise ValueError(
+            "`should_skip_update_fn` must return a boolean scalar array first;"
+            f" got dtype {should_skip.dtype} and shape {should_skip.shape}."
+        )
+      accept = jnp.logical_not(should_skip)
     with _arrays.mesh_context((updates, params)):
       out = _window.micro_step(
           self._config, updates, window, state.inner_opt_state, params, accept=accept,
@@ -179,14 +184,3 @@ class MultiSteps:
         acc_grads=window.acc_grads,
         skip_state=skip_state,
     )
-
-
-def _check_skip(should_skip: Any) -> jax.Array:
-  """``should_skip`` as an array, if it is a boolean scalar (else raises)."""
-  should_skip = jnp.asarray(should_skip)
-  if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
-    raise ValueError(
-        "`should_skip_update_fn` must return a boolean scalar array first;"
-        f" got dtype {should_skip.dtype} and shape {should_skip.shape}."
-    )
-  return should_skip
