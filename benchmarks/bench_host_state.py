@@ -18,7 +18,6 @@ if "--tpu-deviceless" in sys.argv:  # the TPU v5e compiler without a chip (libtp
   os.environ.update(TPU_SKIP_MDS_QUERY="1", TPU_ACCELERATOR_TYPE="v5litepod-4",
                     TPU_WORKER_HOSTNAMES="localhost", TPU_WORKER_ID="0", JAX_PLATFORMS="cpu")
   import gpu_hlo
-import bench_accumulate as ba
 import harness
 import jax
 import jax.numpy as jnp
@@ -91,20 +90,6 @@ def memory(quick, dev, abstract):
                  "state": state, FORM: round(held / (layers * width**2), 2), "host bytes": 8.0 * (
                      state == HOST)})
   return rows
-
-
-def gpu_times(quick, rounds):
-  """Median ms of the micro-steps (a window's mean) and of the closing step of each form, a
-  window a round."""
-  params = {f"w{i}": jnp.full((1 << (14 if quick else 26),), 0.01) for i in range(4)}
-  timers = {}  # bench_accumulate's compiled, donated train steps, timed call by call
-  for name in ("device state", "host state"):
-    tx = oa.accumulate(K, oa.host_state(optax.adam(1e-3)) if "host" in name else optax.adam(1e-3))
-    program = ba.Program(name, K, harness.fast_step(tx), tx.init)
-    timers[name] = ba.compile_program(program, params, params)
-  ba.run_rounds(list(timers.values()), ba.CopyTimer(2**12), rounds, 1)
-  return {name: [round(1e3 * harness.median(t.samples[phase]), 3) for phase in ("mid", "emit")]
-          for name, t in timers.items()}
 
 
 def real_run(layers, d, host, limit, run_it, dev=None, precision="default"):
@@ -185,8 +170,6 @@ def markdown(r):
       f" {r['machine']['jax']}, {r['machine']['date']}. " + " ".join(__doc__.split("\n")[2:6]),
       "", *harness.table(" | ".join(head + cols), "lllrr", [
           [x[c] for c in head] + [x.get(c, "-") for c in cols] for x in r["memory"]]), "",
-      *(harness.table("median ms on the device | micro-step | closing step", "lrr", [
-          [k, *v] for k, v in r["gpu"].items()]) if "gpu" in r else []),
       *(tpu_markdown(r["tpu"]) if "tpu" in r else [])])
 
 
@@ -223,7 +206,6 @@ def main():
   ap = harness.parser(__doc__, quick="small sizes (checks the script)", precision="default",
                       layers=[0, 160, 0, 160])
   ap.add_argument("--tpu-deviceless", action="store_true", help="the TPU v5e compiler, no chip")
-  ap.add_argument("--gpu", action="store_true", help="also time both forms on this device")
   ap.add_argument("--tpu", action="store_true", help="also the real run on the chip (--quick: CPU)")
   args = ap.parse_args()
   dev = gpu_hlo.target("v5e:2x2")[0] if args.tpu_deviceless else (
@@ -231,10 +213,8 @@ def main():
   r = {"command": " ".join(["python benchmarks/bench_host_state.py", *sys.argv[1:]]),
        "machine": harness.machine(), "memory": memory(args.quick, dev, args.tpu_deviceless),
        "compiler": "the TPU v5e compiler (deviceless)" if args.tpu_deviceless else (
-           f"XLA on {jax.devices()[0].device_kind}"),
-       **({"gpu": gpu_times(args.quick, 3 if args.quick else 21)} if args.gpu else {})}
-  stem = "tpu_deviceless" if args.tpu_deviceless else "tpu" if args.tpu else (
-      "gpu" if args.gpu else "cpu")
+           f"XLA on {jax.devices()[0].device_kind}")}
+  stem = "tpu_deviceless" if args.tpu_deviceless else "tpu" if args.tpu else "cpu"
   stem += "" if args.precision == "default" else f"_{args.precision}"
   if args.tpu:  # the memory rows first: a run stopped in the real run still leaves them
     harness.write(args.out, "host_state_" + stem, r, markdown(r))

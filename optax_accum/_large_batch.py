@@ -281,7 +281,7 @@ def check_large_batch(
   nums = _validation.check_argnums(batch_argnums, "batch_argnums")
   # The float64 programs of each function the check traces, by the types of its arguments
   # ("stats": `pooled`, made anew on each call from `global_stats` and those types alone).
-  programs: dict[str, dict[Any, Any]] = {"fn": {}, "stats": {}, "microbatched": {}}
+  programs: dict[str, dict[Any, Any]] = {"fn": {}, "stats": {}, "microbatched": {}, "native": {}}
 
   def check(*args: Any, **kwargs: Any) -> LargeBatchReport:
     batch = _batch.of(args, nums)  # the rules every entry point shares
@@ -327,7 +327,8 @@ def check_large_batch(
     stats = _Stats.of(whole, micro_batches(), normalize, k)
     on_accumulated = _in_float64(accumulated, args, kwargs, b_nums, programs["microbatched"])[0]
     acc = _Grads.of(on_accumulated(args)[1], "microbatched")
-    native_errors = _Grads.of(accumulated(*args, **kwargs)[1], "microbatched").distance(native)
+    native_run = _compiled(accumulated, args, kwargs, programs["native"])
+    native_errors = _Grads.of(native_run[1], "microbatched").distance(native)
     return _classify(k, normalize, whole, permuted, acc, stats, micro_batches, native_errors,
                      found)
 
@@ -360,6 +361,19 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
   run, out, trail = programs[key]
   return (lambda new, kw=kwargs: jax.tree.unflatten(
       out, run(*_arrays.ArrayLeaves.of((new, kw)).arrays))), trail
+
+
+def _compiled(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+              programs: dict[Any, Any]) -> Any:
+  """``f(*args, **kwargs)`` as it runs, in its own dtypes, compiled once per types of its
+  arguments: ``programs`` keeps each (eager, ``microbatched``'s scan compiled on every call)."""
+  inputs = _arrays.ArrayLeaves.of((args, kwargs))
+  static = tuple(x for x in inputs.leaves if not isinstance(x, (jax.Array, np.ndarray)))
+  key = (inputs.treedef, tuple(map(jax.typeof, inputs.arrays)), static)
+  if key not in programs:
+    programs[key] = jax.jit(lambda *values: f(*inputs.rebuild(values)[0], **inputs.rebuild(
+        values)[1]))
+  return programs[key](*inputs.arrays)
 
 
 def _rows(x: Any, order: np.ndarray) -> jax.Array:
@@ -418,17 +432,12 @@ _CHUNK = 1 << 16  # entries at a time: the temporaries stay a few MB on any mode
 
 
 def _numpy(x: Any) -> np.ndarray:
-  """``x`` in numpy, read shard by shard through the host CPU: ``np.asarray`` of an array it
-  cannot read in place (an accelerator's, one laid out over devices) keeps its copy cached on
-  the array for the array's life, and the check holds whole gradients."""
+  """``x`` in numpy, read from a fresh copy: ``np.asarray`` of an array it cannot read in
+  place (an accelerator's, one laid out over devices) keeps its copy cached on the array for
+  the array's life, and the check would hold whole gradients (on a TPU: +8 B/entry)."""
   if not isinstance(x, jax.Array) or not x.is_fully_addressable:
     return np.asarray(x)  # (another process's shards: numpy's own rules, and its errors)
-  out = np.empty(x.shape, x.dtype)
-  for shard in x.addressable_shards[:1] if x.is_fully_replicated else x.addressable_shards:
-    # A fresh copy on the shard's device, read and dropped: the copy numpy caches goes with it
-    # (read through `jax.device_put` to the CPU, a TPU's shard kept its copy: +8 B/entry).
-    out[shard.index] = np.asarray(jnp.copy(shard.data))
-  return out
+  return np.asarray(jnp.copy(x))
 
 
 def _sketch(grads: _Grads) -> np.ndarray:
