@@ -9,8 +9,12 @@ state on the device and with ``host_state``, bisected by compiling (f32 adam, k 
 two windows; the host update's ns/param and threads; ``host_state_tpu.{md,json}`` in ``--out``.
 """
 
+import argparse
 import functools
+import json
 import os
+import resource
+import subprocess
 import sys
 import time
 
@@ -131,6 +135,16 @@ def real_run(layers, d, host, limit, run_it, dev=None, precision="default"):
   return {"device bytes": held, "ms": ms}
 
 
+def ran(layers, d, host, precision):
+  """``real_run``'s two windows in a process of their own, with its peak host RSS (the state
+  and the host's copies of the buffers it hands its computation); None if it failed."""
+  proc = subprocess.run([sys.executable, __file__, "--run-one", str(layers), str(d), str(int(
+      host)), precision], capture_output=True, text=True, check=False)
+  found = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+  print(f"  ran {layers} layers: {found[-1] if found else proc.stderr[-300:]}", flush=True)
+  return json.loads(found[-1]) if found else None
+
+
 def largest(host, d, limit, bounds, precision):
   """The most layers (of d x d, within ``bounds``) whose step compiles within ``limit`` and
   trains two windows."""
@@ -139,7 +153,7 @@ def largest(host, d, limit, bounds, precision):
     mid = (lo + hi + 1) // 2
     lo, hi = (mid, hi) if real_run(mid, d, host, limit, False, None, precision) else (lo, mid - 1)
   for _ in range(3):  # a step down where the runtime needs more than the compiler said
-    if not lo or (run := real_run(lo, d, host, limit, True, None, precision)) is not None:
+    if not lo or (run := ran(lo, d, host, precision)) is not None:
       break
     lo -= 1
   return {"layers": lo, "params": lo * d * d, **(run if lo else {})}
@@ -149,15 +163,20 @@ def tpu(quick, precision, layers):
   """The real run on the chip: the largest model each way (``layers``: the bisection's bounds,
   the device state's, then host_state's); the host update's pace."""
   limit = 8 << 20 if quick else jax.devices()[0].memory_stats()["bytes_limit"]
-  d = 128 if quick else 4096
-  fits = {s: largest(s == HOST, d, limit, layers[2 * i:2 * i + 2], precision)
-          for i, s in enumerate(("device", HOST))}
+  d, ram = 128 if quick else 4096, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  # host_state's host RAM grows by a layer's share: its bound (0.85 of RAM) from two runs.
+  small = [ran(n, d, True, precision)["host peak"] for n in (4, 8)]
+  per_param = max((small[1] - small[0]) / (4 * d * d), 1.0)  # (a small run's within noise)
+  by_ram = 4 + int((0.85 * ram - small[0]) / (per_param * d * d))
+  bounds = {"device": layers[:2], HOST: [layers[2], min(layers[3], by_ram)]}
+  fits = {s: largest(s == HOST, d, limit, bounds[s], precision) for s in ("device", HOST)}
   same = fits["device"]["layers"]  # the price of the fit: host_state at the device's size
-  fits[f"{HOST}, {same} layers"] = {"layers": same, "params": same * d * d, **(real_run(
-      same, d, True, limit, True, None, precision) or {})}
+  fits[f"{HOST}, {same} layers"] = {"layers": same, "params": same * d * d, **(ran(
+      same, d, True, precision) or {})}
   host = fits[HOST]
   closing, mid = (host["ms"][1], host["ms"][0]) if host["layers"] else (0.0, 0.0)
-  return {"limit": limit, "d": d, "precision": precision, "fits": fits, "ratio": round(
+  return {"limit": limit, "d": d, "precision": precision, "ram": ram, "host B/param": round(
+      per_param, 1), "layers by ram": by_ram, "fits": fits, "ratio": round(
       host["params"] / max(fits["device"]["params"], 1), 2),
           "host ns/param": round(1e6 * (closing - mid) / max(host["params"], 1), 2),
           "threads": len(os.sched_getaffinity(0)), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
@@ -177,10 +196,14 @@ def tpu_markdown(t):
   return ["", f"The largest MLP (layers of {t['d']} x {t['d']}, f32 adam, k = {K}, matmuls at"
           f" {t['precision']!r} precision) that trains within {t['limit'] / 2**30:.2f} GiB,"
           " bisected by compiling, then two windows run:", "",
-          *harness.table("state | layers | params | device B/param | ms micro-step | ms closing",
-                         "lrrrrr", [[s, f["layers"], f"{f['params']:.4g}", round(f.get(
-                             "device bytes", 0) / max(f["params"], 1), 2), *f.get("ms", ["-"] * 2)]
-                                    for s, f in t["fits"].items()]), "",
+          *harness.table("state | layers | params | device B/param | ms micro-step | ms closing"
+                         " | host peak GiB", "lrrrrrr", [[
+                             s, f["layers"], f"{f['params']:.4g}", round(f.get("device bytes", 0)
+                                                                       / max(f["params"], 1), 2),
+                             *f.get("ms", ["-"] * 2), round(f.get("host peak", 0) / 2**30, 2)]
+                                                        for s, f in t["fits"].items()]), "",
+          f"host_state's host RAM: {t['host B/param']} B/param (peak RSS, two runs), at most"
+          f" {t['layers by ram']} layers in 0.85 of the host's {t['ram'] / 2**30:.1f} GiB.", "",
           f"{t['ratio']:.2f}x as many parameters with host_state. The host update (closing step"
           f" minus micro-step, the link included): {t['host ns/param']} ns/param, {t['threads']}"
           f" threads (XLA_FLAGS: {t['XLA_FLAGS'] or 'none'})."]
@@ -207,7 +230,14 @@ def main():
                       layers=[0, 160, 0, 160])
   ap.add_argument("--tpu-deviceless", action="store_true", help="the TPU v5e compiler, no chip")
   ap.add_argument("--tpu", action="store_true", help="also the real run on the chip (--quick: CPU)")
+  ap.add_argument("--run-one", nargs=4, help=argparse.SUPPRESS)  # `ran`'s process
   args = ap.parse_args()
+  if args.run_one:
+    layers, d, host, precision = args.run_one
+    run = real_run(int(layers), int(d), host == "1", float("inf"), True, None, precision)
+    print(json.dumps({**run, "host peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                      * 1024}))
+    return
   dev = gpu_hlo.target("v5e:2x2")[0] if args.tpu_deviceless else (
       jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   r = {"command": " ".join(["python benchmarks/bench_host_state.py", *sys.argv[1:]]),
