@@ -5,8 +5,9 @@ steps, params and state donated, adam: ``accumulate(k, adam)`` against ``accumul
 host_state(adam))``, compiled with ``jax.jit`` (one program); the update alone (k = 4);
 an MLP's step, 4 layers of d x d, micro-batches of d rows (k = 8); the real run's step (below).
 ``--tpu`` (on the chip; ``--quick`` checks it on the CPU): the largest MLP that trains with the
-state on the device and with ``host_state``, bisected by compiling (f32 adam, k = 4), each run for
-two windows; the host update's ns/param and threads; ``host_state_tpu.{md,json}`` in ``--out``.
+state on the device and with ``host_state``, bisected by compiling (f32 adam, k = 4; host_state's
+within 0.85 of the host's RAM), each run for two windows in a process of its own (its peak RSS);
+the host update's ns/param and threads; ``host_state_tpu.{md,json}`` in ``--out``.
 """
 
 import argparse
@@ -58,12 +59,8 @@ def forms(row, step, params, batch, dev, abstract):
   args = args_of(params, batch, dev, on_host, across, not abstract)
   n = sum(x.size for x in jax.tree.leaves(params))
   host = 8 * n * (row["params"] == "float32" or 0.5) if on_host else 0  # adam's mu and nu
-  try:
-    m = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile().memory_analysis()
-    row[FORM] = round(device_bytes(m, host) / n, 2)
-  except Exception as e:  # the one program where the compiler cannot take it
-    row[FORM] = f"fails: {type(e).__name__}"
-  return {**row, "host bytes": host / n}
+  m = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile().memory_analysis()
+  return {**row, FORM: round(device_bytes(m, host) / n, 2), "host bytes": host / n}
 
 
 def memory(quick, dev, abstract):
@@ -81,13 +78,10 @@ def memory(quick, dev, abstract):
       params = {f"w{i}": jax.ShapeDtypeStruct((n // leaves,), dt) for i in range(leaves)}
       rows.append(forms({"step": f"update, {leaves} leaves", "params": dt, "state": state},
                         update, params, params, dev, abstract))
-    across = lambda f, opt=opt: lambda p, s, x: oa.update_and_apply(
-        oa.accumulate(8, opt), jax.grad(f)(p, x), s, p)
-    for step, fn, params, rows_ in (("MLP, in-step", functools.partial(in_step, opt), mlp, 8 * d),
-                                    ("MLP, across steps", across(loss), mlp, d)):
-      rows.append(forms({"step": step, "params": "float32", "state": state}, fn, params,
-                        jax.ShapeDtypeStruct((rows_, d), jnp.float32), dev, abstract))
-    # The real run's step (`real_run`): (layers, d, d) in a lax.scan, one backward loop.
+    rows.append(forms({"step": "MLP, in-step", "params": "float32", "state": state},
+                      functools.partial(in_step, opt), mlp,
+                      jax.ShapeDtypeStruct((8 * d, d), jnp.float32), dev, abstract))
+    # Across steps: the real run's step (`real_run`), (layers, d, d) in a lax.scan.
     layers, width = (2, 128) if quick else (8, 4096)
     held = real_run(layers, width, state == HOST, float("inf"), False, dev)["device bytes"]
     rows.append({"step": f"real run's MLP in a scan ({layers} x {width}^2)", "params": "float32",
@@ -96,13 +90,11 @@ def memory(quick, dev, abstract):
   return rows
 
 
-def real_run(layers, d, host, limit, run_it, dev=None, precision="default"):
+def real_run(layers, d, host, limit, run_it, dev=None):
   """Compiles (and with ``run_it`` runs two windows of) the step of an MLP of ``layers`` tanh
-  layers of d x d in a lax.scan, f32 adam, k = 4, its matmuls at ``precision``: its device
-  bytes, or None where it does not fit ``limit``; with ``run_it``, the median seconds of its
-  mid-steps and of its closing step."""
-  layer = lambda h, w: (jnp.tanh(jnp.matmul(h, w, precision=precision)), None)
-  loss = lambda p, x: jnp.mean(lax.scan(layer, x, p)[0] ** 2)
+  layers of d x d in a lax.scan, f32 adam, k = 4: its device bytes, or None where it does not
+  fit ``limit``; with ``run_it``, the median seconds of its mid-steps and of its closing step."""
+  loss = lambda p, x: jnp.mean(lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p)[0] ** 2)
   tx = oa.accumulate(K, oa.host_state(optax.adam(1e-4)) if host else optax.adam(1e-4))
   step = jax.jit(lambda p, s, x: oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p),
                  donate_argnums=(0, 1))
@@ -115,8 +107,7 @@ def real_run(layers, d, host, limit, run_it, dev=None, precision="default"):
     held = device_bytes(step.lower(params, state, x).compile().memory_analysis(), 8 * n * host)
   except Exception:  # over the chip's memory: the compiler refuses it
     return None
-  print(f"{layers} layers of {d}, {'host' if host else 'device'} state, {precision} precision:"
-        f" {held / 2**30:.2f} GiB",
+  print(f"{layers} layers of {d}, {'host' if host else 'device'} state: {held / 2**30:.2f} GiB",
         "> limit" if held > limit else "", flush=True)
   if held > limit or not run_it:
     return None if held > limit else {"device bytes": held}
@@ -135,47 +126,42 @@ def real_run(layers, d, host, limit, run_it, dev=None, precision="default"):
   return {"device bytes": held, "ms": ms}
 
 
-def ran(layers, d, host, precision):
-  """``real_run``'s two windows in a process of their own, with its peak host RSS (the state
-  and the host's copies of the buffers it hands its computation); None if it failed."""
+def ran(layers, d, host):
+  """``real_run``'s two windows in a process of their own, with its peak host RSS; else None."""
   proc = subprocess.run([sys.executable, __file__, "--run-one", str(layers), str(d), str(int(
-      host)), precision], capture_output=True, text=True, check=False)
+      host))], capture_output=True, text=True, check=False)
   found = [line for line in proc.stdout.splitlines() if line.startswith("{")]
   print(f"  ran {layers} layers: {found[-1] if found else proc.stderr[-300:]}", flush=True)
   return json.loads(found[-1]) if found else None
 
 
-def largest(host, d, limit, bounds, precision):
-  """The most layers (of d x d, within ``bounds``) whose step compiles within ``limit`` and
-  trains two windows."""
+def largest(host, d, limit, bounds):
+  """The most layers (of d x d) in ``bounds`` that compile within ``limit`` and train 2 windows."""
   lo, hi = bounds  # lo fits (0: nothing; a larger one, checked by the runs below), hi + 1 not
   while lo < hi:
     mid = (lo + hi + 1) // 2
-    lo, hi = (mid, hi) if real_run(mid, d, host, limit, False, None, precision) else (lo, mid - 1)
+    lo, hi = (mid, hi) if real_run(mid, d, host, limit, False) else (lo, mid - 1)
   for _ in range(3):  # a step down where the runtime needs more than the compiler said
-    if not lo or (run := ran(lo, d, host, precision)) is not None:
+    if not lo or (run := ran(lo, d, host)) is not None:
       break
     lo -= 1
   return {"layers": lo, "params": lo * d * d, **(run if lo else {})}
 
 
-def tpu(quick, precision, layers):
+def tpu(quick, layers):
   """The real run on the chip: the largest model each way (``layers``: the bisection's bounds,
   the device state's, then host_state's); the host update's pace."""
   limit = 8 << 20 if quick else jax.devices()[0].memory_stats()["bytes_limit"]
   d, ram = 128 if quick else 4096, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   # host_state's host RAM grows by a layer's share: its bound (0.85 of RAM) from two runs.
-  small = [ran(n, d, True, precision)["host peak"] for n in (4, 8)]
+  small = [ran(n, d, True)["host peak"] for n in (4, 8)]
   per_param = max((small[1] - small[0]) / (4 * d * d), 1.0)  # (a small run's within noise)
   by_ram = 4 + int((0.85 * ram - small[0]) / (per_param * d * d))
   bounds = {"device": layers[:2], HOST: [layers[2], min(layers[3], by_ram)]}
-  fits = {s: largest(s == HOST, d, limit, bounds[s], precision) for s in ("device", HOST)}
-  same = fits["device"]["layers"]  # the price of the fit: host_state at the device's size
-  fits[f"{HOST}, {same} layers"] = {"layers": same, "params": same * d * d, **(ran(
-      same, d, True, precision) or {})}
+  fits = {s: largest(s == HOST, d, limit, bounds[s]) for s in ("device", HOST)}
   host = fits[HOST]
   closing, mid = (host["ms"][1], host["ms"][0]) if host["layers"] else (0.0, 0.0)
-  return {"limit": limit, "d": d, "precision": precision, "ram": ram, "host B/param": round(
+  return {"limit": limit, "d": d, "ram": ram, "host B/param": round(
       per_param, 1), "layers by ram": by_ram, "fits": fits, "ratio": round(
       host["params"] / max(fits["device"]["params"], 1), 2),
           "host ns/param": round(1e6 * (closing - mid) / max(host["params"], 1), 2),
@@ -193,9 +179,8 @@ def markdown(r):
 
 
 def tpu_markdown(t):
-  return ["", f"The largest MLP (layers of {t['d']} x {t['d']}, f32 adam, k = {K}, matmuls at"
-          f" {t['precision']!r} precision) that trains within {t['limit'] / 2**30:.2f} GiB,"
-          " bisected by compiling, then two windows run:", "",
+  return ["", f"The largest MLP (layers of {t['d']} x {t['d']}, f32 adam, k = {K}) that trains"
+          f" within {t['limit'] / 2**30:.2f} GiB, bisected by compiling, then two windows run:", "",
           *harness.table("state | layers | params | device B/param | ms micro-step | ms closing"
                          " | host peak GiB", "lrrrrrr", [[
                              s, f["layers"], f"{f['params']:.4g}", round(f.get("device bytes", 0)
@@ -214,9 +199,8 @@ def plot(r):
   fig, ax = harness.pyplot().subplots(figsize=(7, 3.2), dpi=120)
   steps = [x for x in r["memory"] if x["state"] == "device"]
   for i, (label, state) in enumerate((("state on the device", "device"), (f"host: {FORM}", HOST))):
-    values = [x.get(FORM) for x in r["memory"] if x["state"] == state]  # in steps' order
-    ax.bar([j + 0.2 * (i - 1.5) for j in range(len(steps))],
-           [v if isinstance(v, (int, float)) else 0 for v in values], 0.2, label=label)
+    values = [x[FORM] for x in r["memory"] if x["state"] == state]  # in steps' order
+    ax.bar([j + 0.2 * (i - 1.5) for j in range(len(steps))], values, 0.2, label=label)
   ax.set_xticks(range(len(steps)), [f"{s['step']}, {s['params']}".replace(", ", "\n")
                                     for s in steps], fontsize=7)
   ax.set_ylabel("device bytes / parameter")
@@ -226,15 +210,14 @@ def plot(r):
 
 
 def main():
-  ap = harness.parser(__doc__, quick="small sizes (checks the script)", precision="default",
-                      layers=[0, 160, 0, 160])
+  ap = harness.parser(__doc__, quick="small sizes (checks the script)", layers=[0, 64, 0, 96])
   ap.add_argument("--tpu-deviceless", action="store_true", help="the TPU v5e compiler, no chip")
   ap.add_argument("--tpu", action="store_true", help="also the real run on the chip (--quick: CPU)")
-  ap.add_argument("--run-one", nargs=4, help=argparse.SUPPRESS)  # `ran`'s process
+  ap.add_argument("--run-one", nargs=3, help=argparse.SUPPRESS)  # `ran`'s process
   args = ap.parse_args()
   if args.run_one:
-    layers, d, host, precision = args.run_one
-    run = real_run(int(layers), int(d), host == "1", float("inf"), True, None, precision)
+    layers, d, host = args.run_one
+    run = real_run(int(layers), int(d), host == "1", float("inf"), True)
     print(json.dumps({**run, "host peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                       * 1024}))
     return
@@ -245,10 +228,9 @@ def main():
        "compiler": "the TPU v5e compiler (deviceless)" if args.tpu_deviceless else (
            f"XLA on {jax.devices()[0].device_kind}")}
   stem = "tpu_deviceless" if args.tpu_deviceless else "tpu" if args.tpu else "cpu"
-  stem += "" if args.precision == "default" else f"_{args.precision}"
   if args.tpu:  # the memory rows first: a run stopped in the real run still leaves them
     harness.write(args.out, "host_state_" + stem, r, markdown(r))
-    r["tpu"] = tpu(args.quick, args.precision, args.layers)
+    r["tpu"] = tpu(args.quick, args.layers)
   harness.write(args.out, "host_state_" + stem, r, markdown(r), plot)
 
 

@@ -260,9 +260,12 @@ def micro_step(
     # The add's conditional writes the buffer on mid-steps; the emitting branch adds the
     # micro-batch where the inner optimizer reads it (no pass of its own, no write of the
     # buffer, dead once the window closed). The noise estimate reads the window's sum twice:
-    # there it is the buffer (else a temporary: the TPU compiler's, "Two conditionals").
+    # there it is the buffer (else a temporary: the TPU compiler's, "Two conditionals"). So is
+    # the state on the host: the sum is made here, in place, and crosses the link alone (12
+    # B/param with the params and the result, not 16; the device bytes unchanged, deviceless
+    # v5e: `python benchmarks/bench_host_state.py --tpu-deviceless`).
     closing = lambda ops, acc: run_emit(ops, add(acc, ops.grads))
-    if config.noise_decay is None:
+    if config.noise_decay is None and not offload.on_the_host(inner_state):
       buffer = lax.cond(jnp.logical_not(d.emits), add, lambda acc, grads: acc,
                         window.acc_grads, grads)
     else:

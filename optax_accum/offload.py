@@ -5,9 +5,10 @@ optimizer steps Adam's ``mu`` and ``nu`` (8 bytes per float32 parameter) sit
 idle on the device; :func:`host_state` keeps them (every leaf of the state) in
 host memory (``pinned_host``) and runs the update on the host: the state never
 enters the device. A train step compiles as usual (``jax.jit``). Inside
-:func:`~optax_accum.accumulate` the window's whole emitting branch runs on the
-host: the buffer, the last gradients and the params are copied there, the
-window's mean, the update and its application are computed there, and the new
+:func:`~optax_accum.accumulate` the window's emitting branch runs on the
+host: the window's sum (the buffer, the last micro-batch added on the device) and
+the params are copied there, the window's mean, the update and its application
+are computed there, and the new
 params (or the updates) come back, stored by the host in the device's own layout
 (:func:`device_ordered`): they land in place, no parameter-sized temporary on the
 device; mid-steps pass the state through. Alone, the gradients go to the host and
@@ -154,10 +155,16 @@ def branch_on_host(branch: Callable[..., Any], inner_state: Any,
   application run there, and only what the step returns on the device comes back
   (``out_spaces(inner_state's spaces)``), in the device's layout: no parameter-sized
   temporary on the device. The inner state's leaves stay where they are."""
-  spaces = jax.tree.map(lambda x: jax.typeof(x).memory_space, inner_state)
-  if jax.memory.Space.Host not in jax.tree.leaves(spaces):
+  if not on_the_host(inner_state):
     return branch
+  spaces = jax.tree.map(lambda x: jax.typeof(x).memory_space, inner_state)
   return lambda ops, acc: on_host(branch, out_spaces(spaces), ops, acc)
+
+
+def on_the_host(inner_state: Any) -> bool:
+  """Whether a leaf of ``inner_state`` is typed in host memory (:func:`host_state`'s)."""
+  return any(jax.typeof(x).memory_space == jax.memory.Space.Host
+             for x in jax.tree.leaves(inner_state))
 
 
 def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any, copied: bool = True) -> Any:
