@@ -666,6 +666,19 @@ def test_what_cannot_be_evaluated_in_float64_is_named_with_its_line(callback):
 
 
 # ---------------------------------------------------------- scale, devices, input
+def test_a_check_called_again_on_new_batches_compiles_nothing(caplog):
+  """Its float64 programs and ``microbatched``'s own run are kept by the types of the
+  arguments: a second batch compiles nothing (on a TPU each compile read its executable from
+  the persistent cache into host memory: +8 B/entry in the host-memory test below)."""
+  check = check_large_batch(value_and_grad(mean_loss), K, batch_argnums=(1, 2))
+  assert check(PARAMS, X, Y).equal
+  y2 = Y + 1
+  with jax.log_compiles(True), caplog.at_level("DEBUG"):
+    assert check(PARAMS, X2, y2).equal
+  compiled = [r.getMessage() for r in caplog.records if "ompil" in r.getMessage()]
+  assert not compiled, compiled
+
+
 @pytest.mark.parametrize("placement", ["one device", "8 devices"])
 def test_host_memory_is_one_float64_gradient_whatever_k(placement):
   """numpy's allocations (what the check keeps on the host) over the gradient's entries:
