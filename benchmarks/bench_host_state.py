@@ -107,8 +107,6 @@ def real_run(layers, d, host, limit, run_it, dev=None):
     held = device_bytes(step.lower(params, state, x).compile().memory_analysis(), 8 * n * host)
   except Exception:  # over the chip's memory: the compiler refuses it
     return None
-  print(f"{layers} layers of {d}, {'host' if host else 'device'} state: {held / 2**30:.2f} GiB",
-        "> limit" if held > limit else "", flush=True)
   if held > limit or not run_it:
     return None if held > limit else {"device bytes": held}
   p = jax.random.normal(jax.random.key(0), (layers, d, d)) / d**0.5
@@ -121,28 +119,32 @@ def real_run(layers, d, host, limit, run_it, dev=None):
     t0 = time.perf_counter()
     run = jax.block_until_ready(step(*run, xs))
     times[i % K == K - 1].append(time.perf_counter() - t0)
-  ms = [round(1e3 * harness.median(t[1:]), 1) for t in times]
-  print(f"  ran: ms micro-step, closing step {ms}", flush=True)
-  return {"device bytes": held, "ms": ms}
+  return {"device bytes": held, "ms": [round(1e3 * harness.median(t[1:]), 1) for t in times]}
 
 
-def ran(layers, d, host):
-  """``real_run``'s two windows in a process of their own, with its peak host RSS; else None."""
-  proc = subprocess.run([sys.executable, __file__, "--run-one", str(layers), str(d), str(int(
-      host))], capture_output=True, text=True, check=False)
+def child(quick, *argv):
+  """This script's ``--child`` in a process of its own (one holds the chip at a time): its JSON."""
+  command = [sys.executable, __file__, "--child", *map(str, argv), *["--quick"] * quick]
+  proc = subprocess.run(command, capture_output=True, text=True, check=False)
   found = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-  print(f"  ran {layers} layers: {found[-1] if found else proc.stderr[-300:]}", flush=True)
+  print(f"  {argv}: {found[-1] if found else proc.stderr[-300:]}", flush=True)
   return json.loads(found[-1]) if found else None
 
 
-def largest(host, d, limit, bounds):
-  """The most layers (of d x d) in ``bounds`` that compile within ``limit`` and train 2 windows."""
-  lo, hi = bounds  # lo fits (0: nothing; a larger one, checked by the runs below), hi + 1 not
+def bisect(host, d, limit, bounds):
+  """The most layers (of d x d) in ``bounds`` whose step compiles within ``limit``."""
+  lo, hi = bounds  # lo fits (0: nothing; a larger one, checked by the runs), hi + 1 does not
   while lo < hi:
     mid = (lo + hi + 1) // 2
     lo, hi = (mid, hi) if real_run(mid, d, host, limit, False) else (lo, mid - 1)
+  return lo
+
+
+def largest(quick, host, d, bounds):
+  """The most layers in ``bounds`` that compile within the chip's memory and train 2 windows."""
+  lo = child(quick, "bisect", int(host), d, *bounds)["layers"]
   for _ in range(3):  # a step down where the runtime needs more than the compiler said
-    if not lo or (run := ran(lo, d, host)) is not None:
+    if not lo or (run := child(quick, "run", int(host), d, lo)) is not None:
       break
     lo -= 1
   return {"layers": lo, "params": lo * d * d, **(run if lo else {})}
@@ -151,21 +153,19 @@ def largest(host, d, limit, bounds):
 def tpu(quick, layers):
   """The real run on the chip: the largest model each way (``layers``: the bisection's bounds,
   the device state's, then host_state's); the host update's pace."""
-  limit = 8 << 20 if quick else jax.devices()[0].memory_stats()["bytes_limit"]
   d, ram = 128 if quick else 4096, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   # host_state's host RAM grows by a layer's share: its bound (0.85 of RAM) from two runs.
-  small = [ran(n, d, True)["host peak"] for n in (4, 8)]
+  small = [child(quick, "run", 1, d, n)["host peak"] for n in (4, 8)]
   per_param = max((small[1] - small[0]) / (4 * d * d), 1.0)  # (a small run's within noise)
   by_ram = 4 + int((0.85 * ram - small[0]) / (per_param * d * d))
   bounds = {"device": layers[:2], HOST: [layers[2], min(layers[3], by_ram)]}
-  fits = {s: largest(s == HOST, d, limit, bounds[s]) for s in ("device", HOST)}
-  host = fits[HOST]
-  closing, mid = (host["ms"][1], host["ms"][0]) if host["layers"] else (0.0, 0.0)
-  return {"limit": limit, "d": d, "ram": ram, "host B/param": round(
+  fits = {s: largest(quick, s == HOST, d, bounds[s]) for s in ("device", HOST)}
+  mid, closing = fits[HOST].get("ms", (0.0, 0.0))
+  return {"limit": fits["device"].get("limit", 0), "d": d, "ram": ram, "host B/param": round(
       per_param, 1), "layers by ram": by_ram, "fits": fits, "ratio": round(
-      host["params"] / max(fits["device"]["params"], 1), 2),
-          "host ns/param": round(1e6 * (closing - mid) / max(host["params"], 1), 2),
-          "threads": len(os.sched_getaffinity(0)), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+      fits[HOST]["params"] / max(fits["device"]["params"], 1), 2),
+          "host ns/param": round(1e6 * (closing - mid) / max(fits[HOST]["params"], 1), 2),
+          "threads": len(os.sched_getaffinity(0))}
 
 
 def markdown(r):
@@ -191,7 +191,7 @@ def tpu_markdown(t):
           f" {t['layers by ram']} layers in 0.85 of the host's {t['ram'] / 2**30:.1f} GiB.", "",
           f"{t['ratio']:.2f}x as many parameters with host_state. The host update (closing step"
           f" minus micro-step, the link included): {t['host ns/param']} ns/param, {t['threads']}"
-          f" threads (XLA_FLAGS: {t['XLA_FLAGS'] or 'none'})."]
+          " threads."]
 
 
 def plot(r):
@@ -213,24 +213,23 @@ def main():
   ap = harness.parser(__doc__, quick="small sizes (checks the script)", layers=[0, 64, 0, 96])
   ap.add_argument("--tpu-deviceless", action="store_true", help="the TPU v5e compiler, no chip")
   ap.add_argument("--tpu", action="store_true", help="also the real run on the chip (--quick: CPU)")
-  ap.add_argument("--run-one", nargs=3, help=argparse.SUPPRESS)  # `ran`'s process
+  ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # `child`'s process
   args = ap.parse_args()
-  if args.run_one:
-    layers, d, host = args.run_one
-    run = real_run(int(layers), int(d), host == "1", float("inf"), True)
-    print(json.dumps({**run, "host peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                      * 1024}))
+  if args.child:  # "bisect" host d lo hi, or "run" host d layers
+    kind, host, d, *n = args.child[0], args.child[1] == "1", *map(int, args.child[2:])
+    limit = 8 << 20 if args.quick else jax.devices()[0].memory_stats()["bytes_limit"]
+    print(json.dumps({"layers": bisect(host, d, limit, n)} if kind == "bisect" else {
+        **real_run(n[0], d, host, limit, True), "limit": limit,
+        "host peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
     return
-  dev = gpu_hlo.target("v5e:2x2")[0] if args.tpu_deviceless else (
+  real = {"tpu": tpu(args.quick, args.layers)} if args.tpu else {}  # before this process
+  dev = gpu_hlo.target("v5e:2x2")[0] if args.tpu_deviceless else (  # holds the chip
       jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   r = {"command": " ".join(["python benchmarks/bench_host_state.py", *sys.argv[1:]]),
        "machine": harness.machine(), "memory": memory(args.quick, dev, args.tpu_deviceless),
        "compiler": "the TPU v5e compiler (deviceless)" if args.tpu_deviceless else (
-           f"XLA on {jax.devices()[0].device_kind}")}
+           f"XLA on {jax.devices()[0].device_kind}"), **real}
   stem = "tpu_deviceless" if args.tpu_deviceless else "tpu" if args.tpu else "cpu"
-  if args.tpu:  # the memory rows first: a run stopped in the real run still leaves them
-    harness.write(args.out, "host_state_" + stem, r, markdown(r))
-    r["tpu"] = tpu(args.quick, args.layers)
   harness.write(args.out, "host_state_" + stem, r, markdown(r), plot)
 
 
