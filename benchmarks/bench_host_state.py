@@ -123,31 +123,26 @@ def real_run(layers, d, host, limit, run_it, dev=None):
 
 
 def child(quick, *argv):
-  """This script's ``--child`` in a process of its own (one holds the chip at a time): its JSON."""
+  """``largest(*argv)`` in a process of its own (one holds the chip at a time): its JSON."""
   command = [sys.executable, __file__, "--child", *map(str, argv), *["--quick"] * quick]
   proc = subprocess.run(command, capture_output=True, text=True, check=False)
   found = [line for line in proc.stdout.splitlines() if line.startswith("{")]
   print(f"  {argv}: {found[-1] if found else proc.stderr[-300:]}", flush=True)
-  return json.loads(found[-1]) if found else None
+  return json.loads(found[-1]) if found else {"layers": 0, "params": 0}
 
 
-def bisect(host, d, limit, bounds):
-  """The most layers (of d x d) in ``bounds`` whose step compiles within ``limit``."""
-  lo, hi = bounds  # lo fits (0: nothing; a larger one, checked by the runs), hi + 1 does not
-  while lo < hi:
+def largest(host, d, limit, lo, hi):
+  """The most layers (of d x d) in [lo, hi] whose step compiles within ``limit``, trained two
+  windows (in this process: its peak host RSS is theirs)."""
+  while lo < hi:  # lo fits (0: nothing; a larger one, checked by the run), hi + 1 does not
     mid = (lo + hi + 1) // 2
     lo, hi = (mid, hi) if real_run(mid, d, host, limit, False) else (lo, mid - 1)
-  return lo
-
-
-def largest(quick, host, d, bounds):
-  """The most layers in ``bounds`` that compile within the chip's memory and train 2 windows."""
-  lo = child(quick, "bisect", int(host), d, *bounds)["layers"]
   for _ in range(3):  # a step down where the runtime needs more than the compiler said
-    if not lo or (run := child(quick, "run", int(host), d, lo)) is not None:
-      break
-    lo -= 1
-  return {"layers": lo, "params": lo * d * d, **(run if lo else {})}
+    try:
+      return {"layers": lo, "params": lo * d * d, **(real_run(lo, d, host, limit, True) or {})}
+    except jax.errors.JaxRuntimeError:
+      lo -= 1
+  return {"layers": 0, "params": 0}
 
 
 def tpu(quick, layers):
@@ -155,11 +150,11 @@ def tpu(quick, layers):
   the device state's, then host_state's); the host update's pace."""
   d, ram = 128 if quick else 4096, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   # host_state's host RAM grows by a layer's share: its bound (0.85 of RAM) from two runs.
-  small = [child(quick, "run", 1, d, n)["host peak"] for n in (4, 8)]
+  small = [child(quick, 1, d, n, n)["host peak"] for n in (4, 8)]
   per_param = max((small[1] - small[0]) / (4 * d * d), 1.0)  # (a small run's within noise)
   by_ram = 4 + int((0.85 * ram - small[0]) / (per_param * d * d))
   bounds = {"device": layers[:2], HOST: [layers[2], min(layers[3], by_ram)]}
-  fits = {s: largest(quick, s == HOST, d, bounds[s]) for s in ("device", HOST)}
+  fits = {s: child(quick, int(s == HOST), d, *bounds[s]) for s in ("device", HOST)}
   mid, closing = fits[HOST].get("ms", (0.0, 0.0))
   return {"limit": fits["device"].get("limit", 0), "d": d, "ram": ram, "host B/param": round(
       per_param, 1), "layers by ram": by_ram, "fits": fits, "ratio": round(
@@ -215,12 +210,11 @@ def main():
   ap.add_argument("--tpu", action="store_true", help="also the real run on the chip (--quick: CPU)")
   ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # `child`'s process
   args = ap.parse_args()
-  if args.child:  # "bisect" host d lo hi, or "run" host d layers
-    kind, host, d, *n = args.child[0], args.child[1] == "1", *map(int, args.child[2:])
+  if args.child:  # `child`'s process: host d lo hi
+    host, d, lo, hi = map(int, args.child)
     limit = 8 << 20 if args.quick else jax.devices()[0].memory_stats()["bytes_limit"]
-    print(json.dumps({"layers": bisect(host, d, limit, n)} if kind == "bisect" else {
-        **real_run(n[0], d, host, limit, True), "limit": limit,
-        "host peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    print(json.dumps({**largest(host == 1, d, limit, lo, hi), "limit": limit,
+                      "host peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
     return
   real = {"tpu": tpu(args.quick, args.layers)} if args.tpu else {}  # before this process
   dev = gpu_hlo.target("v5e:2x2")[0] if args.tpu_deviceless else (  # holds the chip
