@@ -281,7 +281,7 @@ def check_large_batch(
   nums = _validation.check_argnums(batch_argnums, "batch_argnums")
   # The float64 programs of each function the check traces, by the types of its arguments
   # ("stats": `pooled`, made anew on each call from `global_stats` and those types alone).
-  programs: dict[str, dict[Any, Any]] = {"fn": {}, "stats": {}, "microbatched": {}, "native": {}}
+  programs: dict[str, dict[Any, Any]] = {"fn": {}, "stats": {}, "microbatched": {}}
 
   def check(*args: Any, **kwargs: Any) -> LargeBatchReport:
     batch = _batch.of(args, nums)  # the rules every entry point shares
@@ -327,8 +327,9 @@ def check_large_batch(
     stats = _Stats.of(whole, micro_batches(), normalize, k)
     on_accumulated = _in_float64(accumulated, args, kwargs, b_nums, programs["microbatched"])[0]
     acc = _Grads.of(on_accumulated(args)[1], "microbatched")
-    native_run = _compiled(accumulated, args, kwargs, programs["native"])
-    native_errors = _Grads.of(native_run[1], "microbatched").distance(native)
+    as_it_runs = _in_float64(accumulated, args, kwargs, b_nums, programs["microbatched"],
+                             native=True)[0]  # the same trace, in its own dtypes
+    native_errors = _Grads.of(as_it_runs(args)[1], "microbatched").distance(native)
     return _classify(k, normalize, whole, permuted, acc, stats, micro_batches, native_errors,
                      found)
 
@@ -337,14 +338,17 @@ def check_large_batch(
 
 def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                 b_nums: tuple[int, ...], programs: dict[Any, Any],
-                other: _Trail | None = None) -> tuple[Callable[..., Any], _Trail]:
-  """``f``'s outputs in float64 on arguments shaped like ``args`` (``_float64.evaluate``).
+                other: _Trail | None = None, native: bool = False,
+                ) -> tuple[Callable[..., Any], _Trail]:
+  """``f``'s outputs in float64 on arguments shaped like ``args`` (``_float64.evaluate``);
+  with ``native``, in ``f``'s own dtypes (its trace compiled as it is: what training sees).
 
   ``f`` is traced on ``args`` as they are, once per types of its arguments: ``programs``
-  (``f``'s alone: no key names ``f``) keeps the float64 program of each, so a check
-  called again on new batches compiles nothing. Its walk (:class:`_Trail`) is compared
-  with ``other``'s, the trace of a micro-batch, when given: raises where ``f`` draws
-  random numbers per row from a key no batch argument feeds.
+  (``f``'s alone: no key names ``f``) keeps the float64 program of each and the trace's own,
+  so a check called again on new batches compiles nothing (an eager ``microbatched``
+  compiled its scan on every call). Its walk (:class:`_Trail`) is compared with
+  ``other``'s, the trace of a micro-batch, when given: raises where ``f`` draws random
+  numbers per row from a key no batch argument feeds.
   """
   inputs = _arrays.ArrayLeaves.of((args, kwargs))
   static = tuple(x for x in inputs.leaves if not isinstance(x, (jax.Array, np.ndarray)))
@@ -357,23 +361,12 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     closed, shape = jax.make_jaxpr(traced, return_shape=True)(*inputs.arrays)
     trail = _Trail(other)
     _walk(closed.jaxpr, [frozenset({_source(path, b_nums)}) for path in inputs.paths], trail)
-    programs[key] = _float64.evaluate(closed), jax.tree.structure(shape), trail
-  run, out, trail = programs[key]
+    programs[key] = (_float64.evaluate(closed), jax.jit(jax_core.jaxpr_as_fun(closed)),
+                     jax.tree.structure(shape), trail)
+  wide, own, out, trail = programs[key]
+  run = own if native else wide
   return (lambda new, kw=kwargs: jax.tree.unflatten(
       out, run(*_arrays.ArrayLeaves.of((new, kw)).arrays))), trail
-
-
-def _compiled(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-              programs: dict[Any, Any]) -> Any:
-  """``f(*args, **kwargs)`` as it runs, in its own dtypes, compiled once per types of its
-  arguments: ``programs`` keeps each (eager, ``microbatched``'s scan compiled on every call)."""
-  inputs = _arrays.ArrayLeaves.of((args, kwargs))
-  static = tuple(x for x in inputs.leaves if not isinstance(x, (jax.Array, np.ndarray)))
-  key = (inputs.treedef, tuple(map(jax.typeof, inputs.arrays)), static)
-  if key not in programs:
-    programs[key] = jax.jit(lambda *values: f(*inputs.rebuild(values)[0], **inputs.rebuild(
-        values)[1]))
-  return programs[key](*inputs.arrays)
 
 
 def _rows(x: Any, order: np.ndarray) -> jax.Array:
