@@ -47,7 +47,6 @@ def makes_arrays() -> optax.GradientTransformation:
 
 
 OPTIMIZERS = {"adam": adam, "adamw_clipped": adamw_clipped, "makes_arrays": makes_arrays}
-RUNS = sorted(OPTIMIZERS)
 
 
 def loss(params: Any, x: jax.Array) -> jax.Array:
@@ -105,7 +104,7 @@ def across_steps(k: int, make: Callable[[], Any], host: bool) -> tuple[Any, Call
 
 
 @pytest.mark.parametrize("k", [1, 4])
-@pytest.mark.parametrize("opt", RUNS)
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 @pytest.mark.catches("host_state_on_device")
 def test_across_steps_equals_the_device_run_bit_for_bit(k: int, opt: str) -> None:
   """``jax.jit``, params and state donated, over two windows and one micro-batch more."""
@@ -127,7 +126,7 @@ def test_across_steps_equals_the_device_run_bit_for_bit(k: int, opt: str) -> Non
 
 
 @pytest.mark.parametrize("k", [1, 4])
-@pytest.mark.parametrize("opt", RUNS)
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 @pytest.mark.catches("host_state_on_device")
 def test_in_step_equals_the_device_run_bit_for_bit(k: int, opt: str) -> None:
   """``microbatched`` for the gradients, then the optimizer in the same step; with
