@@ -451,7 +451,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
                      default=getattr(d, f.name))
   cfg = Config(**vars(p.parse_args(argv)))
   if cfg.quick:
-    cfg = dataclasses.replace(cfg, steps=3, rows=2, seq_len=8, d_model=16, d_ff=16,
+    cfg = dataclasses.replace(cfg, steps=3, rows=2, seq_len=8, d_model=16, d_ff=16, layers=1,
                               eval_batches=2, cost_batches=3)
   return cfg
 
