@@ -431,8 +431,7 @@ def mid(ops: Operands, *, updates_like: Any, parks: Any, apply: bool) -> Emitted
   read back, masked, after the conditional.
   """
   out = ops.params if apply else jax.tree.map(
-      lambda s, parked: None if parked else _arrays.match_varying(
-          jnp.zeros(s.shape, s.dtype, out_sharding=_arrays.array_type(s).explicit_spec), s),
+      lambda s, parked: None if parked else _arrays.match_varying(_arrays.filled(s, s.dtype), s),
       updates_like, parks)
   return Emitted(out, ops.inner_state, ops.noise)
 
