@@ -288,10 +288,17 @@ def micro_step(
 
 
 def on_host(branch: Callable[..., Any], inner_state: Any, *, parked: bool) -> Callable[..., Any]:
-  """The emitting ``branch``, on the host where the inner state is (``offload``)."""
+  """The emitting ``branch`` computed on the host where a leaf of ``inner_state`` is typed in
+  host memory (``offload.host_state``), else ``branch`` itself: the buffer, the gradients and
+  the params go to host memory, the window's sum, its scaling, the update and its application
+  run there, and only what the step returns on the device comes back, in the device's layout
+  (``offload.on_host``): no parameter-sized temporary on the device. The inner state's
+  leaves stay where they are."""
+  if not offload.on_the_host(inner_state):
+    return branch
   d = jax.memory.Space.Device  # what comes back: the params or updates (and a parked buffer)
-  return offload.branch_on_host(branch, inner_state, lambda spaces: (
-      (Emitted(d, spaces, d), d) if parked else Emitted(d, spaces, d)))
+  out = Emitted(d, jax.tree.map(lambda x: jax.typeof(x).memory_space, inner_state), d)
+  return lambda ops, acc: offload.on_host(branch, (out, d) if parked else out, ops, acc)
 
 
 def decide(config: Config, window: Window, accept: Any, weight: jax.Array | None,
