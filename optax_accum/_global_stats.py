@@ -62,14 +62,6 @@ def check_summable(tree: Any, where: str) -> None:
           " summed over micro-batches and devices: return arrays of numbers (counts as ints).")
 
 
-def check_fn(stats_fn: Any) -> Callable[..., Any] | None:
-  """``microbatched``'s ``global_stats``: None or a function, else raises."""
-  if stats_fn is not None and not callable(stats_fn):
-    raise TypeError(f"`global_stats` must be None or a function `stats_fn(params, *args)`"
-                    f" returning a micro-batch's statistics; got {stats_fn!r}.")
-  return stats_fn
-
-
 def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[Any],
              positions: tuple[int, ...], rows: int,
              ) -> tuple[Callable[..., Any], Callable[[Sequence[Any]], Any]]:
