@@ -287,17 +287,15 @@ def _check_candidates(candidates: Any, batch: _batch.Batch) -> tuple[int, ...]:
 
 
 def _resolve_limit(memory_limit: Any) -> int:
-  if memory_limit is None:
-    return _default_limit()
-  if (isinstance(memory_limit, (bool, np.bool_))
-      or not isinstance(memory_limit, (int, float, np.integer, np.floating))
-      or not math.isfinite(memory_limit) or memory_limit <= 0):
-    raise ValueError("`memory_limit` must be a positive number of bytes per device (e.g."
-                     f" 8 * 2**30 for 8 GiB); got {memory_limit!r}.")
-  return int(memory_limit)
-
-
-def _default_limit() -> int:
+  """``memory_limit`` checked, or (None) :data:`HEADROOM` of the local devices' smallest
+  ``bytes_limit``."""
+  if memory_limit is not None:
+    if (isinstance(memory_limit, (bool, np.bool_))
+        or not isinstance(memory_limit, (int, float, np.integer, np.floating))
+        or not math.isfinite(memory_limit) or memory_limit <= 0):
+      raise ValueError("`memory_limit` must be a positive number of bytes per device (e.g."
+                       f" 8 * 2**30 for 8 GiB); got {memory_limit!r}.")
+    return int(memory_limit)
   limits = []
   for device in jax.local_devices():
     try:
