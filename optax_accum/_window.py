@@ -330,9 +330,7 @@ def window_length(k: KSchedule | noise_lib.AdaptiveK, window: Window) -> jax.Arr
   """``k`` for this window; a schedule is checked when concrete, clamped under jit."""
   if isinstance(k, noise_lib.AdaptiveK):
     return k(window.noise_stats)
-  value = k(window.gradient_step)
-  _validation.check_schedule_value(value, window.gradient_step)
-  return jnp.maximum(jnp.asarray(value).astype(jnp.int32), 1)
+  return _validation.check_schedule_value(k(window.gradient_step), window.gradient_step)
 
 
 def buffer_after(config: Config, acc: optax.Updates, grads: optax.Updates, *,
