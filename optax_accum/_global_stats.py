@@ -51,8 +51,8 @@ class GlobalStats(NamedTuple):
   last: Any
 
 
-def check_summable(tree: Any, where: str) -> None:
-  """Raises unless every leaf of ``tree`` is an array (or shape) of numbers: what a sum adds."""
+def check_summable(tree: Any, where: str) -> Any:
+  """``tree``, if every leaf is an array (or shape) of numbers (what a sum adds), else raises."""
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     dtype = getattr(x, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.number):
@@ -60,6 +60,7 @@ def check_summable(tree: Any, where: str) -> None:
       raise TypeError(
           f"{where} at {jax.tree_util.keystr(path) or 'its root'} is {what}, which cannot be"
           " summed over micro-batches and devices: return arrays of numbers (counts as ints).")
+  return tree
 
 
 def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[Any],
@@ -84,9 +85,7 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
   holds the rows.
   """
   def checked(*a: Any) -> Any:
-    out = stats_fn(*a)
-    check_summable(out, "The statistics `global_stats` returns")
-    return out
+    return check_summable(stats_fn(*a), "The statistics `global_stats` returns")
 
   leaves = _arrays.ArrayLeaves.of(tuple(args))
   doubled = jax.eval_shape(lambda xs: [jnp.concatenate([x, x]) if p[0].idx in positions else x
