@@ -214,9 +214,8 @@ def check_like(like: Any) -> Any:
   """``accumulate``'s ``global_stats``: None, or the statistics' shapes, summed in what dtypes."""
   if like is None:
     return None
-  check_summable(like, "`global_stats`")
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), _arrays.sum_dtype(
-      jnp.result_type(x))), like)
+      jnp.result_type(x))), check_summable(like, "`global_stats`"))
 
 
 def init(like: Any) -> GlobalStats | tuple[()]:
@@ -243,9 +242,8 @@ def advance(state: Any, stats: Any, like: Any, accept: Any, closes: Any, axis_na
     raise ValueError(
         f"`update(..., stats=...)` got shapes {jax.tree.map(jnp.shape, stats)}, but"
         f" `accumulate(..., global_stats=...)` declared {like and jax.tree.map(jnp.shape, like)}.")
-  check_summable(stats, "`stats`")
   running = jax.tree.map(lambda r, s: r + jnp.where(accept, s, 0).astype(r.dtype),
-                         state.running, stats)
+                         state.running, check_summable(stats, "`stats`"))
   total = (lambda r: r) if axis_name is None else (lambda r: lax.psum(r, axis_name))
   last = lax.cond(closes, total, lambda r: state.last, running)
   return GlobalStats(jax.tree.map(lambda r: jnp.where(closes, jnp.zeros([], r.dtype), r),
