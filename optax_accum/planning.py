@@ -97,11 +97,13 @@ class Plan(NamedTuple):
 
   def __str__(self) -> str:
     """The plan for a person: one line of summary, then the table."""
+    shown = self.candidates if len(self.candidates) <= 8 else (
+        *self.candidates[:3], "...", *self.candidates[-2:])
     lines = [
         f"plan_k: k = {self.k} (micro-batches of {self.micro_batch_size}), peak"
         f" {_mib(self.peak_bytes)} MiB within {_mib(self.memory_limit)} MiB per device;"
         f" {len(self.table)} of {len(self.candidates)} candidates compiled"
-        f" in {self.compile_s:.1f} s (candidates: {_short(self.candidates)})",
+        f" in {self.compile_s:.1f} s (candidates: {', '.join(map(str, shown))})",
         _table(self.table),
     ]
     if not self.monotone:
@@ -112,11 +114,6 @@ class Plan(NamedTuple):
 
 def _mib(n: int | None) -> str:
   return "n/a" if n is None else f"{n / 2**20:.2f}"
-
-
-def _short(ks: Sequence[int]) -> str:
-  shown = ks if len(ks) <= 8 else (*ks[:3], "...", *ks[-2:])
-  return ", ".join(map(str, shown))
 
 
 def _table(rows: Sequence[PlanRow]) -> str:
