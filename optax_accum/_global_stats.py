@@ -51,8 +51,8 @@ class GlobalStats(NamedTuple):
   last: Any
 
 
-def check_summable(tree: Any, where: str) -> None:
-  """Raises unless every leaf of ``tree`` is an array (or shape) of numbers: what a sum adds."""
+def check_summable(tree: Any, where: str) -> Any:
+  """``tree``, if every leaf is an array (or shape) of numbers (what a sum adds), else raises."""
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     dtype = getattr(x, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.number):
@@ -60,14 +60,7 @@ def check_summable(tree: Any, where: str) -> None:
       raise TypeError(
           f"{where} at {jax.tree_util.keystr(path) or 'its root'} is {what}, which cannot be"
           " summed over micro-batches and devices: return arrays of numbers (counts as ints).")
-
-
-def check_fn(stats_fn: Any) -> Callable[..., Any] | None:
-  """``microbatched``'s ``global_stats``: None or a function, else raises."""
-  if stats_fn is not None and not callable(stats_fn):
-    raise TypeError(f"`global_stats` must be None or a function `stats_fn(params, *args)`"
-                    f" returning a micro-batch's statistics; got {stats_fn!r}.")
-  return stats_fn
+  return tree
 
 
 def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[Any],
@@ -92,9 +85,7 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
   holds the rows.
   """
   def checked(*a: Any) -> Any:
-    out = stats_fn(*a)
-    check_summable(out, "The statistics `global_stats` returns")
-    return out
+    return check_summable(stats_fn(*a), "The statistics `global_stats` returns")
 
   leaves = _arrays.ArrayLeaves.of(tuple(args))
   doubled = jax.eval_shape(lambda xs: [jnp.concatenate([x, x]) if p[0].idx in positions else x
@@ -223,9 +214,8 @@ def check_like(like: Any) -> Any:
   """``accumulate``'s ``global_stats``: None, or the statistics' shapes, summed in what dtypes."""
   if like is None:
     return None
-  check_summable(like, "`global_stats`")
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), _arrays.sum_dtype(
-      jnp.result_type(x))), like)
+      jnp.result_type(x))), check_summable(like, "`global_stats`"))
 
 
 def init(like: Any) -> GlobalStats | tuple[()]:
@@ -252,9 +242,8 @@ def advance(state: Any, stats: Any, like: Any, accept: Any, closes: Any, axis_na
     raise ValueError(
         f"`update(..., stats=...)` got shapes {jax.tree.map(jnp.shape, stats)}, but"
         f" `accumulate(..., global_stats=...)` declared {like and jax.tree.map(jnp.shape, like)}.")
-  check_summable(stats, "`stats`")
   running = jax.tree.map(lambda r, s: r + jnp.where(accept, s, 0).astype(r.dtype),
-                         state.running, stats)
+                         state.running, check_summable(stats, "`stats`"))
   total = (lambda r: r) if axis_name is None else (lambda r: lax.psum(r, axis_name))
   last = lax.cond(closes, total, lambda r: state.last, running)
   return GlobalStats(jax.tree.map(lambda r: jnp.where(closes, jnp.zeros([], r.dtype), r),

@@ -433,19 +433,12 @@ def _numpy(x: Any) -> np.ndarray:
   return np.asarray(jnp.copy(x))
 
 
-def _sketch(grads: _Grads) -> np.ndarray:
-  """A CountSketch of ``grads``: each entry, with a random sign, added to a random row.
+def _sketch_leaf(n: int, x: np.ndarray, out: np.ndarray) -> None:
+  """Adds leaf ``n``'s share of a gradient's CountSketch to ``out``: each entry, with a random
+  sign, added to a random row.
 
   Linear, so an exact combination of the micro-batch gradients stays exact in it.
   """
-  out = np.zeros(_SKETCH_ROWS)
-  for n in range(len(grads.leaves)):
-    _sketch_leaf(n, grads.host(n), out)
-  return out
-
-
-def _sketch_leaf(n: int, x: np.ndarray, out: np.ndarray) -> None:
-  """Adds leaf ``n``'s share of the sketch to ``out``."""
   for start in range(0, x.size, _CHUNK):
     rng = np.random.default_rng((n, start))  # the same hash for every call
     part = x[start:start + _CHUNK]
@@ -675,7 +668,10 @@ def _classify(k: int, normalize: str, whole: _Grads, permuted: np.ndarray, acc: 
         f" num_microbatches={k} cannot tell unequal weights from coupling: check with"
         f" num_microbatches < {entries}, or a model with more parameters.")
   # Non-negative weights only: the least-squares fit clamped at 0, then checked exactly.
-  w = np.maximum(np.linalg.lstsq(stats.sketches.T, _sketch(whole), rcond=None)[0], 0.0)
+  sketch = np.zeros(_SKETCH_ROWS)  # the whole batch's, sketched as each micro-batch's
+  for n in leaves:
+    _sketch_leaf(n, whole.host(n), sketch)
+  w = np.maximum(np.linalg.lstsq(stats.sketches.T, sketch, rcond=None)[0], 0.0)
   if w.sum() > 0:
     fitted = [np.zeros_like(x) for x in combined]
     for wj, g in zip(w, micro_batches(), strict=True):  # the second pass: exact

@@ -209,17 +209,18 @@ def check_k(k: Any, name: str = "k") -> int | Callable[[jax.Array], Any]:
   return int(k)
 
 
-def check_schedule_value(value: Any, step: Any) -> None:
-  """Raises if a ``k`` schedule returned a concrete value below 1 (under jit: clamped)."""
-  if isinstance(value, jax.core.Tracer):
-    return
-  concrete = int(jnp.asarray(value))
-  if concrete < 1:
-    raise ValueError(
-        f"The `k` schedule returned {concrete} at gradient_step {int(step)}; a window needs"
-        " at least 1 micro-batch. Make the schedule return an int >= 1 for every step."
-        " (Under jit such values are clamped to 1.)"
-    )
+def check_schedule_value(value: Any, step: Any) -> jax.Array:
+  """A ``k`` schedule's ``value`` as an int32 window length; raises if it is a concrete value
+  below 1 (under jit: clamped to 1)."""
+  if not isinstance(value, jax.core.Tracer):
+    concrete = int(jnp.asarray(value))
+    if concrete < 1:
+      raise ValueError(
+          f"The `k` schedule returned {concrete} at gradient_step {int(step)}; a window needs"
+          " at least 1 micro-batch. Make the schedule return an int >= 1 for every step."
+          " (Under jit such values are clamped to 1.)"
+      )
+  return jnp.maximum(jnp.asarray(value).astype(jnp.int32), 1)
 
 
 def check_schedule_at_zero(schedule: Callable[[jax.Array], Any]) -> None:

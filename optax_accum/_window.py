@@ -288,10 +288,17 @@ def micro_step(
 
 
 def on_host(branch: Callable[..., Any], inner_state: Any, *, parked: bool) -> Callable[..., Any]:
-  """The emitting ``branch``, on the host where the inner state is (``offload``)."""
+  """The emitting ``branch`` computed on the host where a leaf of ``inner_state`` is typed in
+  host memory (``offload.host_state``), else ``branch`` itself: the buffer, the gradients and
+  the params go to host memory, the window's sum, its scaling, the update and its application
+  run there, and only what the step returns on the device comes back, in the device's layout
+  (``offload.on_host``): no parameter-sized temporary on the device. The inner state's
+  leaves stay where they are."""
+  if not offload.on_the_host(inner_state):
+    return branch
   d = jax.memory.Space.Device  # what comes back: the params or updates (and a parked buffer)
-  return offload.branch_on_host(branch, inner_state, lambda spaces: (
-      (Emitted(d, spaces, d), d) if parked else Emitted(d, spaces, d)))
+  out = Emitted(d, jax.tree.map(lambda x: jax.typeof(x).memory_space, inner_state), d)
+  return lambda ops, acc: offload.on_host(branch, (out, d) if parked else out, ops, acc)
 
 
 def decide(config: Config, window: Window, accept: Any, weight: jax.Array | None,
@@ -323,9 +330,7 @@ def window_length(k: KSchedule | noise_lib.AdaptiveK, window: Window) -> jax.Arr
   """``k`` for this window; a schedule is checked when concrete, clamped under jit."""
   if isinstance(k, noise_lib.AdaptiveK):
     return k(window.noise_stats)
-  value = k(window.gradient_step)
-  _validation.check_schedule_value(value, window.gradient_step)
-  return jnp.maximum(jnp.asarray(value).astype(jnp.int32), 1)
+  return _validation.check_schedule_value(k(window.gradient_step), window.gradient_step)
 
 
 def buffer_after(config: Config, acc: optax.Updates, grads: optax.Updates, *,
@@ -431,8 +436,7 @@ def mid(ops: Operands, *, updates_like: Any, parks: Any, apply: bool) -> Emitted
   read back, masked, after the conditional.
   """
   out = ops.params if apply else jax.tree.map(
-      lambda s, parked: None if parked else _arrays.match_varying(
-          jnp.zeros(s.shape, s.dtype, out_sharding=_arrays.array_type(s).explicit_spec), s),
+      lambda s, parked: None if parked else _arrays.match_varying(_arrays.filled(s, s.dtype), s),
       updates_like, parks)
   return Emitted(out, ops.inner_state, ops.noise)
 

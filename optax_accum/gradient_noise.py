@@ -395,7 +395,6 @@ def scale_by_schedule_in_examples(
   """
   def update_fn(updates: optax.Updates, state: optax.EmptyState, params: Any = None, *,
                 examples: Any, **extra_args: Any) -> tuple[optax.Updates, optax.EmptyState]:
-    del params, extra_args
     lr = schedule(examples)
     return jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates), state
 

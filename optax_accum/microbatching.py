@@ -181,6 +181,9 @@ def microbatched(
   """
   if not callable(fn):
     raise TypeError(f"`fn` must be callable (e.g. jax.value_and_grad(loss)); got {fn!r}.")
+  if global_stats is not None and not callable(global_stats):
+    raise TypeError(f"`global_stats` must be None or a function `stats_fn(params, *args)`"
+                    f" returning a micro-batch's statistics; got {global_stats!r}.")
   k = _batch.check_num_microbatches(num_microbatches)
   batch_argnums = _validation.check_argnums(batch_argnums, "batch_argnums")
   rng_argnums = _validation.check_argnums(rng_argnums, "rng_argnums", empty_ok=True)
@@ -194,7 +197,7 @@ def microbatched(
       aux_rules=_aux_rules.check(aux_rules),
       axis_name=axis_name,
       return_noise_stats=_validation.check_flag(return_noise_stats, "return_noise_stats"),
-      global_stats=_global_stats.check_fn(global_stats),
+      global_stats=global_stats,
       **microbatched_options(deprecated_options),
   )
 

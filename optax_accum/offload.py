@@ -147,20 +147,6 @@ def in_host_memory(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   return sharding.with_memory_kind(HOST)
 
 
-def branch_on_host(branch: Callable[..., Any], inner_state: Any,
-                   out_spaces: Callable[[Any], Any]) -> Callable[..., Any]:
-  """A window's emitting ``branch`` computed on the host where a leaf of ``inner_state`` is
-  typed in host memory (:func:`host_state`), else ``branch`` itself: the buffer, the gradients
-  and the params go to host memory, the window's sum, its scaling, the update and its
-  application run there, and only what the step returns on the device comes back
-  (``out_spaces(inner_state's spaces)``), in the device's layout: no parameter-sized
-  temporary on the device. The inner state's leaves stay where they are."""
-  if not on_the_host(inner_state):
-    return branch
-  spaces = jax.tree.map(lambda x: jax.typeof(x).memory_space, inner_state)
-  return lambda ops, acc: on_host(branch, out_spaces(spaces), ops, acc)
-
-
 def on_the_host(inner_state: Any) -> bool:
   """Whether a leaf of ``inner_state`` is typed in host memory (:func:`host_state`'s)."""
   return any(jax.typeof(x).memory_space == jax.memory.Space.Host

@@ -97,11 +97,13 @@ class Plan(NamedTuple):
 
   def __str__(self) -> str:
     """The plan for a person: one line of summary, then the table."""
+    shown = self.candidates if len(self.candidates) <= 8 else (
+        *self.candidates[:3], "...", *self.candidates[-2:])
     lines = [
         f"plan_k: k = {self.k} (micro-batches of {self.micro_batch_size}), peak"
         f" {_mib(self.peak_bytes)} MiB within {_mib(self.memory_limit)} MiB per device;"
         f" {len(self.table)} of {len(self.candidates)} candidates compiled"
-        f" in {self.compile_s:.1f} s (candidates: {_short(self.candidates)})",
+        f" in {self.compile_s:.1f} s (candidates: {', '.join(map(str, shown))})",
         _table(self.table),
     ]
     if not self.monotone:
@@ -112,11 +114,6 @@ class Plan(NamedTuple):
 
 def _mib(n: int | None) -> str:
   return "n/a" if n is None else f"{n / 2**20:.2f}"
-
-
-def _short(ks: Sequence[int]) -> str:
-  shown = ks if len(ks) <= 8 else (*ks[:3], "...", *ks[-2:])
-  return ", ".join(map(str, shown))
 
 
 def _table(rows: Sequence[PlanRow]) -> str:
@@ -287,17 +284,15 @@ def _check_candidates(candidates: Any, batch: _batch.Batch) -> tuple[int, ...]:
 
 
 def _resolve_limit(memory_limit: Any) -> int:
-  if memory_limit is None:
-    return _default_limit()
-  if (isinstance(memory_limit, (bool, np.bool_))
-      or not isinstance(memory_limit, (int, float, np.integer, np.floating))
-      or not math.isfinite(memory_limit) or memory_limit <= 0):
-    raise ValueError("`memory_limit` must be a positive number of bytes per device (e.g."
-                     f" 8 * 2**30 for 8 GiB); got {memory_limit!r}.")
-  return int(memory_limit)
-
-
-def _default_limit() -> int:
+  """``memory_limit`` checked, or (None) :data:`HEADROOM` of the local devices' smallest
+  ``bytes_limit``."""
+  if memory_limit is not None:
+    if (isinstance(memory_limit, (bool, np.bool_))
+        or not isinstance(memory_limit, (int, float, np.integer, np.floating))
+        or not math.isfinite(memory_limit) or memory_limit <= 0):
+      raise ValueError("`memory_limit` must be a positive number of bytes per device (e.g."
+                       f" 8 * 2**30 for 8 GiB); got {memory_limit!r}.")
+    return int(memory_limit)
   limits = []
   for device in jax.local_devices():
     try:
