@@ -289,11 +289,12 @@ def micro_step(
 
 def on_host(branch: Callable[..., Any], inner_state: Any, *, parked: bool) -> Callable[..., Any]:
   """The emitting ``branch`` computed on the host where a leaf of ``inner_state`` is typed in
-  host memory (``offload.host_state``), else ``branch`` itself: the buffer, the gradients and
-  the params go to host memory, the window's sum, its scaling, the update and its application
-  run there, and only what the step returns on the device comes back, in the device's layout
-  (``offload.on_host``): no parameter-sized temporary on the device. The inner state's
-  leaves stay where they are."""
+  host memory (``offload.host_state``), else ``branch`` itself: what ``branch`` reads goes to
+  host memory (the params, and the window's sum; where the updates are parked in the buffer,
+  the buffer and this micro-batch's gradients, summed there), the scaling, the update and its
+  application run there, and only what the step returns on the device comes back, in the
+  device's layout (``offload.on_host``): no parameter-sized temporary on the device. The
+  inner state's leaves stay where they are."""
   if not offload.on_the_host(inner_state):
     return branch
   d = jax.memory.Space.Device  # what comes back: the params or updates (and a parked buffer)
