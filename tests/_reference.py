@@ -20,6 +20,7 @@ import contextlib
 import functools
 import importlib.util
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
@@ -139,6 +140,19 @@ def load_example(name: str) -> ModuleType:
   spec.loader.exec_module(module)
   return module
 
+
+def multiprocess_env() -> dict[str, str]:
+  """The environment of an example started as one of several processes (gloo collectives).
+
+  This process's, less ``XLA_FLAGS`` (the script sets its own) and less the session's
+  compilation cache (conftest.py): on jax 0.12.1 (not 0.12.0.1, not 0.10.2) two processes
+  hang in the first all-reduce of a program with two all-reduces that both load from a
+  persistent compilation cache (the repro: docs/development/index.md). Their programs
+  compile every time instead."""
+  dropped = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR",
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+  return {k: v for k, v in os.environ.items() if k not in dropped}
 
 # -- the default backend's float32 accuracy -------------------------------------------------
 def _grid(low: float, high: float, *, log: bool = False) -> np.ndarray:

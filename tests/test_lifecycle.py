@@ -31,7 +31,6 @@ import socket
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -51,6 +50,7 @@ from optax_accum.sharding import (
     reshard_state,
     shard_map_specs,
 )
+from tests._reference import multiprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 K, STEPS, BATCH = 4, 8, 16  # two windows of 4 micro-batches of 16 rows (all devices)
@@ -457,10 +457,6 @@ SCRIPT = ROOT / "examples" / "resumable_training.py"
 KILL_TIMEOUT_S = 150
 
 
-class _Hung(Exception):
-  """The processes of a run neither ended nor reached their mark by the deadline."""
-
-
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -468,7 +464,7 @@ def _free_port() -> int:
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own
+  env = multiprocess_env()  # for the one-process runs too: one environment to reason about
   # PYTHONFAULTHANDLER: a hung process, sent SIGABRT, writes every thread's stack to its log.
   env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1")
   return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env,
@@ -484,7 +480,7 @@ def _logs(procs: list[tuple[subprocess.Popen[bytes], Path]]) -> str:
 def _run_all(jobs: list[tuple[list[str], Path]], *, kill_at: str | None = None) -> None:
   """Runs the processes to their end, or SIGKILLs them all once each log shows ``kill_at``.
 
-  Raises _Hung, with every log (a hung process's stacks in it), where they do neither by the
+  Fails, with every log (a hung process's stacks in it), where they do neither by the
   deadline."""
   procs = [(_start(args, log), log) for args, log in jobs]
   deadline = time.monotonic() + KILL_TIMEOUT_S
@@ -511,14 +507,17 @@ def _run_all(jobs: list[tuple[list[str], Path]], *, kill_at: str | None = None) 
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
   if hung:
-    raise _Hung(f"{len(hung)} of {len(procs)} processes hung for {KILL_TIMEOUT_S} s:\n"
+    pytest.fail(f"{len(hung)} of {len(procs)} processes hung for {KILL_TIMEOUT_S} s:\n"
                 + _logs(procs))
   assert all(p.returncode == 0 for p, _ in procs), _logs(procs)
   assert kill_at is None, "the job ended before it could be killed"
 
 
-def _kill_and_resume(processes: int, tmp_path: Path) -> None:
-  tmp_path.mkdir()
+@pytest.mark.parametrize("processes", [1, 2], ids=["one_process", "two_processes"])
+def test_a_killed_job_resumes_bit_for_bit(processes: int, tmp_path: Path) -> None:
+  """8 devices in all, plain jit, k = 4, CheckpointManager every 3 micro-steps (so the
+  latest is mid-window), SIGKILL after micro-step 7, restart: the same params, bit for bit,
+  as the run that was never killed. A run that hangs fails with every process's stacks."""
   port = iter([_free_port() for _ in range(3)])
 
   def jobs(ckpt: Path, tag: str, *extra: str) -> list[tuple[list[str], Path]]:
@@ -540,19 +539,3 @@ def _kill_and_resume(processes: int, tmp_path: Path) -> None:
     assert sorted(a.files) == sorted(b.files)
     for name in a.files:
       np.testing.assert_array_equal(a[name], b[name], err_msg=name)
-
-
-@pytest.mark.parametrize("processes", [1, 2], ids=["one_process", "two_processes"])
-def test_a_killed_job_resumes_bit_for_bit(processes: int, tmp_path: Path) -> None:
-  """8 devices in all, plain jit, k = 4, CheckpointManager every 3 micro-steps (so the
-  latest is mid-window), SIGKILL after micro-step 7, restart: the same params, bit for bit,
-  as the run that was never killed.
-
-  A run that hangs (once in CI: two processes under the whole suite, after micro-step 3, in
-  the collective that closes the first window) is reported with its stacks, and the job is
-  run once more from the start; a second hang, or any failure, fails the test."""
-  try:
-    _kill_and_resume(processes, tmp_path / "first")
-  except _Hung as e:
-    warnings.warn(f"the job hung and runs again from the start: {e}", stacklevel=1)
-    _kill_and_resume(processes, tmp_path / "again")

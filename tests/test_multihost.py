@@ -27,6 +27,8 @@ import numpy as np
 import optax
 import pytest
 
+from tests._reference import multiprocess_env
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "multihost.py"
 TIMEOUT_S = 120
@@ -49,7 +51,7 @@ def _free_port() -> int:
 def _launch(tmp_path: Path, extra: dict[int, list[str]], common: list[str]) -> list[dict[str, Any]]:
   """Starts 2 processes, waits for both (bounded), returns their results."""
   port = _free_port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own
+  env = multiprocess_env()
   env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
   procs = []
   start = time.monotonic()
