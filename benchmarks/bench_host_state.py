@@ -90,6 +90,12 @@ def memory(quick, dev, abstract):
   return rows
 
 
+def one_device() -> jax.sharding.NamedSharding:
+  """The first device, whole (a NamedSharding: JAX 0.12.1 deprecates SingleDeviceSharding)."""
+  return jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("d",)),
+                                    jax.sharding.PartitionSpec())
+
+
 def real_run(layers, d, host, limit, run_it, dev=None):
   """Compiles (and with ``run_it`` runs two windows of) the step of an MLP of ``layers`` tanh
   layers of d x d in a lax.scan, f32 adam, k = 4: its device bytes, or None where it does not
@@ -98,7 +104,7 @@ def real_run(layers, d, host, limit, run_it, dev=None):
   tx = oa.accumulate(K, oa.host_state(optax.adam(1e-4)) if host else optax.adam(1e-4))
   step = jax.jit(lambda p, s, x: oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p),
                  donate_argnums=(0, 1))
-  dev, n = dev or jax.sharding.SingleDeviceSharding(jax.devices()[0]), layers * d * d
+  dev, n = dev or one_device(), layers * d * d
   params = jax.ShapeDtypeStruct((layers, d, d), jnp.float32, sharding=dev)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        jax.eval_shape(tx.init, params), oa.sharding.state_shardings(tx, params))
@@ -218,7 +224,7 @@ def main():
     return
   real = {"tpu": tpu(args.quick, args.layers)} if args.tpu else {}  # before this process
   dev = gpu_hlo.target("v5e:2x2")[0] if args.tpu_deviceless else (  # holds the chip
-      jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+      one_device())
   r = {"command": " ".join(["python benchmarks/bench_host_state.py", *sys.argv[1:]]),
        "machine": harness.machine(), "memory": memory(args.quick, dev, args.tpu_deviceless),
        "compiler": "the TPU v5e compiler (deviceless)" if args.tpu_deviceless else (

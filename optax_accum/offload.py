@@ -141,7 +141,7 @@ def in_host_memory(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   ``ShapeDtypeStruct`` or an array orbax restores with a ``SingleDeviceSharding`` in
   ``pinned_host`` is typed on the device, and a step returns it there.
   """
-  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+  if not isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) == 1:
     sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(list(sharding.device_set), (
         "host_state",)), jax.sharding.PartitionSpec())
   return sharding.with_memory_kind(HOST)
