@@ -154,6 +154,7 @@ def multiprocess_env() -> dict[str, str]:
              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
   return {k: v for k, v in os.environ.items() if k not in dropped}
 
+
 # -- the default backend's float32 accuracy -------------------------------------------------
 def _grid(low: float, high: float, *, log: bool = False) -> np.ndarray:
   """512 float32 points from ``low`` to ``high``, evenly or geometrically spaced."""
