@@ -116,6 +116,13 @@ def strip_axes(partitions: tuple[Any, ...], axes: tuple[Any, ...]) -> tuple[Any,
   return tuple(spec_entry(names) if names else None for names in kept)  # (None stays None)
 
 
+def on_one_device(sharding: Any) -> bool:
+  """Whether ``sharding`` is a one-device sharding other than a NamedSharding (JAX 0.12.1
+  deprecates the name ``SingleDeviceSharding``, and will make such shardings NamedShardings)."""
+  return (isinstance(sharding, jax.sharding.Sharding) and len(sharding.device_set) == 1
+          and not isinstance(sharding, jax.sharding.NamedSharding))
+
+
 def has_explicit_axes(mesh: Any) -> bool:
   """Whether ``mesh`` (a Mesh, an AbstractMesh or None) has an Explicit axis."""
   return jax.sharding.AxisType.Explicit in (getattr(mesh, "axis_types", ()) or ())

@@ -31,7 +31,7 @@ from jax._src import compute_on  # private: see `on_host`
 from jax.experimental.layout import Layout
 from jax.interpreters import mlir
 
-from optax_accum import _jaxpr
+from optax_accum import _arrays, _jaxpr
 
 __all__ = ["HostState", "host_state"]
 
@@ -141,7 +141,7 @@ def in_host_memory(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   ``ShapeDtypeStruct`` or an array orbax restores with a ``SingleDeviceSharding`` in
   ``pinned_host`` is typed on the device, and a step returns it there.
   """
-  if not isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) == 1:
+  if _arrays.on_one_device(sharding):
     sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(list(sharding.device_set), (
         "host_state",)), jax.sharding.PartitionSpec())
   return sharding.with_memory_kind(HOST)

@@ -66,20 +66,13 @@ def _leaf_layout(value: Any, target: Any, param: Any, other: Any) -> Any:
   shape, lead = tuple(jnp.shape(value)), len(jnp.shape(value)) - len(param.shape)
   if lead < 0 or shape[lead:] != tuple(param.shape):
     return other
-  if lead == 0 or _on_one_device(target):
+  if lead == 0 or _arrays.on_one_device(target):
     return target
   named = isinstance(target, NamedSharding)
   if not (named or isinstance(target, PartitionSpec)):
     return other
   spec = PartitionSpec(*(None,) * lead, *(target.spec if named else target))
   return NamedSharding(target.mesh, spec, memory_kind=target.memory_kind) if named else spec
-
-
-def _on_one_device(target: Any) -> bool:
-  """A one-device sharding that is not a NamedSharding (JAX 0.12.1 deprecates the name
-  ``SingleDeviceSharding``, and will make such shardings NamedShardings)."""
-  return (isinstance(target, Sharding) and not isinstance(target, NamedSharding)
-          and len(target.device_set) == 1)
 
 
 def _lay_out_like_params(
@@ -139,7 +132,7 @@ def _lay_out_by_structure(state: Any, per_param: Any, abstract: Any, other: Any)
 def _replicated_like(sharding: Sharding) -> Sharding:
   if isinstance(sharding, NamedSharding):
     return NamedSharding(sharding.mesh, PartitionSpec())
-  if _on_one_device(sharding):
+  if _arrays.on_one_device(sharding):
     return sharding
   raise TypeError(
       "`state_shardings` needs NamedSharding (or single-device) param shardings"
