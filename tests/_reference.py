@@ -21,6 +21,7 @@ import functools
 import importlib.util
 import math
 import os
+import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
@@ -139,6 +140,13 @@ def load_example(name: str) -> ModuleType:
   sys.modules[spec.name] = module  # dataclasses look their module up there
   spec.loader.exec_module(module)
   return module
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that nothing listens on (for a run's coordinator)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
 def multiprocess_env() -> dict[str, str]:

@@ -27,7 +27,6 @@ import functools
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,7 +49,7 @@ from optax_accum.sharding import (
     reshard_state,
     shard_map_specs,
 )
-from tests._reference import multiprocess_env
+from tests._reference import free_port, multiprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 K, STEPS, BATCH = 4, 8, 16  # two windows of 4 micro-batches of 16 rows (all devices)
@@ -457,12 +456,6 @@ SCRIPT = ROOT / "examples" / "resumable_training.py"
 KILL_TIMEOUT_S = 150
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
   env = multiprocess_env()  # for the one-process runs too: one environment to reason about
   # PYTHONFAULTHANDLER: a hung process, sent SIGABRT, writes every thread's stack to its log.
@@ -518,7 +511,7 @@ def test_a_killed_job_resumes_bit_for_bit(processes: int, tmp_path: Path) -> Non
   """8 devices in all, plain jit, k = 4, CheckpointManager every 3 micro-steps (so the
   latest is mid-window), SIGKILL after micro-step 7, restart: the same params, bit for bit,
   as the run that was never killed. A run that hangs fails with every process's stacks."""
-  port = iter([_free_port() for _ in range(3)])
+  port = iter([free_port() for _ in range(3)])
 
   def jobs(ckpt: Path, tag: str, *extra: str) -> list[tuple[list[str], Path]]:
     common = ["--ckpt-dir", str(ckpt), "--steps", "12", "--save-every", "3", "--k", "4",

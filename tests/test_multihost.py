@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import numpy as np
 import optax
 import pytest
 
-from tests._reference import multiprocess_env
+from tests._reference import free_port, multiprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "multihost.py"
@@ -42,15 +41,9 @@ def _load_script() -> Any:
   return module
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _launch(tmp_path: Path, extra: dict[int, list[str]], common: list[str]) -> list[dict[str, Any]]:
   """Starts 2 processes, waits for both (bounded), returns their results."""
-  port = _free_port()
+  port = free_port()
   env = multiprocess_env()
   env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
   procs = []
