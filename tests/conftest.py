@@ -237,9 +237,11 @@ XLA_CPU_DOCTESTS = {
     "optax_accum.debug.copies": "the copy instructions XLA:CPU emits for a transpose",
     "optax_accum.planning.plan_k": "the compiled peaks per k, so the k chosen",
 }
-# Slow tests whose processes run on JAX_PLATFORMS=cpu: they test nothing about another backend.
+# Slow tests whose processes run on JAX_PLATFORMS=cpu: they test nothing about another backend
+# (and on an accelerator a process of theirs could not open the chip this one holds).
 CPU_PROCESSES = ("tests/test_multihost.py::", "tests/test_docs_one_device.py::",
-                 "tests/test_flax_pairing.py::")
+                 "tests/test_flax_pairing.py::", "benchmarks/test_smoke.py::",
+                 "tests/test_lifecycle.py::test_a_killed_job_resumes_bit_for_bit[")
 
 
 def _slow_first(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -200,16 +200,18 @@ def test_remat_and_bf16_compute():
   remat_bf16 = oa.mixed_precision(jax.checkpoint(embed), policy)
   params, batch = make_params(), make_batch()
   out = jax.jit(oa.cached_microbatched(remat_bf16, clip_loss, 4))(params, batch)
-  ref = jax.value_and_grad(lambda p, b: clip_loss(p, remat_bf16(p, b), b))(params, batch)
+  whole = lambda p, b: jax.value_and_grad(lambda p, b: clip_loss(p, remat_bf16(p, b), b))(p, b)
   exact = whole_batch_default("clip")
   assert jax.tree.map(lambda g: g.dtype, out[1]) == jax.tree.map(lambda g: g.dtype, params)
-  # Both bf16 gradients sit about 3e-2 from the exact one, each rounded in its own order,
-  # so their distance to each other is no fixed number (1.7e-2 on JAX 0.10.2, 2.2e-2 on
-  # 0.12.0.1, up to 2.1e-2 over other batches on either). The claim is that caching adds
-  # no error of its own: the cached bf16 gradient is no further from the exact one than
-  # the whole batch's own bf16 rounding (at most 0.93x of it over five batches, both JAX
-  # versions); cutting the negatives per micro-batch is 26% off.
-  assert rel_err(out, exact) <= 1.25 * rel_err(ref, exact)
+  # The claim: caching adds no error of its own. Each bf16 gradient sits 1e-2 to 3e-2 from
+  # the exact one, rounded where its compiler put the casts, so the whole batch's own bf16
+  # error is taken from two programs of it, compiled and op by op (1.5e-2 against 2.4e-2 on
+  # a TPU v5e, 3.0e-2 against 2.4e-2 on XLA:CPU). The cached gradient stays within 1.25x of
+  # the larger: over five batches at most 0.94x on XLA:CPU (JAX 0.10.2 and 0.12.1), 1.11x
+  # the compiled one's on the TPU v5e (tests/results/tpu.md); cutting the negatives per
+  # micro-batch is 26% off.
+  own = max(rel_err(whole(params, batch), exact), rel_err(jax.jit(whole)(params, batch), exact))
+  assert rel_err(out, exact) <= 1.25 * own
   assert rel_err(jax.jit(oa.cached_microbatched(jax.checkpoint(embed), clip_loss, 4))(
       params, batch), exact) < tolerance(2e-6, "tanh", "exp", "log", "dot")
 

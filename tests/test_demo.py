@@ -29,7 +29,7 @@ pytest.importorskip("flax.nnx")
 
 from flax import nnx
 
-from tests._reference import load_example
+from tests._reference import load_example, premise
 
 demo = load_example("demo")  # after the skip: the demo needs Flax
 
@@ -64,7 +64,10 @@ def test_writes_json_and_readable_pngs(tiny_run):
     assert len(r["losses"]) == 6, arm
     assert all(np.isfinite(r["losses"])), arm
     assert r["tokens_per_s"] > 0 and r["real_tokens"] > 0, arm
-    assert isinstance(r["temp_bytes"], int) and r["temp_bytes"] > 0, arm
+    assert isinstance(r["temp_bytes"], int) and r["temp_bytes"] >= 0, arm
+  # Temporaries are the compiler's: XLA:CPU gives every arm some, a TPU v5e none to the full
+  # batch of this tiny model (tests/results/tpu.md), but the bf16 buffer's rounding always.
+  assert saved["arms"]["accumulate_bf16"]["temp_bytes"] > 0
   assert saved["arms"]["accumulate"]["calls_per_step"] == 2
   assert saved["arms"]["accumulate_bf16"]["calls_per_step"] == 2
   assert saved["arms"]["microbatched"]["calls_per_step"] == 1
@@ -178,7 +181,7 @@ def test_without_k_plan_k_chooses_it_under_the_budget_and_prints_the_table(capsy
     m = jax.jit(step).lower(params, state, demo.batch_types(cfg)).compile().memory_analysis()
     peaks[k] = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                 - m.alias_size_in_bytes)
-  assert peaks[1] > peaks[2]
+  premise(peaks[1] > peaks[2], f"a tiny model's compiled peak falls from k = 1 to k = 2 ({peaks})")
   cfg = dataclasses.replace(cfg, memory_limit_mib=peaks[2] / 2**20)
   planned, plan = demo.choose_k(cfg, loss_terms, params)
   assert planned.k == plan.k == 2 and plan.peak_bytes == peaks[2]

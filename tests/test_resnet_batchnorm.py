@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("flax.linen")
 pytest.importorskip("matplotlib")
 
-from tests._reference import load_example
+from tests._reference import load_example, premise
 
 example = load_example("resnet_batchnorm")
 
@@ -47,6 +47,8 @@ def test_memory_ordering(quick_run):
   bf16, remat = memory["4 x 32 + bf16"], memory["4 x 32 + bf16 + remat"]
   for m in memory.values():
     assert m["peak"] == m["temp"] + m["argument"] + m["output"] - m["alias"] > 0
+  premise(whole["temp"] > 0, "the whole batch's step at --quick's size holds temporaries (a TPU"
+          " v5e reports 0 bytes for it, and 7.6 MB for 4 x 32, 8.2 MB with remat: no ordering)")
   # A quarter of the activations: well under half the whole batch's temporaries.
   assert max(micro["temp"], bf16["temp"], remat["temp"]) < 0.5 * whole["temp"], memory
   assert remat["temp"] < bf16["temp"], memory
