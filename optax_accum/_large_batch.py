@@ -207,11 +207,12 @@ def check_large_batch(
   does not follow the batch (fixed random features, a projection drawn from
   a key argument) are the same for both, and checked like the rest.
 
-  **Cost**: ``fn`` and ``microbatched(fn, k)`` once each as they are, and in
-  float64 ``fn`` on the whole batch, permuted, and on each micro-batch, and
-  ``microbatched`` once; ``k`` more micro-batch calls for a ``"weights"`` or
-  ``"coupling"`` verdict. Three float64 programs are compiled (the whole
-  batch, a micro-batch, ``microbatched``) and run on the host CPU
+  **Cost**: ``fn`` on the whole batch and ``microbatched(fn, k)`` once each
+  in their own dtypes, compiled as training runs them, and in float64 ``fn``
+  on the whole batch, permuted, and on each micro-batch, and ``microbatched``
+  once; ``k`` more micro-batch calls for a ``"weights"`` or ``"coupling"``
+  verdict. Three float64 programs are compiled (the whole batch, a
+  micro-batch, ``microbatched``) and run on the host CPU
   (``jax.devices("cpu")[0]``) whatever device holds the arguments (an
   accelerator may emulate float64, and compiling it there can take
   minutes); the arguments go there leaf by leaf, and
@@ -316,20 +317,19 @@ def check_large_batch(
                                                                    for j in range(k)])}
       own = {**kwargs, "stats": jax.tree.map(lambda n, w: w if jnp.issubdtype(
           w.dtype, jnp.integer) else jnp.asarray(n), pooled(*args), wide["stats"])}
-    native = grads(fn(*args, **own), "the whole batch")  # fn as it runs: what training sees
-    on_micro, seen = _in_float64(fn, micro(0), own, b_nums, programs["fn"])
+    on_micro, _, seen = _in_float64(fn, micro(0), own, b_nums, programs["fn"])
     # The whole batch's trace, beside the micro-batch's: refuses draws per row.
-    on_whole, found = _in_float64(fn, args, own, b_nums, programs["fn"], seen)
+    on_whole, as_trained, found = _in_float64(fn, args, own, b_nums, programs["fn"], seen)
+    native = grads(as_trained(args), "the whole batch")  # what training sees
     whole = grads(on_whole(args, wide), "the whole batch")
     order = np.random.default_rng(0).permutation(rows)
     permuted = whole.distance(grads(on_whole(rows_of(lambda x: _rows(x, order)), wide),
                                     "the permuted batch"))
     stats = _Stats.of(whole, micro_batches(), normalize, k)
-    on_accumulated = _in_float64(accumulated, args, kwargs, b_nums, programs["microbatched"])[0]
+    on_accumulated, acc_as_trained, _ = _in_float64(accumulated, args, kwargs, b_nums,
+                                                    programs["microbatched"])
     acc = _Grads.of(on_accumulated(args)[1], "microbatched")
-    as_it_runs = _in_float64(accumulated, args, kwargs, b_nums, programs["microbatched"],
-                             native=True)[0]  # the same trace, in its own dtypes
-    native_errors = _Grads.of(as_it_runs(args)[1], "microbatched").distance(native)
+    native_errors = _Grads.of(acc_as_trained(args)[1], "microbatched").distance(native)
     return _classify(k, normalize, whole, permuted, acc, stats, micro_batches, native_errors,
                      found)
 
@@ -338,10 +338,10 @@ def check_large_batch(
 
 def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                 b_nums: tuple[int, ...], programs: dict[Any, Any],
-                other: _Trail | None = None, native: bool = False,
-                ) -> tuple[Callable[..., Any], _Trail]:
-  """``f``'s outputs in float64 on arguments shaped like ``args`` (``_float64.evaluate``);
-  with ``native``, in ``f``'s own dtypes (its trace compiled as it is: what training sees).
+                other: _Trail | None = None,
+                ) -> tuple[Callable[..., Any], Callable[..., Any], _Trail]:
+  """``f``'s outputs on arguments shaped like ``args``: in float64 (``_float64.evaluate``), and
+  in ``f``'s own dtypes (its trace compiled as it is: what training sees).
 
   ``f`` is traced on ``args`` as they are, once per types of its arguments: ``programs``
   (``f``'s alone: no key names ``f``) keeps the float64 program of each and the trace's own,
@@ -364,9 +364,9 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     programs[key] = (_float64.evaluate(closed), jax.jit(jax_core.jaxpr_as_fun(closed)),
                      jax.tree.structure(shape), trail)
   wide, own, out, trail = programs[key]
-  run = own if native else wide
-  return (lambda new, kw=kwargs: jax.tree.unflatten(
-      out, run(*_arrays.ArrayLeaves.of((new, kw)).arrays))), trail
+  on = lambda run: lambda new, kw=kwargs: jax.tree.unflatten(
+      out, run(*_arrays.ArrayLeaves.of((new, kw)).arrays))
+  return on(wide), on(own), trail
 
 
 def _rows(x: Any, order: np.ndarray) -> jax.Array:
