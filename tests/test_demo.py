@@ -29,7 +29,7 @@ pytest.importorskip("flax.nnx")
 
 from flax import nnx
 
-from tests._reference import load_example, premise
+from tests._reference import XLA_CPU, load_example, premise
 
 demo = load_example("demo")  # after the skip: the demo needs Flax
 
@@ -64,9 +64,9 @@ def test_writes_json_and_readable_pngs(tiny_run):
     assert len(r["losses"]) == 6, arm
     assert all(np.isfinite(r["losses"])), arm
     assert r["tokens_per_s"] > 0 and r["real_tokens"] > 0, arm
-    assert isinstance(r["temp_bytes"], int) and r["temp_bytes"] >= 0, arm
-  # Temporaries are the compiler's: XLA:CPU gives every arm some, a TPU v5e none to the full
-  # batch of this tiny model (tests/results/tpu.md), but the bf16 buffer's rounding always.
+    # Temporaries are the compiler's: XLA:CPU gives every arm some, a TPU v5e none to the
+    # full batch of this tiny model (tests/results/tpu.md), but the bf16 buffer's rounding.
+    assert isinstance(r["temp_bytes"], int) and r["temp_bytes"] >= (1 if XLA_CPU else 0), arm
   assert saved["arms"]["accumulate_bf16"]["temp_bytes"] > 0
   assert saved["arms"]["accumulate"]["calls_per_step"] == 2
   assert saved["arms"]["accumulate_bf16"]["calls_per_step"] == 2
