@@ -428,10 +428,12 @@ _CHUNK = 1 << 16  # entries at a time: the temporaries stay a few MB on any mode
 def _numpy(x: Any) -> np.ndarray:
   """``x`` in numpy, read from a fresh copy: ``np.asarray`` of an array it cannot read in
   place (an accelerator's, one laid out over devices) keeps its copy cached on the array for
-  the array's life, and the check would hold whole gradients (on a TPU: +8 B/entry)."""
+  the array's life, and the check would hold whole gradients (on a TPU: +8 B/entry). The copy
+  is a transfer, no program: ``jnp.copy`` compiled one per leaf shape (18 for the decoder of
+  ``bench_large_batch.py --decoder``)."""
   if not isinstance(x, jax.Array) or not x.is_fully_addressable:
     return np.asarray(x)  # (another process's shards: numpy's own rules, and its errors)
-  return np.asarray(jnp.copy(x))
+  return np.asarray(jax.device_put(x, may_alias=False))
 
 
 def _sketch_leaf(n: int, x: np.ndarray, out: np.ndarray) -> None:
