@@ -86,7 +86,10 @@ def evaluate(closed: jax_core.ClosedJaxpr) -> Callable[..., list[jax.Array]]:
     values = [*closed.consts, *args]
     mesh = meshed or any(isinstance(v, jax.Array) and len(v.devices()) > 1 for v in values)
     host = None if mesh else jax.devices("cpu")[0]  # a mesh stays as it is
-    values = [jax.device_put(v, host) for v in values]  # leaf by leaf; int64 as traced: int32
+    # Leaf by leaf; int64 as traced: int32. On a mesh only what is not an array yet is put
+    # (`jax.device_put(keys, None)` drops a typed key array's sharding: jax 0.10.2 to 0.12.1).
+    values = [v if host is None and isinstance(v, jax.Array) else jax.device_put(v, host)
+              for v in values]
     with jax.enable_x64(True):
       return run(values[:len(closed.consts)], *values[len(closed.consts):])
 

@@ -744,6 +744,24 @@ def test_fsdp_params_and_a_sharded_batch_under_a_mesh(loss):
     np.testing.assert_allclose(report.weights, np.array([2, 2, 2, 1]) / 7, atol=1e-5)
 
 
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (tests/conftest.py)")
+def test_typed_per_example_keys_sharded_under_a_mesh_are_checked_there():
+  """Per-example dropout keys (typed) laid out over the mesh with the rows: the float64
+  programs run there, the keys still sharded (putting them again dropped their sharding, and
+  the per-device program refused them); the same verdict as on one device."""
+  def dropout(p, x, y, keys):
+    mask = jax.vmap(lambda key: jax.random.bernoulli(key, 0.5, (16,)))(keys)
+    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) * mask @ p["w3"] @ p["w2"] - y) ** 2)
+
+  keys = jax.random.split(jax.random.key(2), B)
+  one = checked(dropout, PARAMS, X, Y, keys)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    report = checked(dropout, PARAMS, *jax.device_put((X, Y, keys), P("data")))
+  assert one.cause == report.cause == "equal", str(report)
+  assert report.float64_on == "8 devices (cpu:0, ...)" and report.max_relative_error < 1e-13
+
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (tests/conftest.py)")
 def test_a_loss_holding_its_own_shard_map_on_single_device_arrays_runs_on_its_mesh():
   """The arguments are one device's; the loss's shard_map needs its mesh's 2 devices: the
