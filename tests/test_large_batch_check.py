@@ -435,6 +435,19 @@ def test_row_order_is_its_own_cause_and_the_layout_fix_is_equal():
                              views_on_their_own_axis(PARAMS, X.reshape(B // 2, 2, 6)), rtol=1e-6)
 
 
+
+def positional(p, x):  # each row weighted by its position in the batch
+  return jnp.mean(jnp.sum(hidden(p, x) ** 2, -1) * (1 + jnp.arange(x.shape[0])))
+
+
+@pytest.mark.parametrize("loss, rows, k", [(pairs_by_position, 6, 3), (positional, 2, 2),
+                                           (positional, 6, 2)])
+def test_row_order_is_found_at_every_batch_size(loss, rows, k):
+  """"order" at sizes where one random order of the rows was the identity (2 rows) or kept
+  every pair 2i, 2i + 1 together (6): the wrong cause ("weights", "coupling") came out."""
+  report = checked(loss, PARAMS, X[:rows], k=k)
+  assert report.cause == "order" and "[B, 2, ...]" in report.fix, str(report)
+
 def test_one_small_leaf_wholly_wrong_is_found_in_bfloat16():
   """A gate on a batch statistic that grows with the batch: a small share of the gradient's
   norm, 75% wrong; through the gate the other leaves are off by 0.3% to 5%, far below
