@@ -96,14 +96,18 @@ def one_device() -> jax.sharding.NamedSharding:
                                     jax.sharding.PartitionSpec())
 
 
+def mlp_loss(p, x):
+  return jnp.mean(lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p)[0] ** 2)
+
+
 def real_run(layers, d, host, limit, run_it, dev=None):
   """Compiles (and with ``run_it`` runs two windows of) the step of an MLP of ``layers`` tanh
   layers of d x d in a lax.scan, f32 adam, k = 4: its device bytes, or None where it does not
-  fit ``limit``; with ``run_it``, the median seconds of its mid-steps and of its closing step."""
-  loss = lambda p, x: jnp.mean(lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p)[0] ** 2)
+  fit ``limit``; with ``run_it``, the median ms of its mid-steps and of its closing step and
+  the last loss."""
   tx = oa.accumulate(K, oa.host_state(optax.adam(1e-4)) if host else optax.adam(1e-4))
-  step = jax.jit(lambda p, s, x: oa.update_and_apply(tx, jax.grad(loss)(p, x), s, p),
-                 donate_argnums=(0, 1))
+  step = jax.jit(lambda p, s, x: (lambda lg: (*oa.update_and_apply(tx, lg[1], s, p), lg[0]))(
+      jax.value_and_grad(mlp_loss)(p, x)), donate_argnums=(0, 1))
   dev, n = dev or one_device(), layers * d * d
   params = jax.ShapeDtypeStruct((layers, d, d), jnp.float32, sharding=dev)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -118,55 +122,122 @@ def real_run(layers, d, host, limit, run_it, dev=None):
   p = jax.random.normal(jax.random.key(0), (layers, d, d)) / d**0.5
   # Adam's and the window's initial state is zeros: placed from the host (tx.init would build
   # the inner state on the device first, where the largest host_state model has no room).
-  run, times = [p, jax.tree.map(lambda x, s: jax.device_put(np.zeros(x.shape, x.dtype), s.sharding),
-                                state, state)], ([], [])
+  zeros = lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding)
+  run, times = [p, jax.tree.map(zeros, state)], ([], [])
   for i in range(2 * K):
     xs = jax.random.normal(jax.random.key(i), (4 * K, d))
     t0 = time.perf_counter()
-    run = jax.block_until_ready(step(*run, xs))
+    *run, loss = jax.block_until_ready(step(*run, xs))
     times[i % K == K - 1].append(time.perf_counter() - t0)
-  return {"device bytes": held, "ms": [round(1e3 * harness.median(t[1:]), 1) for t in times]}
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(run[1].inner_opt_state)}
+  return {"device bytes": held, "ms": [round(1e3 * harness.median(t[1:] or t), 1) for t in times],
+          "loss": float(loss), "state kinds": sorted(kinds)}
+
+
+def rss():
+  """This process's resident host memory now, in bytes."""
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def child(quick, *argv):
-  """``largest(*argv)`` in a process of its own (one holds the chip at a time): its JSON."""
+  """``--child`` in a process of its own (one holds the chip at a time): its JSON."""
   command = [sys.executable, __file__, "--child", *map(str, argv), *["--quick"] * quick]
   proc = subprocess.run(command, capture_output=True, text=True, check=False)
   found = [line for line in proc.stdout.splitlines() if line.startswith("{")]
   print(f"  {argv}: {found[-1] if found else proc.stderr[-300:]}", flush=True)
-  return json.loads(found[-1]) if found else {"layers": 0, "params": 0}
+  return json.loads(found[-1]) if found else {}
 
 
-def largest(host, d, limit, lo, hi):
-  """The most layers (of d x d) in [lo, hi] whose step compiles within ``limit``, trained two
-  windows (in this process: its peak host RSS is theirs)."""
-  while lo < hi:  # lo fits (0: nothing; a larger one, checked by the run), hi + 1 does not
-    mid = (lo + hi + 1) // 2
-    lo, hi = (mid, hi) if real_run(mid, d, host, limit, False) else (lo, mid - 1)
-  for _ in range(3):  # a step down where the runtime needs more than the compiler said
-    try:
-      return {"layers": lo, "params": lo * d * d, **(real_run(lo, d, host, limit, True) or {})}
-    except jax.errors.JaxRuntimeError:
-      lo -= 1
+def in_child(quick, what, host, d, lo, hi):
+  """A child's work: ``bisect`` (the most layers in [lo, hi] whose step compiles within the
+  chip's memory) or ``run`` (``lo`` layers, two windows: finite loss, times, host RAM)."""
+  limit = 8 << 20 if quick else jax.devices()[0].memory_stats()["bytes_limit"]
+  jax.block_until_ready(jnp.zeros(8) + 1)  # the runtime up: its host RAM is the base
+  base = rss()
+  if what == "bisect":
+    while lo < hi:  # lo fits, hi + 1 does not
+      mid = (lo + hi + 1) // 2
+      lo, hi = (mid, hi) if real_run(mid, d, host, limit, False) else (lo, mid - 1)
+    return {"layers": lo, "limit": limit}
+  out = real_run(lo, d, host, limit, True) or {}
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  return {"layers": lo, "params": lo * d * d, "limit": limit, **out, "host base": base,
+          "host over base": peak - base}
+
+
+def largest(quick, host, d, lo, hi):
+  """The most layers that train two windows with a finite loss: bisected by compiling, then
+  each try run in a fresh process, a layer fewer after a try that fails."""
+  layers = child(quick, "bisect", int(host), d, lo, hi).get("layers", 0)
+  for _ in range(4):
+    found = child(quick, "run", int(host), d, layers, layers) if layers else {}
+    if np.isfinite(found.get("loss", np.nan)):
+      return found
+    layers -= 1
   return {"layers": 0, "params": 0}
 
 
+def update_rate(quick, leaves, d, stacked):
+  """The streamed update alone, f32 adam, ``leaves`` (d, d) leaves (or one (leaves, d, d)):
+  ms per update (median of 5, after one), device temporaries; against the state on the device
+  where it fits: bit for bit."""
+  shape = [(leaves, d, d)] if stacked else [(d, d)] * leaves
+  n, dev = leaves * d * d, one_device()
+  rows = {}
+  for where in ("device", HOST):
+    tx = oa.host_state(optax.adam(1e-3)) if where == HOST else optax.adam(1e-3)
+    step = jax.jit(harness.protocol_step(tx), donate_argnums=(0, 1))
+    params = [jax.device_put(jax.random.normal(jax.random.key(i), s) * 0.02, dev)
+              for i, s in enumerate(shape)]
+    grads = [jax.device_put(jax.random.normal(jax.random.key(100 + i), s) * 1e-3, dev)
+             for i, s in enumerate(shape)]
+    structs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                           jax.eval_shape(tx.init, params), oa.sharding.state_shardings(tx, params))
+    try:
+      compiled = step.lower(params, structs, grads).compile()
+      state = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding),
+                           structs)
+      times = []
+      for _ in range(6):
+        t0 = time.perf_counter()
+        params, state = jax.block_until_ready(compiled(params, state, grads))
+        times.append(time.perf_counter() - t0)
+    except Exception as e:  # the state on the device does not fit
+      rows[where] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+      del params, grads
+      continue
+    ms = harness.median(times[1:]) * 1e3
+    rows[where] = {"ms": round(ms, 2), "ns/param": round(ms * 1e6 / n, 3),
+                   "temps MB": round(compiled.memory_analysis().temp_size_in_bytes / 1e6, 1),
+                   "checksum": [float(jnp.sum(p[..., :8, :8])) for p in params]}
+    rows[where]["params"] = params if where == "device" else None
+    if where == HOST and "params" in rows.get("device", {}):
+      rows[where]["bit for bit"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(
+          params, rows["device"]["params"], strict=True))
+    del params, grads, state
+  rows.get("device", {}).pop("params", None)
+  rows[HOST].pop("params", None)
+  gbps = 16 * n / (rows[HOST]["ms"] * 1e-3) / 1e9  # mu and nu in and out
+  tree = f"one ({leaves}, {d}, {d}) leaf" if stacked else f"{leaves} leaves of {d} x {d}"
+  return {"tree": tree, "params": n, **rows, "link GB/s": round(gbps, 1)}
+
+
 def tpu(quick, layers):
-  """The real run on the chip: the largest model each way (``layers``: the bisection's bounds,
-  the device state's, then host_state's); the host update's pace."""
+  """The real run on the chip: the streamed update's pace; the largest model each way
+  (``layers``: the bisection's bounds, the device state's, then host_state's)."""
   d, ram = 128 if quick else 4096, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  # host_state's host RAM grows by a layer's share: its bound (0.85 of RAM) from two runs.
-  small = [child(quick, 1, d, n, n)["host peak"] for n in (4, 8)]
-  per_param = max((small[1] - small[0]) / (4 * d * d), 1.0)  # (a small run's within noise)
-  by_ram = 4 + int((0.85 * ram - small[0]) / (per_param * d * d))
-  bounds = {"device": layers[:2], HOST: [layers[2], min(layers[3], by_ram)]}
-  fits = {s: child(quick, int(s == HOST), d, *bounds[s]) for s in ("device", HOST)}
-  mid, closing = fits[HOST].get("ms", (0.0, 0.0))
-  return {"limit": fits["device"].get("limit", 0), "d": d, "ram": ram, "host B/param": round(
-      per_param, 1), "layers by ram": by_ram, "fits": fits, "ratio": round(
-      fits[HOST]["params"] / max(fits["device"]["params"], 1), 2),
-          "host ns/param": round(1e6 * (closing - mid) / max(fits[HOST]["params"], 1), 2),
-          "threads": len(os.sched_getaffinity(0))}
+  rates = [update_rate(quick, *shape) for shape in (
+      ((4, d, False), (4, d, True), (16, d, False)) if quick else
+      ((16, d, False), (16, d, True), (64, d, False), (64, d, True)))]
+  # host_state's host RAM: the state (8 B/param) beside the runtime's base; bounded at 0.85.
+  by_ram = int((0.85 * ram - 16 * 2**30 * (not quick)) / (10 * d * d))
+  fits = {"device": largest(quick, False, d, *layers[:2]),
+          HOST: largest(quick, True, d, layers[2], min(layers[3], by_ram))}
+  same = child(quick, "run", 1, d, fits["device"]["layers"], 0)  # host_state at the device's size
+  return {"d": d, "ram": ram, "layers by ram": by_ram, "rates": rates, "fits": fits,
+          "same size": same, "ratio": round(fits[HOST]["params"] / max(
+              fits["device"]["params"], 1), 2), "threads": len(os.sched_getaffinity(0))}
 
 
 def markdown(r):
@@ -180,19 +251,37 @@ def markdown(r):
 
 
 def tpu_markdown(t):
-  return ["", f"The largest MLP (layers of {t['d']} x {t['d']}, f32 adam, k = {K}) that trains"
-          f" within {t['limit'] / 2**30:.2f} GiB, bisected by compiling, then two windows run:", "",
-          *harness.table("state | layers | params | device B/param | ms micro-step | ms closing"
-                         " | host peak GiB", "lrrrrrr", [[
-                             s, f["layers"], f"{f['params']:.4g}", round(f.get("device bytes", 0)
-                                                                       / max(f["params"], 1), 2),
-                             *f.get("ms", ["-"] * 2), round(f.get("host peak", 0) / 2**30, 2)]
-                                                        for s, f in t["fits"].items()]), "",
-          f"host_state's host RAM: {t['host B/param']} B/param (peak RSS, two runs), at most"
-          f" {t['layers by ram']} layers in 0.85 of the host's {t['ram'] / 2**30:.1f} GiB.", "",
-          f"{t['ratio']:.2f}x as many parameters with host_state. The host update (closing step"
-          f" minus micro-step, the link included): {t['host ns/param']} ns/param, {t['threads']}"
-          " threads."]
+  big = max((r for r in t["rates"] if "ns/param" in r[HOST]),
+            key=lambda r: (r["params"], -r[HOST]["ns/param"]))
+  runs = [("state on the device", t["fits"]["device"]), ("host_state", t["fits"][HOST]),
+          ("host_state, the device's size", t["same size"])]
+  device_ms, same_ms = t["fits"]["device"].get("ms", [0, 0]), t["same size"].get("ms", [0, 0])
+  return [
+      "", "The streamed update alone (f32 adam, `tx.update` + `optax.apply_updates`, params and"
+      " state donated; median of 5): the state on the device where it fits.", "",
+      *harness.table("tree | params | device: ns/param | host_state: ns/param | temporaries MB"
+                     " | bit for bit | link GB/s", "lrrrrlr", [[
+                         r["tree"], f"{r['params']:.4g}", r["device"].get("ns/param", "-"),
+                         r[HOST].get("ns/param", "-"), r[HOST].get("temps MB", "-"),
+                         r[HOST].get("bit for bit", "-"), r["link GB/s"]] for r in t["rates"]]),
+      "", f"host update: {big[HOST]['ns/param']:.2f} ns/param ({big['tree']}, {big['params']:.3g}"
+      f" params: {big['link GB/s']} GB/s over the host link, the state in and out)", "",
+      f"The largest MLP (layers of {t['d']} x {t['d']} in a `lax.scan`, f32 adam, `accumulate({K},"
+      " ...)`, two windows, finite loss) each way: bisected by compiling, each try run in a"
+      " process of its own.", "",
+      *harness.table("run | layers | params | device B/param | ms micro-step | ms closing step |"
+                     " loss | host RAM over base GiB", "lrrrrrrr", [[
+                         name, f.get("layers", 0), f"{f.get('params', 0):.4g}",
+                         round(f.get("device bytes", 0) / max(f.get("params", 1), 1), 2),
+                         *f.get("ms", ["-"] * 2), f"{f.get('loss', float('nan')):.4g}",
+                         round(f.get("host over base", 0) / 2**30, 2)] for name, f in runs]), "",
+      f"largest model trained: {t['ratio']:.2f}x as many parameters", "",
+      "At the device's largest size a window of host_state takes"
+      f" {same_ms[0] * (K - 1) + same_ms[1]:.0f} ms against {device_ms[0] * (K - 1) + device_ms[1]:.0f} ms (micro-steps and the closing"
+      " step); its host RAM over the runtime's base:"
+      f" {t['same size'].get('host over base', 0) / max(t['same size'].get('params', 1), 1):.1f}"
+      f" B/param (the state: 8). {t['threads']} host threads; RAM bound: {t['layers by ram']}"
+      f" layers in 0.85 of {t['ram'] / 2**30:.1f} GiB."]
 
 
 def plot(r):
@@ -211,16 +300,14 @@ def plot(r):
 
 
 def main():
-  ap = harness.parser(__doc__, quick="small sizes (checks the script)", layers=[0, 64, 0, 96])
+  ap = harness.parser(__doc__, quick="small sizes (checks the script)", layers=[8, 64, 32, 128])
   ap.add_argument("--tpu-deviceless", action="store_true", help="the TPU v5e compiler, no chip")
   ap.add_argument("--tpu", action="store_true", help="also the real run on the chip (--quick: CPU)")
   ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # `child`'s process
   args = ap.parse_args()
-  if args.child:  # `child`'s process: host d lo hi
-    host, d, lo, hi = map(int, args.child)
-    limit = 8 << 20 if args.quick else jax.devices()[0].memory_stats()["bytes_limit"]
-    print(json.dumps({**largest(host == 1, d, limit, lo, hi), "limit": limit,
-                      "host peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+  if args.child:  # `child`'s process: bisect|run host d lo hi
+    what, (host, d, lo, hi) = args.child[0], map(int, args.child[1:])
+    print(json.dumps(in_child(args.quick, what, host == 1, d, lo, hi)))
     return
   real = {"tpu": tpu(args.quick, args.layers)} if args.tpu else {}  # before this process
   dev = gpu_hlo.target("v5e:2x2")[0] if args.tpu_deviceless else (  # holds the chip

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _arrays, _copies, _rounding, _state, _validation, offload
+from optax_accum import _arrays, _copies, _rounding, _state, _validation
 from optax_accum import gradient_noise as noise_lib
 
 KSchedule = Callable[[jax.Array], Any]
@@ -252,7 +252,7 @@ def micro_step(
 
     (out, new_inner, new_noise), buffer = lax.cond(
         d.emits,
-        jax.named_scope(SCOPES["emit"])(on_host(emitting, inner_state, parked=True)),
+        jax.named_scope(SCOPES["emit"])(streamed(emitting, inner_state, parked=True)),
         jax.named_scope(SCOPES["mid"])(lambda ops, acc: (waiting(ops), add(acc, ops.grads))),
         ops, window.acc_grads)
     out = unpark(out, buffer, parks, d.emits, updates_like)
@@ -260,19 +260,16 @@ def micro_step(
     # The add's conditional writes the buffer on mid-steps; the emitting branch adds the
     # micro-batch where the inner optimizer reads it (no pass of its own, no write of the
     # buffer, dead once the window closed). The noise estimate reads the window's sum twice:
-    # there it is the buffer (else a temporary: the TPU compiler's, "Two conditionals"). So is
-    # the state on the host: the sum is made here, in place, and crosses the link alone (12
-    # B/param with the params and the result, not 16; the device bytes unchanged, deviceless
-    # v5e: `python benchmarks/bench_host_state.py --tpu-deviceless`).
+    # there it is the buffer (else a temporary: the TPU compiler's, "Two conditionals").
     closing = lambda ops, acc: run_emit(ops, add(acc, ops.grads))
-    if config.noise_decay is None and not offload.on_the_host(inner_state):
+    if config.noise_decay is None:
       buffer = lax.cond(jnp.logical_not(d.emits), add, lambda acc, grads: acc,
                         window.acc_grads, grads)
     else:
       buffer, closing = add(window.acc_grads, grads), run_emit
     out, new_inner, new_noise = lax.cond(
         d.emits,
-        jax.named_scope(SCOPES["emit"])(on_host(closing, inner_state, parked=False)),
+        jax.named_scope(SCOPES["emit"])(streamed(closing, inner_state, parked=False)),
         jax.named_scope(SCOPES["mid"])(lambda ops, acc: waiting(ops)), ops, buffer)
 
   # 4. Advance.
@@ -287,19 +284,19 @@ def micro_step(
   return StepOut(out, new_window, new_inner, d.emits, d.closes)
 
 
-def on_host(branch: Callable[..., Any], inner_state: Any, *, parked: bool) -> Callable[..., Any]:
-  """The emitting ``branch`` computed on the host where a leaf of ``inner_state`` is typed in
-  host memory (``offload.host_state``), else ``branch`` itself: what ``branch`` reads goes to
-  host memory (the params, and the window's sum; where the updates are parked in the buffer,
-  the buffer and this micro-batch's gradients, summed there), the scaling, the update and its
-  application run there, and only what the step returns on the device comes back, in the
-  device's layout (``offload.on_host``): no parameter-sized temporary on the device. The
-  inner state's leaves stay where they are."""
-  if not offload.on_the_host(inner_state):
+def streamed(branch: Callable[..., Any], inner_state: Any, *, parked: bool) -> Callable[..., Any]:
+  """The emitting ``branch``, its inner state streamed through the device where it is kept in
+  host memory (``host_state``): each piece of the state comes to the device for the branch's
+  own arithmetic on that piece (the window's mean, the update, its application) and goes back.
+  The params and the buffer are written in place, a piece at a time. Else ``branch`` itself."""
+  if not any(jax.typeof(x).memory_space == jax.memory.Space.Host
+             for x in jax.tree.leaves(inner_state)):
     return branch
-  d = jax.memory.Space.Device  # what comes back: the params or updates (and a parked buffer)
-  out = Emitted(d, jax.tree.map(lambda x: jax.typeof(x).memory_space, inner_state), d)
-  return lambda ops, acc: offload.on_host(branch, (out, d) if parked else out, ops, acc)
+  from optax_accum import offload
+
+  state = Emitted(False, True, False)  # the new inner state goes back to host memory
+  return lambda ops, acc: offload.streamed(branch, jax.tree.structure(acc), (ops, acc),
+                                           lambda out: (state, False) if parked else state)
 
 
 def decide(config: Config, window: Window, accept: Any, weight: jax.Array | None,

@@ -1,23 +1,26 @@
-"""The inner optimizer's state in host memory, and its update run there.
+"""The inner optimizer's state in host memory, streamed through the device for its update.
 
-An accumulation reads the inner optimizer's state once per window. Between
-optimizer steps Adam's ``mu`` and ``nu`` (8 bytes per float32 parameter) sit
-idle on the device; :func:`host_state` keeps them (every leaf of the state) in
-host memory (``pinned_host``) and runs the update on the host: the state never
-enters the device. A train step compiles as usual (``jax.jit``). Inside
-:func:`~optax_accum.accumulate` the window's emitting branch runs on the
-host: the window's sum (the buffer, the last micro-batch added on the device) and
-the params are copied there, the window's mean, the update and its application
-are computed there, and the new
-params (or the updates) come back, stored by the host in the device's own layout
-(:func:`device_ordered`): they land in place, no parameter-sized temporary on the
-device; mid-steps pass the state through. Alone, the gradients go to the host and
-the updates come back.
+Between optimizer steps Adam's ``mu`` and ``nu`` (8 bytes per float32 parameter)
+sit idle on the device; :func:`host_state` keeps every leaf of the state in host
+memory (``pinned_host``). Its update is the device's own arithmetic, run on the
+state a piece at a time: a piece's state comes to the device, is updated there
+with its gradients and params, and goes back before the next piece's comes in
+(a chain of ``lax.optimization_barrier`` s). A piece is a few whole leaves, or a
+block of a large leaf's leading rows, of at most :data:`PIECE_BYTES` of state.
+
+Which pieces the update may be cut into is read from its jaxpr (:func:`_plan`),
+never from the optimizer's name: each value is labelled with the param leaves it
+is computed from. A value of one leaf is computed in that leaf's piece; a value
+of none (a count, a schedule) once; a value of several (a global norm) between
+passes, from the pieces' values. Where such a value reads the state (Adam's
+updates clipped inside ``host_state``), the state streams once more. A leaf is
+cut into blocks of rows where the update, traced again on a block, computes each
+row from that row alone; a reduction over its rows of the gradients or params
+alone is computed on the whole leaf, as the device computes it.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -27,17 +30,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax._src import compute_on  # private: see `on_host`
-from jax.experimental.layout import Layout
-from jax.interpreters import mlir
+from jax.extend import core as jax_core
 
 from optax_accum import _arrays, _jaxpr
 
-__all__ = ["HostState", "host_state"]
+__all__ = ["PIECE_BYTES", "HostState", "host_state"]
+
+# True while `streamed` traces what it streams: `host_state`'s update inside is the device's.
+_INSIDE = jax.make_user_context(False)
 
 HOST = "pinned_host"
-# True while `on_host` traces what runs on the host: JAX keys its trace and compile caches on it.
-ON_HOST = jax.make_user_context(False)
+# The state one piece brings to the device (a 4096 x 4096 float32 leaf's Adam state: one piece).
+# Its new state goes back while the next comes in: a few pieces are on the device at once.
+PIECE_BYTES = 128 << 20
 
 
 class HostState(NamedTuple):
@@ -52,35 +57,37 @@ class HostState(NamedTuple):
 
 
 def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-  """``inner`` with its state in host memory and its update computed there.
+  """``inner`` with its state in host memory, streamed through the device for its update.
 
   ``init`` places ``inner``'s state in host memory (``pinned_host``, sharded
   like the params; a one-device state with a ``NamedSharding``, so that a
   ``jax.ShapeDtypeStruct`` of its shardings, or an array orbax restores into
-  them, is typed in host memory too). ``update`` runs ``inner``'s update on
-  the host (``compute_on``'s ``"device_host"``): the gradients (and the params
-  or extra arguments, where ``inner`` reads them) go to host memory, the
-  updates come back to the device, the new state stays on the host. Inside
-  :func:`~optax_accum.accumulate` that is the window's emitting branch, once per
-  optimizer step. The updates and the state are bit for bit ``inner``'s on
-  XLA:CPU. On a mesh, build the state with ``jax.jit(init, out_shardings=...)``
-  from :func:`~optax_accum.sharding.state_shardings` (a plain ``init`` puts the
-  scalar counters on one device). Donating the state: JAX (0.10.2 to 0.12)
-  pairs a donated argument with an output by shape alone, so return the params
-  and the state in the order they are donated (or give ``out_shardings``).
+  them, is typed in host memory too). ``update`` computes ``inner``'s update on
+  the device, its state brought there a piece at a time (at most
+  :data:`PIECE_BYTES` of state a piece, a few pieces at once) and sent back:
+  the updates and the new state are bit for bit ``inner``'s with its state on
+  the device. The state crosses the host link twice per update (once more where
+  a value that couples leaves reads it, as a global norm of Adam's updates
+  does). Inside :func:`~optax_accum.accumulate` that is once per window. On a
+  mesh each device streams its own shard of each leaf. Donating the state: JAX
+  (0.10.2 to 0.12) pairs a donated argument with an output by shape alone, so
+  return the params and the state in the order they are donated (or give
+  ``out_shardings``).
 
   Args:
-    inner: the optimizer whose state lives on the host.
+    inner: the optimizer whose state lives on the host (an
+      ``optax.GradientTransformation``: ``optax.adam(1e-3)``, not ``optax.adam``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`HostState`; ``update``'s keywords go to ``inner``.
 
   Raises:
+    TypeError: where ``inner`` is not a gradient transformation.
     ValueError: from ``init``, where the devices have no ``pinned_host``
       memory (it names the platform and the JAX version); from ``update``, where
       a leaf of the state is typed in device memory (placed there by the caller):
-      it is never updated on the device in silence.
+      it is never updated there in silence.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_accum as oa
@@ -97,6 +104,11 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
     >>> state.inner_opt_state.inner_state[0].mu["w"].sharding.memory_kind
     'pinned_host'
   """
+  if not isinstance(inner, optax.GradientTransformation):
+    what = getattr(inner, "__name__", type(inner).__name__)
+    raise TypeError(
+        f"`host_state(inner)`: `inner` is {what}, not an optax gradient transformation. Pass"
+        " the optimizer built, `host_state(optax.adam(1e-3))`, not its factory `optax.adam`.")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> HostState:
@@ -106,30 +118,37 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
         raise ValueError(
             f"`host_state` keeps the optimizer state in host memory ({HOST!r}), which"
             f" {device.platform} ({device.device_kind}) does not offer with jax {jax.__version__}"
-            f" and jaxlib {importlib.metadata.version('jaxlib')}: its memory kinds are {kinds}."
-            " Use the optimizer without `host_state` there (its state then stays on the device).")
+            f" and jaxlib {importlib.metadata.version('jaxlib')}: its memory kinds are {kinds}.")
     state = inner.init(params)  # (a traced one's placement is its program's out_shardings)
+    meshes = {s.mesh for s in (getattr(x, "sharding", None) for x in jax.tree.leaves(params))
+              if isinstance(s, jax.sharding.NamedSharding) and s.mesh.size > 1}
+    # A leaf `inner` made (a count) goes beside the params: on their mesh, replicated.
+    made = jax.sharding.NamedSharding(meshes.pop(), jax.sharding.PartitionSpec()) if len(
+        meshes) == 1 else None
     return HostState(jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host if getattr(
-        x, "sharding", None) is None else in_host_memory(x.sharding)), state))
+        x, "sharding", None) is None else in_host_memory(
+            made if made is not None and _arrays.on_one_device(x.sharding) else x.sharding)),
+        state))
 
   def update_fn(updates: optax.Updates, state: HostState, params: optax.Params | None = None,
                 **extra_args: Any) -> tuple[optax.Updates, HostState]:
-    # In: what `inner` reads (the gradients; the params, extra args where it reads them).
-    # Out: the updates, to the device; the new state, in host memory.
-    run = lambda u, s, p, kw: inner.update(u, s, p, **kw)
-    if ON_HOST.value:  # traced for the host already (`accumulate`'s emitting branch)
-      updates, new = run(updates, state.inner_state, params, extra_args)
-      return updates, HostState(new)
+    if _INSIDE.value:  # traced inside a streamed computation (`accumulate`'s emitting branch)
+      new_updates, new_state = inner.update(updates, state.inner_state, params, **extra_args)
+      return new_updates, HostState(new_state)
     on_device = [jax.tree_util.keystr(k) for k, x in jax.tree.leaves_with_path(state.inner_state)
                  if jax.typeof(x).memory_space != jax.memory.Space.Host]
     if on_device:  # never a silent update on the device
       raise ValueError(
           f"`host_state`: `state` holds {len(on_device)} leaves in device memory (inner_state"
           f"{on_device[0]}, ...); place it in host memory: `jax.device_put(state,"
-          " optax_accum.sharding.state_shardings(tx, params))`, or restore into those shardings.")
-    updates, new = on_host(run, (jax.memory.Space.Device, jax.memory.Space.Host), updates,
-                           state.inner_state, params, extra_args, copied=False)
-    return updates, HostState(new)
+          " optax_accum.sharding.state_shardings(tx, params))`, restore into those shardings,"
+          " or build abstract states from them (`jax.ShapeDtypeStruct(..., sharding=...)`).")
+    arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array | jax.core.Tracer)}
+    run = lambda u, s, p, a: inner.update(u, s, p, **a, **{
+        k: v for k, v in extra_args.items() if k not in arrays})  # (a loss function: closed over)
+    new_updates, new_state = streamed(run, jax.tree.structure(updates), (
+        updates, state.inner_state, params, arrays), lambda out: (False, True), into=0)
+    return new_updates, HostState(new_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -147,114 +166,446 @@ def in_host_memory(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   return sharding.with_memory_kind(HOST)
 
 
-def on_the_host(inner_state: Any) -> bool:
-  """Whether a leaf of ``inner_state`` is typed in host memory (:func:`host_state`'s)."""
-  return any(jax.typeof(x).memory_space == jax.memory.Space.Host
-             for x in jax.tree.leaves(inner_state))
+# ------------------------------------------------------------------ the streamed update
+class _Piece(NamedTuple):
+  """Leaves updated together; or one leaf, a row at a time (a ``lax.scan`` over its rows)."""
+
+  leaves: tuple[int, ...]
+  by_rows: bool = False
 
 
-def on_host(fn: Callable[..., Any], out_spaces: Any, *args: Any, copied: bool = True) -> Any:
-  """``fn(*args)`` computed on the host, its outputs in ``out_spaces`` (a prefix tree).
+class _Plan(NamedTuple):
+  """Where each value of the update is computed."""
 
-  Only the arguments ``fn`` reads go to host memory. ``jax.experimental.compute_on`` would
-  type ``fn``'s values like its arguments (host) and the arrays ``fn`` creates on the
-  device, which JAX refuses to mix (``zeros_like``, ``where``: clipping, Adafactor, Lamb,
-  Adagrad fail on JAX 0.10.2 to 0.12). So ``fn`` is traced on device types and bound to
-  the host values with ``compute_on``'s primitive: the same arguments from JAX 0.10.2
-  (where ``compute_on`` is a context manager) to 0.12 (where it takes ``out_memory_spaces``).
-  An output in device memory leaves the host in the device's storage order
-  (``device_order_p``): a TPU compiler (libtpu 0.0.50) lays a host's output to the device
-  out linearly and copies each matrix into its tiles there (deviceless v5e, f32: +4 device
-  B/param at an update's closing step, +8 in a scanned MLP's); in that order it is a bitcast.
-  """
-  host, device = jax.memory.Space.Host, jax.memory.Space.Device
-  typed = jax.tree.map(lambda x: jax.typeof(x).update(memory_space=device), args)
-  with ON_HOST(True):
-    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*typed)
-  spaces = jax.tree.leaves(jax.tree.map(
-      lambda space, out: jax.tree.map(lambda _: space, out), out_spaces, shape,
-      is_leaf=lambda x: isinstance(x, jax.memory.Space)))
-  # What comes back to the device leaves the host in the device's order: no relayout there.
-  # The calls (jit, custom rules) are inlined: a host compiler (libtpu 0.0.42.1) aborts on a
-  # computation called from two places (Lamb's norms; CHECK computation_partitioner.cc:269:
-  # tests/test_host_state.py's "makes_arrays" runs on a TPU v5e show it).
-  closed = jax.make_jaxpr(lambda *a: [device_order_p.bind(o, inverse=False) if s == device else o
-                                      for o, s in zip(inlined(closed.jaxpr, closed.consts, a),
-                                                      spaces, strict=True)])(*closed.in_avals)
-  # Its constants are operands too (a learning rate traced in the step, say).
-  jaxpr = closed.jaxpr.replace(constvars=[], invars=[*closed.jaxpr.constvars, *closed.jaxpr.invars])
-  leaves = [*closed.consts, *jax.tree.leaves(args)]
-  read = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, jax.extend.core.Var)}
-  keep = [v in read or v in jaxpr.outvars for v in jaxpr.invars]
-  # Moved through a barrier: the TPU compiler (libtpu 0.0.50) otherwise hands the host the
-  # device buffers themselves, in a linear layout: a relayout copy of each 2-D leaf on the
-  # device (+12 B/param for params, buffer and gradients); this way they are copied into
-  # host memory as they are laid out.
-  moved = [x if jax.typeof(x).memory_space == host else jax.device_put(x, host)
-           for x, k in zip(leaves, keep, strict=True) if k]
-  moved = lax.optimization_barrier(moved) if copied else moved
-  outs = compute_on.compute_on_p.bind(
-      *moved,
-      jaxpr=jax.extend.core.ClosedJaxpr(jaxpr.replace(invars=[
-          v for v, k in zip(jaxpr.invars, keep, strict=True) if k]), []),
-      compute_type="device_host", out_memory_spaces=tuple(spaces), compiler_options_json=None)
-  return jax.tree.unflatten(jax.tree.structure(shape), [
-      device_order_p.bind(o, inverse=True) if s == device else o
-      for o, s in zip(outs, spaces, strict=True)])
+  jaxpr: Any  # the update traced on blocks (where a leaf is cut into blocks), else `whole`
+  whole: Any  # the update traced on whole leaves: the same equations
+  label: dict  # var -> the param leaves it is computed from
+  reads: set  # the vars computed from the state (an input in host memory)
+  stage: dict  # var -> the pass that computes it
+  once: set  # the vars computed once, from `whole`: of no leaf, or of several, or reduced rows
+  pieces: list[_Piece]
+  passes: int  # 0 where a value of several leaves reads their whole state: no streaming
+  prefer: frozenset = frozenset()  # inputs a leaf streamed by rows writes its outputs into
 
 
-def inlined(jaxpr: Any, consts: Any, args: Any) -> list:
-  """``jaxpr``'s outputs, its calls (jit, checkpoint, custom rules) traced inline."""
+def streamed(fn: Callable[..., Any], treedef: Any, args: tuple, in_host: Callable[[Any], Any],
+             into: int | None = None) -> Any:
+  """``fn(*args)``, computed on the device with the state (its arguments in host memory)
+  streamed by pieces: of the params' leaves (``treedef``: a subtree of ``args`` shaped like
+  it belongs to them). ``in_host(out)``: a prefix of ``fn``'s outputs, True where they are
+  the new state (sent back to host memory). ``into``: the argument whose leaves a leaf
+  streamed by rows writes its outputs into first (else the inputs nearest its outputs)."""
+  leaves, in_tree = jax.tree.flatten(args)
+  owners = _owners(args, treedef)
+  out_tree: list[Any] = []
 
-  def bind(_: Any, eqn: Any, ins: list) -> list:
-    out = eqn.primitive.bind(*ins, **eqn.params)  # (a call's functions: `call` inlines it)
-    return out if eqn.primitive.multiple_results else [out]
+  def flat(*xs: Any) -> list[Any]:
+    with _INSIDE(True):  # an update of `host_state` in `fn` computes as the device's
+      out = fn(*jax.tree.unflatten(in_tree, xs))
+    out_tree[:] = [out]
+    return jax.tree.leaves(out)
+
+  # Traced on the device: the device's arithmetic, whichever piece computes it.
+  avals = [jax.typeof(x).update(memory_space=jax.memory.Space.Device) for x in leaves]
+  hosted = [jax.typeof(x).memory_space == jax.memory.Space.Host for x in leaves]
+  whole = _inlined(jax.make_jaxpr(flat)(*avals))
+  shape, structure = out_tree[0], jax.tree.structure(out_tree[0])
+  out_owners = _owners(jax.tree.unflatten(structure, whole.out_avals), treedef)
+  to_host = jax.tree.leaves(jax.tree.map(lambda h, o: jax.tree.map(lambda _: h, o),
+                                         in_host(shape), shape))
+  plan = _plan(whole, flat, avals, hosted, owners, out_owners, leaves)
+  first = sum(len(jax.tree.leaves(a)) for a in args[:into]) if into is not None else 0
+  plan = plan._replace(prefer=frozenset(plan.jaxpr.jaxpr.invars[first:first + len(jax.tree.leaves(
+      args[into]))] if into is not None else ()))
+  return jax.tree.unflatten(structure, _run(plan, leaves, hosted, owners, out_owners, to_host))
+
+
+def _owners(tree: Any, treedef: Any) -> list[int | None]:
+  """For each leaf of ``tree``, the param leaf it belongs to: its place in a subtree shaped
+  like ``treedef`` (the gradients, the params, Adam's ``mu``), else None (a count)."""
+  one = treedef.num_nodes == 1  # params that are one array: a leaf of its shape is its
+  shape = None
+  out: list[int | None] = []
+  fits = lambda x: x is not None and _fits(x, treedef, one)
+  for node in jax.tree.leaves(tree, is_leaf=fits):
+    if one:
+      shape = jnp.shape(node) if shape is None else shape  # (the gradients come first)
+      out.append(0 if jnp.shape(node) == shape else None)
+    elif fits(node):
+      out += [j for j, sub in enumerate(treedef.flatten_up_to(node))
+              for _ in jax.tree.leaves(sub)]
+    else:
+      out.append(None)
+  return out
+
+
+def _fits(node: Any, treedef: Any, one: bool) -> bool:
+  if one:
+    return False
+  try:
+    treedef.flatten_up_to(node)
+  except (ValueError, TypeError):
+    return False
+  return True
+
+
+def _plan(whole: Any, flat: Callable, avals: list, hosted: list, owners: list,
+          out_owners: list, leaves: list) -> _Plan:
+  """Which values are computed where: in a piece, once, or between passes."""
+  n = max([-1, *(o for o in owners if o is not None)]) + 1
+  sizes = [sum(a.size * a.dtype.itemsize for a, o, h in zip(avals, owners, hosted, strict=True)
+               if o == j and h) for j in range(n)]
+  lead = {o: a.shape[0] for a, o in zip(avals, owners, strict=True) if o is not None and a.ndim}
+  blocks = {j for j, s in enumerate(sizes) if s > PIECE_BYTES and lead.get(j, 0) > 1
+            and _one_device([x for x, o in zip(leaves, owners, strict=True) if o == j])}
+  jaxpr = whole
+  while blocks:
+    cut = [a.update(shape=(1, *a.shape[1:])) if o in blocks and a.ndim and
+           a.shape[0] == lead[o] else a for a, o in zip(avals, owners, strict=True)]
+    try:
+      jaxpr = _inlined(jax.make_jaxpr(flat)(*cut))
+      kept = _separable(whole, jaxpr, hosted, owners, out_owners, blocks)
+    except Exception:  # the update fails on a row: its leaves stream whole
+      kept = set()
+    if kept == blocks:
+      break
+    blocks, jaxpr = kept, whole
+  label, reads, stage = _labels(jaxpr, hosted, owners)
+  twin = dict(zip(_vars(jaxpr), _vars(whole), strict=True))
+  moved = lambda v: twin[v].aval.shape != v.aval.shape
+  once = set()
+  for eqn in jaxpr.jaxpr.eqns:
+    narrowed = any(not isinstance(i, jax_core.Literal) and moved(i) for i in eqn.invars)
+    for v in eqn.outvars:
+      if (not label[v] and not moved(v)) or (v not in reads and (
+          len(label[v]) > 1 or (narrowed and not moved(v)))):
+        once.add(v)
+  couples = [e for e in jaxpr.jaxpr.eqns if any(len(label[v]) > 1 and v in reads
+                                                 for v in e.outvars)]
+  if any(not isinstance(i, jax_core.Literal) and len(label[i]) == 1 and i in reads and i.aval.ndim
+         for e in couples for i in e.invars):  # a value of several leaves' whole state
+    return _Plan(whole, whole, *_labels(whole, hosted, owners), set(),
+                 [_Piece(tuple(range(len(sizes))))], 0)
+  last = max([stage[v] for v, o in zip(jaxpr.jaxpr.outvars, out_owners, strict=True)
+              if not isinstance(v, jax_core.Literal) and o is not None], default=0)
+  return _Plan(jaxpr, whole, label, reads, stage, once, _pieces(sizes, blocks), last + 1)
+
+
+def _one_device(leaves: list) -> bool:
+  """Whether blocks of these leaves' rows stay on each device: one device in all, or a mesh
+  that does not shard the leading axis (a block of a sharded one would cross devices)."""
+  return jax.device_count() == 1 or all(
+      s.mesh.size > 0 and not (s.spec and s.spec[0]) for s in (
+          jax.typeof(x).sharding for x in leaves))
+
+
+def _vars(closed: Any) -> list:
+  """Every variable of a jaxpr, in order: constants, inputs, each equation's outputs."""
+  j = closed.jaxpr
+  return [*j.constvars, *j.invars, *(v for e in j.eqns for v in e.outvars)]
+
+
+def _labels(closed: Any, hosted: list, owners: list) -> tuple[dict, set, dict]:
+  """Each variable's owners (the param leaves it is computed from), which read the state,
+  and the pass each is computed in: one after the values of several leaves it reads."""
+  j = closed.jaxpr
+  label = {v: frozenset() for v in j.constvars}
+  label.update({v: frozenset() if o is None else frozenset([o])
+                for v, o in zip(j.invars, owners, strict=True)})
+  reads = {v for v, h in zip(j.invars, hosted, strict=True) if h}
+  stage = dict.fromkeys(label, 0)
+  for eqn in j.eqns:
+    ins = [v for v in eqn.invars if not isinstance(v, jax_core.Literal)]
+    own = frozenset().union(*(label[v] for v in ins))
+    s = max([stage[v] + (len(own) > 1 and len(label[v]) == 1 and v in reads) for v in ins],
+            default=0)
+    for v in eqn.outvars:
+      label[v], stage[v] = own, s
+      if any(v in reads for v in ins):
+        reads.add(v)
+  return label, reads, stage
+
+
+def _separable(whole: Any, cut: Any, hosted: list, owners: list, out_owners: list,
+               blocks: set[int]) -> set[int]:
+  """The leaves of ``blocks`` whose update, traced on one row (``cut``), computes each row
+  from that row alone where it reads the state: the same equations as ``whole``, the rows
+  the leading axis of every value that follows them, of each output of the leaf too."""
+  if [e.primitive for e in whole.jaxpr.eqns] != [e.primitive for e in cut.jaxpr.eqns] or (
+      [v.aval for v in whole.jaxpr.constvars] != [v.aval for v in cut.jaxpr.constvars]):
+    return set()
+  label, reads, _ = _labels(cut, hosted, owners)
+  kept = {j for j in blocks if all(
+      isinstance(v, jax_core.Literal) or v.aval.shape[:1] != w.aval.shape[:1]
+      for v, w, o in zip(cut.jaxpr.outvars, whole.jaxpr.outvars, out_owners, strict=True)
+      if o == j)}
+  for a, b in zip(whole.jaxpr.eqns, cut.jaxpr.eqns, strict=True):
+    moved_in = [not isinstance(v, jax_core.Literal) and v.aval.shape != w.aval.shape
+                for v, w in zip(b.invars, a.invars, strict=True)]
+    moved_out = [v.aval.shape != w.aval.shape for v, w in zip(b.outvars, a.outvars, strict=True)]
+    if not any(moved_in + moved_out):
+      continue
+    here = frozenset().union(*(label[v] for v in b.outvars))
+    if (any(moved_out) or any(v in reads for v in b.outvars)) and (
+        len(here) > 1 or not _keeps_rows(a, b)):
+      kept -= here or kept  # (a value of no leaf that follows the rows: a zeros_like)
+  return kept
+
+
+# What computes each row of a block from that row alone: elementwise primitives, and a few
+# structural ones whose rule (:func:`_keeps_rows`) checks that the rows stay the leading axis.
+_ELEMENTWISE = frozenset("""abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp
+  conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1
+  floor ge gt imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg
+  nextafter not or population_count pow real reduce_precision rem round rsqrt select_n
+  shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh
+  xor""".split())
+_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or "
+                        "argmax argmin".split())
+
+
+def _keeps_rows(a: Any, b: Any) -> bool:
+  """Whether ``b`` (``a``, on whole leaves) computes each row from that row alone."""
+  shaped = ("shape", "new_sizes")
+  if {k: v for k, v in a.params.items() if k not in shaped} != {
+      k: v for k, v in b.params.items() if k not in shaped}:
+    return False
+  if any(not np.array_equal(x.val, y.val) for x, y in zip(a.invars, b.invars, strict=True)
+         if isinstance(x, jax_core.Literal)):
+    return False
+  values = [(v.aval.shape, w.aval.shape) for v, w in zip([*b.invars, *b.outvars],
+                                                          [*a.invars, *a.outvars], strict=True)
+            if not isinstance(v, jax_core.Literal)]
+  if any(x != y and (x[1:] != y[1:] or not x) for x, y in values):
+    return False  # a value that follows the rows holds them in its leading axis alone
+  name, p = b.primitive.name, b.params
+  if name in _ELEMENTWISE or name in ("reshape", "squeeze", "expand_dims"):
+    return True
+  if name in _REDUCTIONS:
+    return 0 not in p["axes"]
+  if name == "broadcast_in_dim":
+    return not b.invars[0].aval.ndim or b.invars[0].aval.shape == a.invars[0].aval.shape or (
+        p["broadcast_dimensions"][0] == 0)
+  if name == "transpose":
+    return p["permutation"][0] == 0
+  if name == "iota":
+    return p["dimension"] != 0
+  return False
+
+
+def _pieces(sizes: list[int], blocks: set[int]) -> list[_Piece]:
+  """Whole leaves together up to a piece's bytes, in order; a leaf streamed by rows alone."""
+  pieces, group, held = [], [], 0
+  for j, size in enumerate(sizes):
+    if group and (j in blocks or held + size > PIECE_BYTES):
+      pieces.append(_Piece(tuple(group)))
+      group, held = [], 0
+    if j in blocks:
+      pieces.append(_Piece((j,), by_rows=True))
+    else:
+      group.append(j)
+      held += size
+  return [*pieces, _Piece(tuple(group))] if group else pieces
+
+
+def _inlined(closed: Any) -> Any:
+  """``closed`` with its calls (jit, checkpoint, custom rules) traced inline."""
 
   def call(_: Any, eqn: Any, ins: list) -> list:
-    return inlined(_jaxpr.callee(eqn).jaxpr, _jaxpr.callee(eqn).consts, ins)
+    callee = _jaxpr.callee(eqn)
+    return _jaxpr.interpret(rules, callee.jaxpr, callee.consts, ins)
 
-  return _jaxpr.interpret(_jaxpr.Rules({_jaxpr.CALL: call}, bind, lambda v: v.val), jaxpr,
-                          consts, args)
-
-
-def device_ordered(x: jax.Array, layout: Layout, *, inverse: bool = False) -> jax.Array:
-  """``x``'s elements in the order ``layout`` stores them, read row-major (or back: ``inverse``).
-
-  The dims in ``layout``'s major-to-minor order, each split by its tile (``T(8,128)`` of a
-  TPU's float32 matrix), the tiles' dims before the tile's. An array stored by a host in
-  that order is, to the device, already laid out: the inverse is a bitcast there. ``x`` as
-  it is where ``layout`` nests tiles (16-bit types: ``T(8,128)(2,1)``) or a tile pads it.
-  """
-  tile, m2m = (layout.tiling or ((),))[0], layout.major_to_minor
-  dims = [x.shape[i] for i in m2m]
-  n = len(dims) - len(tile)
-  if len(layout.tiling) > 1 or n < 0 or any(d % t for d, t in zip(dims[n:], tile, strict=True)):
-    return x
-  split = dims[:n] + [v for d, t in zip(dims[n:], tile, strict=True) for v in (d // t, t)]
-  perm = [*range(n), *range(n, len(split), 2), *range(n + 1, len(split), 2)]
-  if inverse:
-    return x.reshape([split[p] for p in perm]).transpose(np.argsort(perm)).reshape(
-        dims).transpose(np.argsort(m2m))
-  return x.transpose(m2m).reshape(split).transpose(perm).reshape(x.shape)
+  rules = _jaxpr.Rules({_jaxpr.CALL: call}, lambda _, eqn, ins: _bind(eqn, ins), lambda v: v.val)
+  return jax.make_jaxpr(lambda *a: _jaxpr.interpret(rules, closed.jaxpr, closed.consts, a))(
+      *closed.in_avals)
 
 
-def _device_order_lowering(ctx: Any, x: Any, *, inverse: bool) -> Any:
-  """:func:`device_ordered` in the default layout of the device the program is compiled for
-  (its backend's answer): on one device (a sharded leaf's reorder would cross devices)."""
-  aval, backend = ctx.avals_in[0], ctx.module_context.backend
-  if (backend is None or not aval.ndim or not jnp.issubdtype(aval.dtype, jnp.inexact)
-      or getattr(ctx.module_context.axis_context, "num_devices", 0) != 1):
-    return [x]
-  layout = Layout.from_pjrt_layout(backend.get_default_layout(
-      np.dtype(aval.dtype), aval.shape, backend.devices()[0]))
-  return mlir.lower_fun(functools.partial(device_ordered, layout=layout, inverse=inverse),
-                        multiple_results=False)(ctx, x)
+def _bind(eqn: Any, ins: list) -> list:
+  """``eqn`` bound to ``ins``. In ``shard_map`` a jaxpr traced from types leaves a value that
+  does not vary over the manual axes unmarked: it is marked as varying where the others are."""
+  vmas = [_varying(jax.typeof(x)) for x in ins]
+  every = frozenset().union(*vmas)
+  if every and eqn.primitive.name in _ELEMENTWISE:
+    ins = [lax.pcast(x, tuple(every - v), to="varying") if every - v else x
+           for x, v in zip(ins, vmas, strict=True)]
+  out = eqn.primitive.bind(*ins, **eqn.params)
+  return out if eqn.primitive.multiple_results else [out]
 
 
-# The identity on values; compiled, what the host returns to the device leaves it in the
-# device's order (`device_ordered`), and the device reads it in place.
-device_order_p = jax.extend.core.Primitive("optax_accum_device_order")
-device_order_p.def_abstract_eval(lambda x, *, inverse: x)
-device_order_p.def_impl(lambda x, *, inverse: jax.jit(
-    functools.partial(device_order_p.bind, inverse=inverse))(x))
-mlir.register_lowering(device_order_p, _device_order_lowering)
+def _varying(aval: Any) -> frozenset:
+  """The manual axes ``aval`` varies over (JAX 0.10.2 names them in ``manual_axis_type``)."""
+  axes = getattr(aval, "manual_axis_type", None)
+  return axes.varying if axes is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _run(plan: _Plan, leaves: list, hosted: list, owners: list, out_owners: list,
+         to_host: list[bool]) -> list:
+  """The update's outputs: values of no leaf or several once, each piece's in a chain of
+  pieces (its state in once the last piece's new state is out), pass by pass."""
+  host, device = jax.memory.Space.Host, jax.memory.Space.Device
+  jaxpr, whole = plan.jaxpr.jaxpr, plan.whole.jaxpr
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  whole_producer = {v: e for e in whole.eqns for v in e.outvars}
+  twin = dict(zip(_vars(plan.jaxpr), _vars(plan.whole), strict=True))
+  whole_env = dict(zip(whole.constvars, plan.whole.consts, strict=True))
+  whole_env.update((v, jax.device_put(x, device) if h else x)
+                   for v, x, h in zip(whole.invars, leaves, hosted, strict=True) if not h)
+
+  def whole_value(w: Any) -> Any:  # computed once, on whole leaves
+    if isinstance(w, jax_core.Literal):
+      return w.val
+    if w not in whole_env:
+      if w in whole.invars:  # a value of the state read whole (a count)
+        whole_env[w] = jax.device_put(leaves[whole.invars.index(w)], device)
+      else:
+        e = whole_producer[w]
+        whole_env.update(zip(e.outvars, _bind(e, [whole_value(i) for i in e.invars]),
+                             strict=True))
+    return whole_env[w]
+
+  shared: dict = {}  # values of several leaves that read the state, and what they read
+
+  def value(v: Any, local: dict) -> Any:
+    if isinstance(v, jax_core.Literal):
+      return v.val
+    for env in (local, shared):
+      if v in env:
+        return env[v]
+    if v in plan.once or v not in producer:
+      return whole_value(twin[v])
+    e = producer[v]
+    out = _bind(e, [value(i, local) for i in e.invars])
+    (shared if len(plan.label[v]) > 1 else local).update(zip(e.outvars, out, strict=True))
+    return value(v, local)
+
+  def needs(targets: list, inputs: dict) -> tuple[list, list]:
+    """The piece's inputs and the values of no leaf or several that ``targets`` read."""
+    seen, stack, found, outside = set(), list(targets), [], []
+    while stack:
+      v = stack.pop()
+      if isinstance(v, jax_core.Literal) or v in seen:
+        continue
+      seen.add(v)
+      if v in inputs:
+        found.append(v)
+      elif v in shared or v in plan.once or v not in producer:
+        outside.append(v)
+      else:
+        stack += producer[v].invars
+    return found, outside
+
+  last = {}
+  for v, o in zip(jaxpr.outvars, out_owners, strict=True):
+    if o is not None and not isinstance(v, jax_core.Literal):
+      last[o] = max(last.get(o, 0), plan.stage[v])
+  coupled_in = [[i for e in jaxpr.eqns if any(plan.stage[o] == p + 1 and len(plan.label[o]) > 1
+                                               for o in e.outvars)
+                 for i in e.invars if not isinstance(i, jax_core.Literal)
+                 and len(plan.label[i]) == 1 and i in plan.reads]
+                for p in range(max(plan.passes, 1))]
+  parts: dict[int, Any] = {}
+  for p in range(max(plan.passes, 1)):
+    previous: list = []
+    for piece in plan.pieces:
+      mine = set(piece.leaves)
+      outs = [i for i, (v, o) in enumerate(zip(jaxpr.outvars, out_owners, strict=True))
+              if o in mine and (plan.passes == 0 or last[o] == p)]
+      targets = [jaxpr.outvars[i] for i in outs] + [
+          i for i in coupled_in[p] if next(iter(plan.label[i])) in mine]
+      inputs = {v: x for v, x, o in zip(jaxpr.invars, leaves, owners, strict=True) if o in mine}
+      if not targets:
+        continue
+      found, outside = needs([t for t in targets if not isinstance(t, jax_core.Literal)], inputs)
+      # The piece's state comes in once the last piece's new state is back in host memory.
+      state = [v for v in found if jax.typeof(inputs[v]).memory_space == host]
+      moved, _ = lax.optimization_barrier(([inputs[v] for v in state], previous))
+      ins = {**{v: inputs[v] for v in found}, **dict(zip(state, moved, strict=True))}
+      outer = {v: value(v, {}) for v in outside}  # (computed here, outside any scan)
+      sent = []
+      if piece.by_rows:
+        new = _by_rows(outs, ins, outer, jaxpr, twin, value, to_host, plan.prefer)
+      else:
+        local = {v: jax.device_put(x, device) if jax.typeof(x).memory_space == host else x
+                 for v, x in ins.items()}
+        local.update(outer)
+        new = [value(jaxpr.outvars[i], local) for i in outs]
+        new = [jax.device_put(x, host) if to_host[i] else x for i, x in zip(outs, new,
+                                                                             strict=True)]
+      for i, x in zip(outs, new, strict=True):
+        parts[i] = x
+        if to_host[i]:
+          sent.append(x)
+      for v in targets[len(outs):]:  # (no leaf streamed by rows reads a value of several)
+        shared[v] = value(v, local)
+      previous = sent or previous
+  result = []
+  for i, v in enumerate(jaxpr.outvars):
+    if i in parts:
+      result.append(parts[i])
+    elif isinstance(v, jax_core.Literal):
+      result.append(v.val)
+    elif v in jaxpr.invars and hosted[jaxpr.invars.index(v)]:
+      result.append(leaves[jaxpr.invars.index(v)])  # the state passed through
+    else:
+      x = whole_value(twin[v])
+      result.append(jax.device_put(x, host) if to_host[i] else x)
+  return result
+
+
+def _by_rows(outs: list[int], ins: dict, outer: dict, jaxpr: Any, twin: dict,
+             value: Callable, to_host: list[bool], prefer: set) -> list:
+  """A leaf's outputs ``outs``, a ``lax.scan`` over its rows: each row's state comes to the
+  device, is computed there and goes back (the scan's outputs, in host memory). Each output on
+  the device is written row by row, in place, into an input it fits (the params the row
+  updates, the buffer that holds the updates), else into zeros."""
+  host, device = jax.memory.Space.Host, jax.memory.Space.Device
+  rows = [v for v in ins if v.aval.shape != twin[v].aval.shape]  # (1, ...) of (R, ...)
+  fixed = {**{v: ins[v] for v in ins if v not in rows}, **outer}
+  kept = [i for i in outs if not to_host[i]]
+  carried, free = [], [v for v in rows if jax.typeof(ins[v]).memory_space != host]
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  for i in kept:
+    aval, depth = twin[jaxpr.outvars[i]].aval, _depths(jaxpr.outvars[i], producer)
+    # In place into the input nearest the output (the params of `p + u`), the later on a tie
+    # (the buffer, after the params); then the gradients (`host_state` alone: optax's own).
+    fits = [v for v in free if (twin[v].aval.shape, twin[v].aval.dtype) == (aval.shape, aval.dtype)]
+    into = min(fits, key=lambda v: (v not in prefer, depth.get(v, len(depth)), -free.index(v)),
+               default=None)
+    if into is not None:
+      free.remove(into)
+    carried.append(into)
+  streamed = [v for v in rows if v not in carried]
+
+  def body(buffers: list, xs: tuple) -> tuple[list, list]:
+    r, xs = xs
+    local = dict(fixed)
+    local.update((v, (jax.device_put(x, device) if jax.typeof(x).memory_space == host else x)[
+        None]) for v, x in zip(streamed, xs, strict=True))
+    local.update((v, lax.dynamic_index_in_dim(b, r)) for v, b in zip(carried, buffers,
+                                                                        strict=True) if v)
+    new = {i: value(jaxpr.outvars[i], local)[0] for i in outs}
+    return ([lax.dynamic_update_index_in_dim(b, new[i], r, 0) for i, b in zip(
+        kept, buffers, strict=True)], [jax.device_put(new[i], host) for i in outs if to_host[i]])
+
+  n = twin[rows[0]].aval.shape[0]
+  start = [ins[v] if v is not None else jnp.zeros(twin[jaxpr.outvars[i]].aval.shape,
+                                                  twin[jaxpr.outvars[i]].aval.dtype)
+           for i, v in zip(kept, carried, strict=True)]
+  buffers, states = lax.scan(body, start, (jnp.arange(n), [ins[v] for v in streamed]))
+  done = dict(zip(kept, buffers, strict=True)) | dict(zip(
+      [i for i in outs if to_host[i]], states, strict=True))
+  return [done[i] for i in outs]
+
+
+def _depths(out: Any, producer: dict) -> dict:
+  """How many equations each variable is from ``out``, through the equations that compute it."""
+  depth, frontier = {out: 0}, [out]
+  while frontier:
+    nxt = []
+    for v in frontier:
+      for i in producer[v].invars if v in producer else ():
+        if not isinstance(i, jax_core.Literal) and i not in depth:
+          depth[i] = depth[v] + 1
+          nxt.append(i)
+    frontier = nxt
+  return depth
