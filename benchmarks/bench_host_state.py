@@ -130,6 +130,7 @@ def real_run(layers, d, host, limit, run_it, dev=None):
     *run, loss = jax.block_until_ready(step(*run, xs))
     times[i % K == K - 1].append(time.perf_counter() - t0)
   kinds = {x.sharding.memory_kind for x in jax.tree.leaves(run[1].inner_opt_state)}
+  del p, xs
   return {"device bytes": held, "ms": [round(1e3 * harness.median(t[1:] or t), 1) for t in times],
           "loss": float(loss), "state kinds": sorted(kinds)}
 
@@ -151,7 +152,10 @@ def child(quick, *argv):
 
 def in_child(quick, what, host, d, lo, hi):
   """A child's work: ``bisect`` (the most layers in [lo, hi] whose step compiles within the
-  chip's memory) or ``run`` (``lo`` layers, two windows: finite loss, times, host RAM)."""
+  chip's memory), ``run`` (``lo`` layers, two windows: finite loss, times, host RAM) or
+  ``rate`` (:func:`update_rate` of ``lo`` leaves, one stacked leaf where ``host``)."""
+  if what == "rate":  # host: stacked
+    return update_rate(quick, lo, d, host)
   limit = 8 << 20 if quick else jax.devices()[0].memory_stats()["bytes_limit"]
   jax.block_until_ready(jnp.zeros(8) + 1)  # the runtime up: its host RAM is the base
   base = rss()
@@ -227,9 +231,9 @@ def tpu(quick, layers):
   """The real run on the chip: the streamed update's pace; the largest model each way
   (``layers``: the bisection's bounds, the device state's, then host_state's)."""
   d, ram = 128 if quick else 4096, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  rates = [update_rate(quick, *shape) for shape in (
-      ((4, d, False), (4, d, True), (16, d, False)) if quick else
-      ((16, d, False), (16, d, True), (64, d, False), (64, d, True)))]
+  rates = [child(quick, "rate", int(stacked), d, leaves, 0) for leaves, stacked in (
+      ((4, False), (4, True), (16, False)) if quick else
+      ((16, False), (16, True), (64, False), (64, True)))]
   # host_state's host RAM: the state (8 B/param) beside the runtime's base; bounded at 0.85.
   by_ram = int((0.85 * ram - 16 * 2**30 * (not quick)) / (10 * d * d))
   fits = {"device": largest(quick, False, d, *layers[:2]),
@@ -277,8 +281,9 @@ def tpu_markdown(t):
                          round(f.get("host over base", 0) / 2**30, 2)] for name, f in runs]), "",
       f"largest model trained: {t['ratio']:.2f}x as many parameters", "",
       "At the device's largest size a window of host_state takes"
-      f" {same_ms[0] * (K - 1) + same_ms[1]:.0f} ms against {device_ms[0] * (K - 1) + device_ms[1]:.0f} ms (micro-steps and the closing"
-      " step); its host RAM over the runtime's base:"
+      f" {same_ms[0] * (K - 1) + same_ms[1]:.0f} ms against"
+      f" {device_ms[0] * (K - 1) + device_ms[1]:.0f} ms (micro-steps and the closing step); its"
+      " host RAM over the runtime's base (peak, the state's zeros placed from numpy included):"
       f" {t['same size'].get('host over base', 0) / max(t['same size'].get('params', 1), 1):.1f}"
       f" B/param (the state: 8). {t['threads']} host threads; RAM bound: {t['layers by ram']}"
       f" layers in 0.85 of {t['ram'] / 2**30:.1f} GiB."]

@@ -295,7 +295,7 @@ def streamed(branch: Callable[..., Any], inner_state: Any, *, parked: bool) -> C
   from optax_accum import offload
 
   state = Emitted(False, True, False)  # the new inner state goes back to host memory
-  return lambda ops, acc: offload.streamed(branch, jax.tree.structure(acc), (ops, acc),
+  return lambda ops, acc: offload.streamed(branch, acc, (ops, acc),
                                            lambda out: (state, False) if parked else state)
 
 

@@ -146,7 +146,7 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
     arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array | jax.core.Tracer)}
     run = lambda u, s, p, a: inner.update(u, s, p, **a, **{
         k: v for k, v in extra_args.items() if k not in arrays})  # (a loss function: closed over)
-    new_updates, new_state = streamed(run, jax.tree.structure(updates), (
+    new_updates, new_state = streamed(run, updates, (
         updates, state.inner_state, params, arrays), lambda out: (False, True), into=0)
     return new_updates, HostState(new_state)
 
@@ -188,15 +188,15 @@ class _Plan(NamedTuple):
   prefer: frozenset = frozenset()  # inputs a leaf streamed by rows writes its outputs into
 
 
-def streamed(fn: Callable[..., Any], treedef: Any, args: tuple, in_host: Callable[[Any], Any],
+def streamed(fn: Callable[..., Any], like: Any, args: tuple, in_host: Callable[[Any], Any],
              into: int | None = None) -> Any:
   """``fn(*args)``, computed on the device with the state (its arguments in host memory)
-  streamed by pieces: of the params' leaves (``treedef``: a subtree of ``args`` shaped like
-  it belongs to them). ``in_host(out)``: a prefix of ``fn``'s outputs, True where they are
+  streamed by pieces: of the params' leaves (``like``, shaped as the params: a subtree of
+  ``args`` shaped like it belongs to them). ``in_host(out)``: a prefix of ``fn``'s outputs, True where they are
   the new state (sent back to host memory). ``into``: the argument whose leaves a leaf
   streamed by rows writes its outputs into first (else the inputs nearest its outputs)."""
   leaves, in_tree = jax.tree.flatten(args)
-  owners = _owners(args, treedef)
+  owners = _owners(args, like)
   out_tree: list[Any] = []
 
   def flat(*xs: Any) -> list[Any]:
@@ -210,7 +210,7 @@ def streamed(fn: Callable[..., Any], treedef: Any, args: tuple, in_host: Callabl
   hosted = [jax.typeof(x).memory_space == jax.memory.Space.Host for x in leaves]
   whole = _inlined(jax.make_jaxpr(flat)(*avals))
   shape, structure = out_tree[0], jax.tree.structure(out_tree[0])
-  out_owners = _owners(jax.tree.unflatten(structure, whole.out_avals), treedef)
+  out_owners = _owners(jax.tree.unflatten(structure, whole.out_avals), like)
   to_host = jax.tree.leaves(jax.tree.map(lambda h, o: jax.tree.map(lambda _: h, o),
                                          in_host(shape), shape))
   plan = _plan(whole, flat, avals, hosted, owners, out_owners, leaves)
@@ -220,18 +220,16 @@ def streamed(fn: Callable[..., Any], treedef: Any, args: tuple, in_host: Callabl
   return jax.tree.unflatten(structure, _run(plan, leaves, hosted, owners, out_owners, to_host))
 
 
-def _owners(tree: Any, treedef: Any) -> list[int | None]:
+def _owners(tree: Any, like: Any) -> list[int | None]:
   """For each leaf of ``tree``, the param leaf it belongs to: its place in a subtree shaped
-  like ``treedef`` (the gradients, the params, Adam's ``mu``), else None (a count)."""
-  one = treedef.num_nodes == 1  # params that are one array: a leaf of its shape is its
-  shape = None
+  like ``like`` (the gradients, the params, Adam's ``mu``), else None (a count). Where the
+  params are one array, a leaf of its shape."""
+  treedef = jax.tree.structure(like)
+  if treedef.num_nodes == 1:
+    return [0 if jnp.shape(x) == jnp.shape(like) else None for x in jax.tree.leaves(tree)]
   out: list[int | None] = []
-  fits = lambda x: x is not None and _fits(x, treedef, one)
-  for node in jax.tree.leaves(tree, is_leaf=fits):
-    if one:
-      shape = jnp.shape(node) if shape is None else shape  # (the gradients come first)
-      out.append(0 if jnp.shape(node) == shape else None)
-    elif fits(node):
+  for node in jax.tree.leaves(tree, is_leaf=lambda x: x is not None and _fits(x, treedef)):
+    if _fits(node, treedef):
       out += [j for j, sub in enumerate(treedef.flatten_up_to(node))
               for _ in jax.tree.leaves(sub)]
     else:
@@ -239,9 +237,7 @@ def _owners(tree: Any, treedef: Any) -> list[int | None]:
   return out
 
 
-def _fits(node: Any, treedef: Any, one: bool) -> bool:
-  if one:
-    return False
+def _fits(node: Any, treedef: Any) -> bool:
   try:
     treedef.flatten_up_to(node)
   except (ValueError, TypeError):
@@ -256,7 +252,11 @@ def _plan(whole: Any, flat: Callable, avals: list, hosted: list, owners: list,
   sizes = [sum(a.size * a.dtype.itemsize for a, o, h in zip(avals, owners, hosted, strict=True)
                if o == j and h) for j in range(n)]
   lead = {o: a.shape[0] for a, o in zip(avals, owners, strict=True) if o is not None and a.ndim}
+  # A leaf of stacked layers streams a layer at a time (a TPU tiles a matrix: a row of one is
+  # no block of its memory; libtpu 0.0.42.1 fails to compile a scan over a matrix's rows).
+  ndim = {o: a.ndim for a, o in zip(avals, owners, strict=True) if o is not None}
   blocks = {j for j, s in enumerate(sizes) if s > PIECE_BYTES and lead.get(j, 0) > 1
+            and ndim[j] >= 3
             and _one_device([x for x, o in zip(leaves, owners, strict=True) if o == j])}
   jaxpr = whole
   while blocks:
