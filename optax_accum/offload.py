@@ -22,6 +22,7 @@ alone is computed on the whole leaf, as the device computes it.
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -132,6 +133,11 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
 
   def update_fn(updates: optax.Updates, state: HostState, params: optax.Params | None = None,
                 **extra_args: Any) -> tuple[optax.Updates, HostState]:
+    if _in_optax_multi_steps():
+      raise TypeError(
+          "`optax.MultiSteps(host_state(...))`: optax's conditional selects between the state"
+          " in host memory and its update on the device, which JAX refuses. Use"
+          " `optax_accum.MultiSteps(host_state(...), k)` (or `accumulate`), its drop-in.")
     if _INSIDE.value:  # traced inside a streamed computation (`accumulate`'s emitting branch)
       new_updates, new_state = inner.update(updates, state.inner_state, params, **extra_args)
       return new_updates, HostState(new_state)
@@ -151,6 +157,17 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
     return new_updates, HostState(new_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _in_optax_multi_steps() -> bool:
+  """Whether optax's ``MultiSteps`` calls this update (its frames are on the stack)."""
+  frame = sys._getframe(2)
+  while frame is not None:
+    code = frame.f_code
+    if code.co_name in ("_do_update", "_skip_update") and "optax" in code.co_filename:
+      return True
+    frame = frame.f_back
+  return False
 
 
 def in_host_memory(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
@@ -292,11 +309,14 @@ def _plan(whole: Any, flat: Callable, avals: list, hosted: list, owners: list,
 
 
 def _one_device(leaves: list) -> bool:
-  """Whether blocks of these leaves' rows stay on each device: one device in all, or a mesh
-  that does not shard the leading axis (a block of a sharded one would cross devices)."""
-  return jax.device_count() == 1 or all(
-      s.mesh.size > 0 and not (s.spec and s.spec[0]) for s in (
-          jax.typeof(x).sharding for x in leaves))
+  """Whether blocks of these leaves' rows stay on each device: one device in all, a leaf on
+  one device, or typed on a mesh that does not shard its leading axis."""
+  def one(x: Any) -> bool:
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      return len(x.sharding.device_set) == 1
+    s = jax.typeof(x).sharding
+    return s.mesh.size > 0 and not (s.spec and s.spec[0])
+  return jax.device_count() == 1 or all(map(one, leaves))
 
 
 def _vars(closed: Any) -> list:
@@ -316,7 +336,10 @@ def _labels(closed: Any, hosted: list, owners: list) -> tuple[dict, set, dict]:
   stage = dict.fromkeys(label, 0)
   for eqn in j.eqns:
     ins = [v for v in eqn.invars if not isinstance(v, jax_core.Literal)]
-    own = frozenset().union(*(label[v] for v in ins))
+    # A leaf's value scaled by a number of several leaves (a global norm's) is still the
+    # leaf's: that number is computed between passes.
+    own = frozenset().union(*(label[v] for v in ins if len(label[v]) < 2 or v.aval.size > 1))
+    own = own or frozenset().union(*(label[v] for v in ins))
     s = max([stage[v] + (len(own) > 1 and len(label[v]) == 1 and v in reads) for v in ins],
             default=0)
     for v in eqn.outvars:
