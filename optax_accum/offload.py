@@ -209,9 +209,10 @@ def streamed(fn: Callable[..., Any], like: Any, args: tuple, in_host: Callable[[
              into: int | None = None) -> Any:
   """``fn(*args)``, computed on the device with the state (its arguments in host memory)
   streamed by pieces: of the params' leaves (``like``, shaped as the params: a subtree of
-  ``args`` shaped like it belongs to them). ``in_host(out)``: a prefix of ``fn``'s outputs, True where they are
-  the new state (sent back to host memory). ``into``: the argument whose leaves a leaf
-  streamed by rows writes its outputs into first (else the inputs nearest its outputs)."""
+  ``args`` shaped like it belongs to them). ``in_host(out)``: a prefix of ``fn``'s outputs,
+  True where they are the new state (sent back to host memory). ``into``: the argument whose
+  leaves a leaf streamed by rows writes its outputs into first (else the inputs nearest its
+  outputs)."""
   leaves, in_tree = jax.tree.flatten(args)
   owners = _owners(args, like)
   out_tree: list[Any] = []
