@@ -50,13 +50,19 @@ def test_bench_contrastive_tiled_quick(tmp_path: Path) -> None:
 
 def test_bench_host_state_quick(tmp_path: Path) -> None:  # and --tpu's run, on the CPU
   result = run("bench_host_state.py", tmp_path, "host_state_tpu", "--tpu")
-  fits, rows = result["tpu"]["fits"], result["memory"]  # (XLA:CPU: 22 device B/param, 14)
-  assert fits["pinned_host"]["params"] > 1.5 * fits["device"]["params"] > 0, fits
-  assert all(len(f["ms"]) == 2 and f["host peak"] > 0 for f in fits.values()), fits
+  tpu, rows = result["tpu"], result["memory"]  # (XLA:CPU: 22 device B/param, 14)
+  fits, host = tpu["fits"], "pinned_host"
+  assert fits[host]["params"] > 1.5 * fits["device"]["params"] > 0, fits
+  assert all(len(f["ms"]) == 2 and f["loss"] > 0 for f in fits.values()), fits
+  assert fits[host]["state kinds"] == [host] and fits["device"]["state kinds"] == ["device"]
+  assert tpu["same size"]["loss"] == fits["device"]["loss"]  # the same training, bit for bit
+  assert all(r[host]["bit for bit"] for r in tpu["rates"] if "bit for bit" in r[host]), tpu
+  text = (tmp_path / "host_state_tpu.md").read_text()
+  assert "host update: " in text and "largest model trained: " in text
   # Every program (the updates, the MLPs) sheds the whole state.
   device = {(r["step"], r["params"]): r["one program"] for r in rows if r["state"] == "device"}
   micro = [(r["one program"], device[r["step"], r["params"]] - r["host bytes"] + 0.01)
-           for r in rows if r["state"] == "pinned_host"]
+           for r in rows if r["state"] == host]
   assert len(micro) == 5 and all(m <= bound for m, bound in micro), micro
 
 

@@ -41,8 +41,9 @@ __all__ = ["PIECE_BYTES", "HostState", "host_state"]
 _INSIDE = jax.make_user_context(False)
 
 HOST = "pinned_host"
-# The state one piece brings to the device (a 4096 x 4096 float32 leaf's Adam state: one piece).
-# Its new state goes back while the next comes in: a few pieces are on the device at once.
+# The state one piece brings to the device (a 4096 x 4096 float32 leaf's Adam state: one piece),
+# and at most an eighth of the whole (a small model's state is not on the device twice, in and
+# out). Its new state goes back while the next comes in: a few pieces are on the device at once.
 PIECE_BYTES = 128 << 20
 
 
@@ -65,11 +66,11 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
   ``jax.ShapeDtypeStruct`` of its shardings, or an array orbax restores into
   them, is typed in host memory too). ``update`` computes ``inner``'s update on
   the device, its state brought there a piece at a time (at most
-  :data:`PIECE_BYTES` of state a piece, a few pieces at once) and sent back:
-  the updates and the new state are bit for bit ``inner``'s with its state on
-  the device. The state crosses the host link twice per update (once more where
-  a value that couples leaves reads it, as a global norm of Adam's updates
-  does). Inside :func:`~optax_accum.accumulate` that is once per window. On a
+  :data:`PIECE_BYTES` of state a piece and an eighth of the whole, a few pieces
+  at once) and sent back: the updates and the new state are bit for bit
+  ``inner``'s with its state on the device. The state crosses the host link
+  twice per update (once more where a value that couples leaves reads it, as a
+  global norm of Adam's updates does). Inside :func:`~optax_accum.accumulate` that is once per window. On a
   mesh each device streams its own shard of each leaf. Donating the state: JAX
   (0.10.2 to 0.12) pairs a donated argument with an output by shape alone, so
   return the params and the state in the order they are donated (or give
@@ -273,7 +274,8 @@ def _plan(whole: Any, flat: Callable, avals: list, hosted: list, owners: list,
   # A leaf of stacked layers streams a layer at a time (a TPU tiles a matrix: a row of one is
   # no block of its memory; libtpu 0.0.42.1 fails to compile a scan over a matrix's rows).
   ndim = {o: a.ndim for a, o in zip(avals, owners, strict=True) if o is not None}
-  blocks = {j for j, s in enumerate(sizes) if s > PIECE_BYTES and lead.get(j, 0) > 1
+  budget = min(PIECE_BYTES, -(-sum(sizes) // 8))
+  blocks = {j for j, s in enumerate(sizes) if s > budget and lead.get(j, 0) > 1
             and ndim[j] >= 3
             and _one_device([x for x, o in zip(leaves, owners, strict=True) if o == j])}
   jaxpr = whole
@@ -306,7 +308,7 @@ def _plan(whole: Any, flat: Callable, avals: list, hosted: list, owners: list,
                  [_Piece(tuple(range(len(sizes))))], 0)
   last = max([stage[v] for v, o in zip(jaxpr.jaxpr.outvars, out_owners, strict=True)
               if not isinstance(v, jax_core.Literal) and o is not None], default=0)
-  return _Plan(jaxpr, whole, label, reads, stage, once, _pieces(sizes, blocks), last + 1)
+  return _Plan(jaxpr, whole, label, reads, stage, once, _pieces(sizes, blocks, budget), last + 1)
 
 
 def _one_device(leaves: list) -> bool:
@@ -417,11 +419,11 @@ def _keeps_rows(a: Any, b: Any) -> bool:
   return False
 
 
-def _pieces(sizes: list[int], blocks: set[int]) -> list[_Piece]:
+def _pieces(sizes: list[int], blocks: set[int], budget: int) -> list[_Piece]:
   """Whole leaves together up to a piece's bytes, in order; a leaf streamed by rows alone."""
   pieces, group, held = [], [], 0
   for j, size in enumerate(sizes):
-    if group and (j in blocks or held + size > PIECE_BYTES):
+    if group and (j in blocks or held + size > budget):
       pieces.append(_Piece(tuple(group)))
       group, held = [], 0
     if j in blocks:
@@ -540,9 +542,11 @@ def _run(plan: _Plan, leaves: list, hosted: list, owners: list, out_owners: list
       if not targets:
         continue
       found, outside = needs([t for t in targets if not isinstance(t, jax_core.Literal)], inputs)
-      # The piece's state comes in once the last piece's new state is back in host memory.
+      # The piece's state comes in once the last piece's new state is back in host memory
+      # (an order, not a value: no gradient flows from one piece to the next).
       state = [v for v in found if jax.typeof(inputs[v]).memory_space == host]
-      moved, _ = lax.optimization_barrier(([inputs[v] for v in state], previous))
+      moved, _ = lax.optimization_barrier(([inputs[v] for v in state],
+                                           lax.stop_gradient(previous)))
       ins = {**{v: inputs[v] for v in found}, **dict(zip(state, moved, strict=True))}
       outer = {v: value(v, {}) for v in outside}  # (computed here, outside any scan)
       sent = []

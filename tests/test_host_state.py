@@ -199,12 +199,11 @@ def streamed_run(make: Callable[[], Any], params: Any, steps: int = 3) -> tuple[
 
 
 @pytest.mark.catches("host_state_moves_the_state_in", "host_state_on_device")
-def test_the_state_streams_through_the_device_a_piece_at_a_time(
-    monkeypatch: pytest.MonkeyPatch) -> None:
-  """Six leaves, pieces of two leaves' state: inside ``accumulate`` each piece's state comes
-  to the device after the last piece's new state is back in host memory (one
-  ``optimization_barrier`` a piece), never more than a piece at once; bit for bit."""
-  monkeypatch.setattr(oa.offload, "PIECE_BYTES", 2 * 2 * 64 * 4)  # mu and nu of two leaves
+def test_the_state_streams_through_the_device_a_piece_at_a_time() -> None:
+  """Six leaves, pieces of at most an eighth of the state (a leaf each): inside
+  ``accumulate`` each piece's state comes to the device after the last piece's new state is
+  back in host memory (one ``optimization_barrier`` a piece), never more than a piece at
+  once; bit for bit."""
   tx = oa.accumulate(2, oa.host_state(adam()))
   step = lambda p, s, g: oa.update_and_apply(tx, g, s, p)
   jaxpr = jax.make_jaxpr(step)(fresh(LEAVES), tx.init(fresh(LEAVES)), fresh(LEAVES)).jaxpr
@@ -213,7 +212,7 @@ def test_the_state_streams_through_the_device_a_piece_at_a_time(
   assert sorted(moved) == sorted([4] + [64 * 4] * 12), moved  # adam's count, mu and nu
   barriers = [e for e in eqns(jaxpr, "optimization_barrier")
               if any(v.aval.memory_space == jax.memory.Space.Host for v in e.invars)]
-  assert len(barriers) == 3  # each piece's state in after the last piece's is out
+  assert len(barriers) == 6  # each piece's state in after the last piece's is out
   run, ref = (fresh(LEAVES), tx.init(fresh(LEAVES))), (fresh(LEAVES), oa.accumulate(
       2, adam()).init(fresh(LEAVES)))
   for i in range(4):
