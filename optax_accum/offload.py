@@ -70,10 +70,10 @@ def host_state(inner: optax.GradientTransformation) -> optax.GradientTransformat
   at once) and sent back: the updates and the new state are bit for bit
   ``inner``'s with its state on the device. The state crosses the host link
   twice per update (once more where a value that couples leaves reads it, as a
-  global norm of Adam's updates does). Inside :func:`~optax_accum.accumulate` that is once per window. On a
-  mesh each device streams its own shard of each leaf. Donating the state: JAX
-  (0.10.2 to 0.12) pairs a donated argument with an output by shape alone, so
-  return the params and the state in the order they are donated (or give
+  global norm of Adam's updates does). Inside :func:`~optax_accum.accumulate` that is
+  once per window. On a mesh each device streams its own shard of each leaf. Donating
+  the state: JAX (0.10.2 to 0.12) pairs a donated argument with an output by shape
+  alone, so return the params and the state in the order they are donated (or give
   ``out_shardings``).
 
   Args:
