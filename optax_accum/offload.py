@@ -458,6 +458,20 @@ def _bind(eqn: Any, ins: list) -> list:
   return out if eqn.primitive.multiple_results else [out]
 
 
+def _passes(plan: _Plan, out_owners: list) -> tuple[dict, list]:
+  """The pass that computes each leaf's outputs, and per pass the values of one leaf that
+  the next pass's values of several leaves read."""
+  jaxpr, last = plan.jaxpr.jaxpr, {}
+  for v, o in zip(jaxpr.outvars, out_owners, strict=True):
+    if o is not None and not isinstance(v, jax_core.Literal):
+      last[o] = max(last.get(o, 0), plan.stage[v])
+  return last, [[i for e in jaxpr.eqns if any(plan.stage[o] == p + 1 and len(plan.label[o]) > 1
+                                              for o in e.outvars)
+                 for i in e.invars if not isinstance(i, jax_core.Literal)
+                 and len(plan.label[i]) == 1 and i in plan.reads]
+                for p in range(max(plan.passes, 1))]
+
+
 def _varying(aval: Any) -> frozenset:
   """The manual axes ``aval`` varies over (JAX 0.10.2 names them in ``manual_axis_type``)."""
   axes = getattr(aval, "manual_axis_type", None)
@@ -520,15 +534,7 @@ def _run(plan: _Plan, leaves: list, hosted: list, owners: list, out_owners: list
         stack += producer[v].invars
     return found, outside
 
-  last = {}
-  for v, o in zip(jaxpr.outvars, out_owners, strict=True):
-    if o is not None and not isinstance(v, jax_core.Literal):
-      last[o] = max(last.get(o, 0), plan.stage[v])
-  coupled_in = [[i for e in jaxpr.eqns if any(plan.stage[o] == p + 1 and len(plan.label[o]) > 1
-                                               for o in e.outvars)
-                 for i in e.invars if not isinstance(i, jax_core.Literal)
-                 and len(plan.label[i]) == 1 and i in plan.reads]
-                for p in range(max(plan.passes, 1))]
+  last, coupled_in = _passes(plan, out_owners)
   parts: dict[int, Any] = {}
   for p in range(max(plan.passes, 1)):
     previous: list = []
