@@ -1,14 +1,15 @@
-"""The optimizer state in host memory (``oa.host_state``): device bytes, the largest model, time.
+"""The optimizer state in host memory (``oa.host_state``): device bytes, pace, largest model.
 
 Device bytes per parameter (arguments + temporaries - the state's in pinned_host) of compiled
 steps, params and state donated, adam: ``accumulate(k, adam)`` against ``accumulate(k,
 host_state(adam))``, compiled with ``jax.jit`` (one program); the update alone (k = 4);
 an MLP's step, 4 layers of d x d, micro-batches of d rows (k = 8); the real run's step (below).
-``--tpu`` (on the chip; ``--quick`` checks it on the CPU): the largest MLP that trains with the
-state on the device and with ``host_state``, bisected by compiling (f32 adam, k = 4; host_state's
-within 0.85 of the host's RAM), each run for two windows in a process of its own (its peak RSS);
-the host update's ns/param and threads; ``host_state_tpu.{md,json}`` in ``--out``.
-"""
+``--tpu`` (on the chip; ``--quick`` checks it on the CPU), each part in a process of its own:
+the streamed update alone (separate leaves, one stacked leaf; bit for bit against the state on
+the device where it fits); the largest MLP in a scan that trains two windows with a finite loss,
+f32 adam, k = 4, the state on the device and with ``host_state``, bisected by compiling, each
+try run; host_state at the device's largest size (the window's time, host RAM);
+``host_state_tpu.{md,json,png}`` in ``--out``."""
 
 import argparse
 import functools
