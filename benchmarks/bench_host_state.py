@@ -161,6 +161,8 @@ def in_child(quick, what, host, d, lo, hi):
   jax.block_until_ready(jnp.zeros(8) + 1)  # the runtime up: its host RAM is the base
   base = rss()
   if what == "bisect":
+    if not real_run(lo, d, host, limit, False):  # (below the bounds: from none)
+      lo, hi = 0, lo - 1
     while lo < hi:  # lo fits, hi + 1 does not
       mid = (lo + hi + 1) // 2
       lo, hi = (mid, hi) if real_run(mid, d, host, limit, False) else (lo, mid - 1)

@@ -274,8 +274,8 @@ def _plan(whole: Any, flat: Callable, avals: list, hosted: list, owners: list,
   # A leaf of stacked layers streams a layer at a time (a TPU tiles a matrix: a row of one is
   # no block of its memory; libtpu 0.0.42.1 fails to compile a scan over a matrix's rows).
   ndim = {o: a.ndim for a, o in zip(avals, owners, strict=True) if o is not None}
-  budget = min(PIECE_BYTES, -(-sum(sizes) // 8))
-  blocks = {j for j, s in enumerate(sizes) if s > budget and lead.get(j, 0) > 1
+  budget = min(PIECE_BYTES, -(-sum(sizes) // 8))  # (a leaf by layers: over PIECE_BYTES)
+  blocks = {j for j, s in enumerate(sizes) if s > PIECE_BYTES and lead.get(j, 0) > 1
             and ndim[j] >= 3
             and _one_device([x for x, o in zip(leaves, owners, strict=True) if o == j])}
   jaxpr = whole
