@@ -41,8 +41,18 @@ def accumulator_dtype(dtype: Any, requested: jnp.dtype | None = None) -> jnp.dty
       )
     return jnp.dtype(requested)
   if jnp.issubdtype(dtype, jnp.inexact):  # complex64 with float32 promotes to complex64
-    return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
+    return promote_types(dtype, jnp.float32)
   return dtype
+
+
+def promote_types(a: Any, b: Any) -> jnp.dtype:
+  """``jnp.promote_types``, where an 8-bit float (which JAX promotes to nothing implicitly)
+  meets another dtype as bfloat16, which holds it exactly (fp8 with float32: float32)."""
+  if jnp.dtype(a) == jnp.dtype(b):
+    return jnp.dtype(a)
+  as_bf16 = lambda d: jnp.bfloat16 if jnp.issubdtype(d, jnp.floating) and jnp.dtype(
+      d).itemsize == 1 else d
+  return jnp.promote_types(as_bf16(a), as_bf16(b))
 
 
 def sum_dtype(dtype: Any, requested: Any = None, mean: bool = False) -> jnp.dtype:

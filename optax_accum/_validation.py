@@ -120,7 +120,7 @@ def _check_dtype(config: Any, path: str, g_dtype: Any, b_dtype: Any) -> None:
         " would be dropped. Build the transform with a complex `accumulator_dtype` (or None, the"
         " default, and complex params)."
     )
-  if config.acc_dtype is None and jnp.promote_types(g_dtype, b_dtype) != b_dtype:
+  if config.acc_dtype is None and _arrays.promote_types(g_dtype, b_dtype) != b_dtype:
     raise TypeError(
         f"The gradient at {path} is {g_dtype}, wider than the {b_dtype} accumulator that `init`"
         " built from the params: it would lose precision. Pass `accumulator_dtype` explicitly (a"

@@ -411,7 +411,7 @@ def emit(config: Config, ops: Operands, window_sum: optax.Updates, *, apply: boo
   # (A 16-bit buffer's sum is scaled in float32.)
   reduced = jax.tree.map(
       lambda a, g, p: (a.astype(jnp.promote_types(a.dtype, wide)) * scale).astype(
-          jnp.promote_types(jnp.result_type(g), jnp.result_type(p))),
+          _arrays.promote_types(jnp.result_type(g), jnp.result_type(p))),
       window_sum, ops.grads, ops.grads if ops.params is None else ops.params)
 
   out, new_inner = reduced, ops.inner_state  # the chain form emits the reduced gradient
@@ -461,7 +461,7 @@ def parking(config: Config, updates: Any, buffer: optax.Updates, *, apply: bool 
     u_type, b_type = _arrays.array_type(u), _arrays.array_type(b)
     # Exact: the same dtype, or a wider float of the same kind (bf16 into f32).
     exact = u_dtype == b_dtype or (jnp.issubdtype(u_dtype, jnp.floating) and jnp.issubdtype(
-        b_dtype, jnp.floating) and jnp.promote_types(u_dtype, b_dtype) == b_dtype)
+        b_dtype, jnp.floating) and _arrays.promote_types(u_dtype, b_dtype) == b_dtype)
     return (exact and tuple(u.shape) == tuple(b.shape) and u_type.varying == b_type.varying
             and u_type.explicit_spec == b_type.explicit_spec)
 

@@ -402,3 +402,31 @@ def test_multisteps_inside_pmap_and_nested_scan(k):
       q = optax.apply_updates(q, u)
     np.testing.assert_allclose(np.asarray(p["w"][dev]), np.asarray(q["w"]), rtol=1e-5)
   assert (np.asarray(s.gradient_step) == 4).all()
+
+
+# --- review (issue 74): fp8 params, flush, global_stats dtypes, params=None, unbound axis -------
+
+
+def test_fp8_params_accumulate_in_float32():
+  """fp8 params (JAX promotes 8-bit floats to nothing implicitly) accumulate in float32, as bf16
+  ones do: ``accumulate`` and ``microbatched`` give the float32 sum of the fp8 gradients."""
+  params = {"w": jnp.linspace(-1, 1, 8).astype(jnp.float8_e4m3fn),
+            "b": jnp.full(3, 0.5, jnp.float8_e5m2)}
+  x = jax.random.normal(jax.random.key(74), (16, 8))
+
+  def loss(p, x):
+    h = x @ p["w"].astype(jnp.float32)
+    return jnp.mean((h[:, None] * p["b"].astype(jnp.float32) - 1.0) ** 2)
+
+  grads = [jax.grad(loss)(params, x[i::4]) for i in range(4)]  # fp8, like the params
+  f32_sum = lambda gs: jax.tree.map(lambda *g: np.sum([np.float32(v) for v in g], 0), *gs)
+  tx = oa.accumulate(4, optax.sgd(1.0))
+  state, update = tx.init(params), jax.jit(tx.update)
+  for g in grads[:3]:
+    _, state = update(g, state, params)
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, state.acc_grads), f32_sum(grads[:3]))
+  updates, state = update(grads[3], state, params)
+  mean = jax.tree.map(lambda s, p: jnp.asarray(s / 4).astype(p.dtype), f32_sum(grads), params)
+  chex.assert_trees_all_equal(updates, jax.tree.map(jnp.negative, mean))
+  _, mb_grads = jax.jit(oa.microbatched(jax.value_and_grad(loss), 4))(params, x)
+  chex.assert_trees_all_equal(mb_grads, mean)
