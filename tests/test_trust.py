@@ -430,3 +430,8 @@ def test_fp8_params_accumulate_in_float32():
   chex.assert_trees_all_equal(updates, jax.tree.map(jnp.negative, mean))
   _, mb_grads = jax.jit(oa.microbatched(jax.value_and_grad(loss), 4))(params, x)
   chex.assert_trees_all_equal(mb_grads, mean)
+  # float32 gradients of fp8 params: float32 updates (the wider dtype), as for bf16 params.
+  tx = oa.accumulate(1, optax.sgd(1.0))
+  wide = jax.tree.map(lambda g: g.astype(jnp.float32), grads[0])
+  updates, _ = tx.update(wide, tx.init(params), params)
+  chex.assert_trees_all_equal(updates, jax.tree.map(jnp.negative, wide))
