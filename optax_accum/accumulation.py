@@ -336,8 +336,7 @@ def has_updated(state: Any) -> jax.Array:
     >>> bool(oa.has_updated(state))
     True
   """
-  has_window = lambda n: hasattr(n, "mini_step") and hasattr(n, "gradient_step")
-  found = _arrays.first_node(state, has_window)  # AccumulateState, optax.MultiStepsState, ...
+  found = _arrays.first_node(state, _has_window)  # AccumulateState, optax.MultiStepsState, ...
   if found is None:
     raise TypeError(
         "`has_updated` needs the state of `accumulate` or `MultiSteps` (or a"
@@ -346,6 +345,10 @@ def has_updated(state: Any) -> jax.Array:
   # jnp.asarray unwraps containers such as Flax NNX's optimizer variables.
   return jnp.asarray(found.emitted) if isinstance(found, AccumulateState) else _window.stepped(
       found)
+
+
+def _has_window(node: Any) -> bool:
+  return hasattr(node, "mini_step") and hasattr(node, "gradient_step")
 
 
 def flush(
@@ -364,7 +367,7 @@ def flush(
 
   Args:
     tx: ``accumulate(...)``, ``MultiSteps(...)``, or a transform holding one
-      (an ``optax.chain``, :func:`~optax_accum.sharding.per_device_state`).
+      (an ``optax.chain``, :func:`~optax_accum.sharding.per_device_state`); others raise.
     state: its state.
     params: the current params; the updates take their dtypes.
     **extra_args: passed to the inner optimizer.
@@ -383,7 +386,15 @@ def flush(
     >>> updates["w"].tolist(), int(state.gradient_step), int(state.mini_step)
     ([-3.0, -3.0], 1, 0)
   """
+  # optax.MultiSteps (or its gradient_transformation()): a state of the type ours keeps.
+  theirs = isinstance(getattr(getattr(tx, "update", None), "__self__", None), optax.MultiSteps)
   tx = _extra_args_transform(tx, "flush", {})
+  if theirs or _arrays.first_node(state, _has_window) is None:
+    raise TypeError(
+        "`flush` closes the window of `optax_accum.accumulate` or `optax_accum.MultiSteps`, and"
+        " this transform holds neither: it would take a step on zero gradients (or count them as"
+        " a micro-batch). Write `optax_accum.accumulate(k, opt)` around the optimizer, or"
+        " `optax_accum.MultiSteps(opt, k)` for `optax.MultiSteps(opt, k)` (its drop-in).")
   zeros = jax.tree.map(jnp.zeros_like, params)
   return tx.update(zeros, state, params, **extra_args, flush=True)
 

@@ -435,3 +435,20 @@ def test_fp8_params_accumulate_in_float32():
   wide = jax.tree.map(lambda g: g.astype(jnp.float32), grads[0])
   updates, _ = tx.update(wide, tx.init(params), params)
   chex.assert_trees_all_equal(updates, jax.tree.map(jnp.negative, wide))
+
+
+def test_flush_refuses_a_transform_without_our_window():
+  """``flush`` on ``optax.adam`` took a step on zero gradients, on ``optax.MultiSteps`` it
+  added a zero micro-batch (the window's mean halved): refused. Ours still flush, in a chain."""
+  params = {"w": jnp.full(2, 0.9)}
+  theirs = optax.MultiSteps(optax.sgd(1.0), 4)
+  for tx in (optax.adam(0.1), theirs, theirs.gradient_transformation()):
+    state = tx.update({"w": jnp.ones(2)}, tx.init(params), params)[1]
+    with pytest.raises(TypeError, match=r"`flush`.*`optax_accum.accumulate\(k, opt\)`.*`"
+                       r"optax_accum.MultiSteps\(opt, k\)` for `optax.MultiSteps"):
+      oa.flush(tx, state, params)
+  ours = optax.chain(optax.identity(), oa.MultiSteps(optax.sgd(1.0), 4).gradient_transformation())
+  _, state = ours.update({"w": jnp.array([2.0, 4.0])}, ours.init(params), params)
+  updates, state = oa.flush(ours, state, params)  # the one micro-batch waiting, alone
+  chex.assert_trees_all_equal(updates, {"w": -jnp.array([2.0, 4.0])})
+  assert int(state[1].mini_step) == 0 and int(state[1].gradient_step) == 1
