@@ -242,8 +242,17 @@ def advance(state: Any, stats: Any, like: Any, accept: Any, closes: Any, axis_na
     raise ValueError(
         f"`update(..., stats=...)` got shapes {jax.tree.map(jnp.shape, stats)}, but"
         f" `accumulate(..., global_stats=...)` declared {like and jax.tree.map(jnp.shape, like)}.")
+  stats = check_summable(stats, "`stats`")
+  for (path, s), r in zip(jax.tree_util.tree_flatten_with_path(stats)[0], jax.tree.leaves(like),
+                          strict=True):
+    if _arrays.promote_types(jnp.result_type(s), r.dtype) != r.dtype:
+      raise TypeError(
+          f"`update(..., stats=...)` at {jax.tree_util.keystr(path) or 'its root'} is"
+          f" {jnp.result_type(s)}, but `accumulate(..., global_stats=...)` sums it in {r.dtype},"
+          " which would lose part of it (a float added to an int truncates). Declare that leaf"
+          f" {jnp.result_type(s)}: `jax.ShapeDtypeStruct({r.shape}, jnp.{jnp.result_type(s)})`.")
   running = jax.tree.map(lambda r, s: r + jnp.where(accept, s, 0).astype(r.dtype),
-                         state.running, check_summable(stats, "`stats`"))
+                         state.running, stats)
   total = (lambda r: r) if axis_name is None else (lambda r: lax.psum(r, axis_name))
   last = lax.cond(closes, total, lambda r: state.last, running)
   return GlobalStats(jax.tree.map(lambda r: jnp.where(closes, jnp.zeros([], r.dtype), r),

@@ -452,3 +452,24 @@ def test_flush_refuses_a_transform_without_our_window():
   updates, state = oa.flush(ours, state, params)  # the one micro-batch waiting, alone
   chex.assert_trees_all_equal(updates, {"w": -jnp.array([2.0, 4.0])})
   assert int(state[1].mini_step) == 0 and int(state[1].gradient_step) == 1
+
+
+def test_global_stats_of_a_dtype_its_sum_would_truncate_are_an_error():
+  """A float statistic into an integer ``like`` was truncated (0.9 on 3 micro-batches: 0)."""
+  params, grads = {"w": jnp.zeros(2)}, {"w": jnp.zeros(2)}
+  like = {"n": jnp.zeros(2, jnp.int32), "p": jnp.zeros((), jnp.int32)}
+  tx = oa.accumulate(3, optax.sgd(0.1), global_stats=like)
+  with pytest.raises(TypeError, match=r"stats=\.\.\.\)` at \['p'\] is float32, but `accumulate\(.*"
+                                      r"int32.*`jax.ShapeDtypeStruct\(\(\), jnp.float32\)`"):
+    tx.update(grads, tx.init(params), params, stats={"n": jnp.ones(2, jnp.int32),
+                                                     "p": jnp.float32(0.9)})
+  # Declared float32: the sum is numpy's; counts (int8 here) still go into a float statistic.
+  tx = oa.accumulate(3, optax.sgd(0.1), global_stats=jax.tree.map(
+      lambda x: x.astype(jnp.float32), like))
+  state, update = tx.init(params), jax.jit(tx.update)
+  for _ in range(3):
+    _, state = update(grads, state, params, stats={"n": jnp.ones(2, jnp.int8),
+                                                   "p": jnp.float32(0.9)})
+  assert state.global_stats.last["p"] == sum([np.float32(0.9)] * 3, np.float32(0))
+  assert not state.global_stats.running["p"]
+  np.testing.assert_array_equal(state.global_stats.last["n"], [3.0, 3.0])
