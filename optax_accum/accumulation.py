@@ -442,6 +442,10 @@ def update_and_apply(
     >>> params["w"].tolist()
     [-1.0, -1.0]
   """
+  if params is None:
+    raise TypeError(
+        "`update_and_apply(tx, grads, state, params)` got `params=None`: it returns the new"
+        " params, made from the current ones. Pass them, or call `tx.update(grads, state)`.")
   tx = _extra_args_transform(tx, "update_and_apply", kwargs)
   out, state = tx.update(grads, state, params, **kwargs, apply=True)
   if isinstance(out, Applied):

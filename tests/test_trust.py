@@ -473,3 +473,12 @@ def test_global_stats_of_a_dtype_its_sum_would_truncate_are_an_error():
   assert state.global_stats.last["p"] == sum([np.float32(0.9)] * 3, np.float32(0))
   assert not state.global_stats.running["p"]
   np.testing.assert_array_equal(state.global_stats.last["n"], [3.0, 3.0])
+
+
+def test_update_and_apply_without_params_is_an_error():
+  """``update_and_apply(tx, g, s, None)`` returned None as the new params."""
+  tx = oa.accumulate(1, optax.sgd(0.1))
+  state = tx.init({"w": jnp.zeros(2)})
+  with pytest.raises(TypeError, match=r"`update_and_apply\(tx, grads, state, params\)` got"
+                                      r" `params=None`.*Pass them"):
+    oa.update_and_apply(tx, {"w": jnp.ones(2)}, state, None)
