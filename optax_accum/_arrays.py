@@ -169,22 +169,25 @@ def device_count(axes: tuple[Any, ...], mesh: Any = None) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def axis_kind(axis_name: Any, *, check: bool = True) -> str | None:
+def axis_kind(axis_name: Any, *, check: bool = True, caller: str = "the step") -> str | None:
   """The kind of the mesh axes ``axis_name`` names: ``"Explicit"``, ``"Auto"``, or None.
 
   None for manual axes: those of ``shard_map`` (Manual on the current mesh)
   or ``pmap`` (not on it). Raises for a mix of kinds, and (with ``check``) for
-  axes neither on the current mesh nor bound: ``init``, which ``jax.pmap``
-  maps without naming the axis, passes ``check=False``.
+  axes neither on the current mesh nor bound, naming ``caller``: ``init``,
+  which ``jax.pmap`` maps without naming the axis, passes ``check=False``.
   """
   axes = axis_names(axis_name)
   mesh = jax.sharding.get_abstract_mesh()
   names = tuple(mesh.axis_names or ())
   if not all(a in names for a in axes):
-    if check and names and axis_indices(axes) is None:
+    if check and axis_indices(axes) is None:
       raise ValueError(
           f"`axis_name={axis_name!r}` is not an axis of the current mesh (its axes are"
-          f" {names}) nor a bound pmap/shard_map axis. Pass one of the mesh's axes.")
+          f" {names}) nor a bound pmap/shard_map axis. Pass one of the mesh's axes." if names else
+          f"`axis_name={axis_name!r}` is bound nowhere: no mesh is set (under jit, the mesh of"
+          " inputs placed with NamedSharding is not), no shard_map or pmap binds it. Call"
+          f" {caller} under `with jax.set_mesh(mesh):` or inside a `jax.shard_map` over it.")
     return None
   kinds = {str(mesh.axis_types[names.index(a)]).rsplit(".", 1)[-1] for a in axes}
   if len(kinds) > 1:
@@ -235,7 +238,7 @@ def device_layout(axis_name: Any, *, check: bool = True) -> Layout:
   """
   if axis_name is None:
     return ONE_DEVICE
-  kind = axis_kind(axis_name, check=check)
+  kind = axis_kind(axis_name, check=check, caller="`accumulate(..., axis_name=...)`'s update")
   if kind == "Auto":
     raise ValueError(
         f"`axis_name={axis_name!r}` names mesh axes of kinds ['Auto']. Use Explicit axes"

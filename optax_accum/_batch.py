@@ -168,12 +168,7 @@ def _data_axes(axis_name: Any, split: tuple[Any, ...], args: Sequence[Any],
       _check_no_hidden_split(args, positions)
     return split
   named = _arrays.axis_names(axis_name)
-  if _arrays.axis_kind(axis_name) is None:  # inside shard_map, or pmap
-    if _arrays.axis_indices(named) is None:
-      raise ValueError(
-          f"`axis_name={axis_name!r}` is bound nowhere: no mesh is set (under jit, the mesh of"
-          " inputs placed with NamedSharding is not), no shard_map or pmap binds it. Call"
-          " `microbatched` under `with jax.set_mesh(mesh):` or inside a `jax.shard_map` over it.")
+  if _arrays.axis_kind(axis_name, caller="`microbatched`") is None:  # inside shard_map, or pmap
     if split:
       raise ValueError(
           f"The batch is sharded over the Explicit mesh axes {split} while"

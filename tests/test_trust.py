@@ -482,3 +482,14 @@ def test_update_and_apply_without_params_is_an_error():
   with pytest.raises(TypeError, match=r"`update_and_apply\(tx, grads, state, params\)` got"
                                       r" `params=None`.*Pass them"):
     oa.update_and_apply(tx, {"w": jnp.ones(2)}, state, None)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_accumulate_with_an_axis_bound_nowhere_names_set_mesh(jit):
+  """Outside any mesh, shard_map or pmap, ``axis_name`` gave JAX's unbound-axis error."""
+  params = {"w": jnp.zeros(2)}
+  tx = oa.accumulate(2, optax.sgd(0.1), axis_name="data")
+  update = jax.jit(tx.update) if jit else tx.update
+  with pytest.raises(ValueError, match=r"`axis_name='data'` is bound nowhere.*`accumulate\(\.\.\.,"
+                                       r" axis_name=\.\.\.\)`'s update under `with jax\.set_mesh"):
+    update({"w": jnp.ones(2)}, tx.init(params), params)
