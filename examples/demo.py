@@ -1,6 +1,6 @@
 """Demo: a small transformer trained five ways on the same batches, then k chosen adaptively.
 
-Run ``python examples/demo.py`` after ``pip install -e ".[demo]"`` (about three
+Run ``python examples/demo.py`` after ``pip install -e ".[demo]"`` (about four
 minutes on two CPU cores; ``--help`` lists the sizes). It writes
 ``results.json``, ``loss_curves.png``, ``memory.png`` and ``adaptive_k.png``
 to ``demo_out/`` (``--out``) and prints two tables.
@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -289,8 +290,12 @@ class _Quiet:
 
 
 def progress(cfg: Config, total: int, desc: str) -> Any:
-  """A tqdm progress bar, or none with ``--no-progress``."""
+  """A tqdm bar where stderr is a terminal; elsewhere (a log, where a bar is one long line)
+  a plain line per stage; nothing with ``--no-progress``."""
   if not cfg.progress:
+    return _Quiet()
+  if not sys.stderr.isatty():
+    print(f"{desc}: {total} ...", file=sys.stderr, flush=True)
     return _Quiet()
   from tqdm.auto import tqdm
   return tqdm(total=total, desc=desc, dynamic_ncols=True)
@@ -307,7 +312,7 @@ def run_part1(cfg: Config, loss_terms: LossTerms, params0: Any, batches: Batch,
     compiled, _ = compiled_step(step, params0, opt_state, micro_batch(batches, 0, 0, calls))
     arms[arm] = {"compiled": compiled, "calls": calls, "params": params0,
                  "opt_state": opt_state, "losses": [], "step_s": [], "tokens": 0.0}
-  bar = progress(cfg, cfg.steps, f"part 1: {len(ARMS)} arms")
+  bar = progress(cfg, cfg.steps, f"part 1: {len(ARMS)} arms, steps")
   for i in range(cfg.steps):
     for a in arms.values():
       t0, total, count = time.perf_counter(), 0.0, 0.0
@@ -568,7 +573,8 @@ def parse_args(argv: Sequence[str] | None) -> Config:
   flag("fraction", "part 2: adaptive k aims at this fraction of the noise scale", type=float)
   flag("min-windows", "part 2: windows in the estimate before it drives k", type=int)
   flag("out", "output folder")
-  p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+  p.add_argument("--no-progress", dest="progress", action="store_false",
+                 help="no progress bars (nor, with stderr redirected, a line per stage)")
   a = p.parse_args(argv)
   if a.k is not None and a.memory_limit_mib is not None:
     p.error("pass --k (a fixed k) or --memory-limit (plan_k chooses k), not both.")
