@@ -35,8 +35,8 @@ class Trail:
   raises at random numbers drawn per row (their shape differs from the micro-batch's, or
   a loop over the rows or a ``while`` draws them) from a key no batch argument feeds, and
   records each selection among the rows or by a statistic of the batch (``cond``,
-  ``select_n``, ``_SELECT``) and each rounding (``round``, a cast to an 8-bit type: fp8,
-  int8) of a value that a statistic of the batch scales. Without ``other`` (the
+  ``select_n``, ``_SELECT``) and each rounding (``round``, a cast to an 8-bit float: fp8)
+  of a value that a statistic of the batch scales. Without ``other`` (the
   micro-batch itself, ``microbatched``) it only records the shapes.
   """
 
@@ -68,7 +68,9 @@ class Trail:
     self.divided |= name == "div" and _STAT in ins[1]
     if among_rows or (_STAT in first and name in ("cond", "select_n")):
       self.selections.append(f"`{name}` at {where}")
-    narrow = name == "convert_element_type" and np.dtype(p["new_dtype"]).itemsize == 1  # fp8, int8
+    # A cast to fp8 rounds; one to an integer or a bool (a count, a guard) is exact there.
+    narrow = name == "convert_element_type" and np.dtype(p["new_dtype"]).itemsize == 1 and (
+        jax.numpy.issubdtype(p["new_dtype"], jax.numpy.floating))
     if name == "reduce_precision" and _float64.narrow(p):
       narrow, p = True, {"new_dtype": f"e{p['exponent_bits']}m{p['mantissa_bits']} (fp8)"}
     if _STAT in first and (name == "round" or narrow):  # summed: the value is a statistic

@@ -233,6 +233,21 @@ def test_padding_normalised_per_microbatch_gives_the_real_row_shares():
   assert "weights per micro-batch" in str(report) and "['w1']" in str(report)
 
 
+@pytest.mark.parametrize("count", [
+    lambda m: jnp.sum(m).astype(jnp.int8),  # the count cast to a narrow int: exact
+    lambda m: jnp.maximum(jnp.sum(m), 1.0) * jnp.sum(m).astype(bool),  # a guard on no rows
+], ids=["int8_count", "bool_guard"])
+def test_a_count_cast_to_int_or_bool_is_no_rounding(count):
+  """A mean per micro-batch whose count is cast to an integer or a bool is "weights", fixed by
+  normalize='weighted': a cast of a count is exact, not the rounding of a sum (review 74, 6)."""
+  def loss(p, x, y, m):
+    return jnp.sum(per_example(p, x, y) * m) / count(m)
+
+  report = checked(loss, PARAMS, X, Y, MASK)
+  assert report.cause == "weights", str(report)
+  assert "normalize='weighted'" in report.fix and "round" not in report.fix, report.fix
+
+
 def masked_terms(p, x, y, m):  # (sum of the real rows' losses, their count)
   return jnp.sum(per_example(p, x, y) * m), jnp.sum(m)
 
