@@ -1,9 +1,10 @@
 """The one jaxpr interpreter: a table of rules keyed by primitive, one descent into inner jaxprs.
 
-Three walks read a jaxpr equation by equation: ``_float64`` evaluates it with
-its floating values in float64, ``_large_batch`` follows where each value comes
-from (a key, a batch argument, a statistic of the batch) and ``_global_stats``
-follows the rows and the gradient. Each is a :class:`Rules`, a rule per
+Four walks read a jaxpr equation by equation: ``_float64`` evaluates it with
+its floating values in float64, ``_row_trail`` follows where each value comes
+from (a key, a batch argument, a statistic of the batch), ``_global_stats``
+follows the rows and the gradient, and ``offload`` inlines the calls of the
+update it streams. Each is a :class:`Rules`, a rule per
 primitive and one for the rest, which :func:`interpret` runs. What JAX keeps
 inside an equation is read here alone: which primitives are calls (``CALL``,
 by every name JAX gives them), where an equation keeps its jaxprs
