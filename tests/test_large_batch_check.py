@@ -512,6 +512,23 @@ def test_micro_batch_gradients_that_cancel_exactly_are_equal():
   assert report.cause == "equal", str(report)
 
 
+def test_a_leaf_zero_in_exact_arithmetic_shows_errors_on_the_trees_scale():
+  """A bias before a centring over the features has a gradient that is zero in exact
+  arithmetic (float64 noise, about 1e-17): its row is read against 1e-3 of the tree's size,
+  not against that noise, which showed a tolerance of 7e4 and errors of 3e8 (review 74, 8)."""
+  def centred(p, x, y):
+    h = x @ p["w"] + p["c"]
+    return jnp.mean((h - jnp.mean(h, axis=-1, keepdims=True) - y) ** 2)
+
+  params = {"w": PARAMS["w1"][:, :4], "c": jnp.float32(0.5)}
+  report = checked(centred, params, X, Y)
+  assert report.cause == "equal", str(report)
+  c = next(leaf for leaf in report.leaves if leaf.path == "['c']")
+  whole = np.asarray(jax.grad(centred)(params, X, Y)["c"], np.float64)
+  assert abs(whole) < 1e-5  # the planted case: zero up to rounding
+  assert c.tolerance < 1e-6 and c.relative_error <= c.tolerance, str(report)
+
+
 def test_zero_gradient_is_equal():
   report = checked(lambda p, x, y: 0.0 * mean_loss(p, x, y), PARAMS, X, Y)
   assert report.cause == "equal" and report.max_relative_error == 0.0
