@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from optax_accum import _arrays, _copies, _state
 
@@ -312,6 +313,26 @@ def check_no_float0(grads: Any, where: str = "gradient") -> None:
           " leaves out of what you differentiate: split them off first, e.g. `params, static ="
           " eqx.partition(model, eqx.is_inexact_array)`, and differentiate `params`."
       )
+
+
+def has_window(node: Any) -> bool:
+  """Whether ``node`` is a window's state: ``AccumulateState``, ``optax.MultiStepsState``."""
+  return hasattr(node, "mini_step") and hasattr(node, "gradient_step")
+
+
+def check_flushable(tx: Any, state: Any) -> None:
+  """Raises unless ``state`` holds a window of ours that ``flush`` can close.
+
+  Any other transform would take a step on zero gradients, or (``optax.MultiSteps``, whose
+  state is of the type ours keeps) count them as a micro-batch.
+  """
+  if isinstance(getattr(getattr(tx, "update", None), "__self__", None), optax.MultiSteps) or (
+      _arrays.first_node(state, has_window) is None):
+    raise TypeError(
+        "`flush` closes the window of `optax_accum.accumulate` or `optax_accum.MultiSteps`, and"
+        " this transform holds neither: it would take a step on zero gradients (or count them as"
+        " a micro-batch). Write `optax_accum.accumulate(k, opt)` around the optimizer, or"
+        " `optax_accum.MultiSteps(opt, k)` for `optax.MultiSteps(opt, k)` (its drop-in).")
 
 
 def check_choice(value: Any, name: str, choices: tuple[str, ...], hint: str) -> str:

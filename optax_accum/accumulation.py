@@ -336,7 +336,7 @@ def has_updated(state: Any) -> jax.Array:
     >>> bool(oa.has_updated(state))
     True
   """
-  found = _arrays.first_node(state, _has_window)  # AccumulateState, optax.MultiStepsState, ...
+  found = _arrays.first_node(state, _validation.has_window)  # AccumulateState, MultiStepsState
   if found is None:
     raise TypeError(
         "`has_updated` needs the state of `accumulate` or `MultiSteps` (or a"
@@ -345,10 +345,6 @@ def has_updated(state: Any) -> jax.Array:
   # jnp.asarray unwraps containers such as Flax NNX's optimizer variables.
   return jnp.asarray(found.emitted) if isinstance(found, AccumulateState) else _window.stepped(
       found)
-
-
-def _has_window(node: Any) -> bool:
-  return hasattr(node, "mini_step") and hasattr(node, "gradient_step")
 
 
 def flush(
@@ -386,15 +382,8 @@ def flush(
     >>> updates["w"].tolist(), int(state.gradient_step), int(state.mini_step)
     ([-3.0, -3.0], 1, 0)
   """
-  # optax.MultiSteps (or its gradient_transformation()): a state of the type ours keeps.
-  theirs = isinstance(getattr(getattr(tx, "update", None), "__self__", None), optax.MultiSteps)
+  _validation.check_flushable(tx, state)
   tx = _extra_args_transform(tx, "flush", {})
-  if theirs or _arrays.first_node(state, _has_window) is None:
-    raise TypeError(
-        "`flush` closes the window of `optax_accum.accumulate` or `optax_accum.MultiSteps`, and"
-        " this transform holds neither: it would take a step on zero gradients (or count them as"
-        " a micro-batch). Write `optax_accum.accumulate(k, opt)` around the optimizer, or"
-        " `optax_accum.MultiSteps(opt, k)` for `optax.MultiSteps(opt, k)` (its drop-in).")
   zeros = jax.tree.map(jnp.zeros_like, params)
   return tx.update(zeros, state, params, **extra_args, flush=True)
 
@@ -443,9 +432,8 @@ def update_and_apply(
     [-1.0, -1.0]
   """
   if params is None:
-    raise TypeError(
-        "`update_and_apply(tx, grads, state, params)` got `params=None`: it returns the new"
-        " params, made from the current ones. Pass them, or call `tx.update(grads, state)`.")
+    raise TypeError("`update_and_apply(tx, grads, state, params)` got `params=None`: it returns"
+                    " the new params, made from the current ones. Pass the current params.")
   tx = _extra_args_transform(tx, "update_and_apply", kwargs)
   out, state = tx.update(grads, state, params, **kwargs, apply=True)
   if isinstance(out, Applied):

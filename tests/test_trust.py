@@ -480,7 +480,7 @@ def test_update_and_apply_without_params_is_an_error():
   tx = oa.accumulate(1, optax.sgd(0.1))
   state = tx.init({"w": jnp.zeros(2)})
   with pytest.raises(TypeError, match=r"`update_and_apply\(tx, grads, state, params\)` got"
-                                      r" `params=None`.*Pass them"):
+                                      r" `params=None`.*Pass the current params"):
     oa.update_and_apply(tx, {"w": jnp.ones(2)}, state, None)
 
 
