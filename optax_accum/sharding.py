@@ -317,7 +317,7 @@ def _fit_leaf(saved: np.ndarray, target: Any, per_device: bool, where: str) -> n
   shape, dtype = tuple(jnp.shape(target)), jnp.dtype(target.dtype)
   if saved.shape == shape:
     return saved.astype(dtype)
-  wide = np.result_type(saved.dtype, np.float64 if np.issubdtype(dtype, np.inexact) else np.int64)
+  wide = np.result_type(saved.dtype, np.float64 if jnp.issubdtype(dtype, jnp.inexact) else np.int64)
   if per_device:  # their total; a buffer saved without `axis_name` is one copy
     copies = saved[None] if saved.ndim + 1 == len(shape) else saved
     if copies.shape[1:] == shape:
