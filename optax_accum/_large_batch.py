@@ -29,10 +29,10 @@ class LeafError(NamedTuple):
     path: the leaf's path in the gradient tree, e.g. ``"['dense']['w']"``.
     shape: its shape.
     relative_error: the norm of its accumulated-minus-whole difference over
-      the norm of the whole batch's gradient of this leaf (at least ``1e-3``
-      of the whole gradient tree's size: a leaf zero in exact arithmetic is
-      float64 noise, not a norm to divide by), both evaluated in float64:
-      what decides.
+      the norm of the whole batch's gradient of this leaf (where that norm is
+      within the tolerance, a leaf zero in exact arithmetic: float64 noise,
+      over the size the tolerance is of), both evaluated in float64: what
+      decides.
     tolerance: what float64 rounding may leave of a difference, relative
       likewise: ``1e-9`` of the largest of the leaf's gradient, the
       micro-batch gradients it sums (larger where they cancel) and ``1e-3``
@@ -316,9 +316,9 @@ def _classify(k: int, normalize: str, whole: Grads, permuted: np.ndarray, acc: G
   # gradient that is zero in exact arithmetic, a bias before BatchNorm, is float64 noise).
   size = np.maximum(norms, stats.sizes)
   tol = _TOLERANCE * np.maximum(size, 1e-3 * np.linalg.norm(size))
-  # Relative to the leaf's norm, or to 1e-3 of the tree's where that is larger (a leaf zero in
-  # exact arithmetic: its norm is float64 noise, 1e-20, and would show errors of 1e8).
-  scale = np.maximum(norms, 1e-3 * np.linalg.norm(size))
+  # Relative to the leaf's norm; a leaf whose norm is within float64's rounding (zero in exact
+  # arithmetic: 1e-17, which would show errors of 1e8) to the size its tolerance is of.
+  scale = np.where(norms > tol, norms, tol / _TOLERANCE)
   scale = np.where(scale > 0, scale, 1.0)  # every leaf zero
   errors = acc.distance(whole)
   ratio = np.divide(errors, tol, out=np.where(errors > 0, np.inf, 0.0), where=tol > 0)
