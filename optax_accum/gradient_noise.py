@@ -120,7 +120,7 @@ def sq_norm(tree: Any) -> jax.Array:
     x = jnp.asarray(x)
     if jnp.iscomplexobj(x):
       x = lax.abs(x)
-    x = lax.convert_element_type(x, jnp.promote_types(x.dtype, jnp.float32))
+    x = lax.convert_element_type(x, _arrays.promote_types(x.dtype, jnp.float32))
     leaf = lax.convert_element_type(lax.reduce_sum(lax.mul(x, x), tuple(range(x.ndim))),
                                     jnp.float32)
     total = leaf if total is None else lax.add(total, leaf)

@@ -420,7 +420,7 @@ def test_fp8_params_accumulate_in_float32():
 
   grads = [jax.grad(loss)(params, x[i::4]) for i in range(4)]  # fp8, like the params
   f32_sum = lambda gs: jax.tree.map(lambda *g: np.sum([np.float32(v) for v in g], 0), *gs)
-  tx = oa.accumulate(4, optax.sgd(1.0))
+  tx = oa.accumulate(4, optax.sgd(1.0), track_noise_scale=True)  # (its squared norms too)
   state, update = tx.init(params), jax.jit(tx.update)
   for g in grads[:3]:
     _, state = update(g, state, params)
@@ -428,6 +428,7 @@ def test_fp8_params_accumulate_in_float32():
   updates, state = update(grads[3], state, params)
   mean = jax.tree.map(lambda s, p: jnp.asarray(s / 4).astype(p.dtype), f32_sum(grads), params)
   chex.assert_trees_all_equal(updates, jax.tree.map(jnp.negative, mean))
+  assert int(state.noise_stats.num_windows) == 1 and np.isfinite(state.noise_stats.signal)
   _, mb_grads = jax.jit(oa.microbatched(jax.value_and_grad(loss), 4))(params, x)
   chex.assert_trees_all_equal(mb_grads, mean)
   # float32 gradients of fp8 params: float32 updates (the wider dtype), as for bf16 params.
