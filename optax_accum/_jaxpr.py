@@ -32,7 +32,7 @@ Example: which inputs each output is computed from, through a call and a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from jax.extend import core as jax_core
@@ -108,22 +108,41 @@ def descend(eqn: Any, ins: list, walk: Callable[..., list], join: Callable[..., 
   Any other equation's results each join all its operands; its jaxprs (a
   reduction's scalar computation) are walked on that too.
   """
-  p, k = eqn.params, kind(eqn)
+  p, k, jaxprs = eqn.params, kind(eqn), inner(eqn)
   if k in (CALL, "scan", "shard_map"):
-    return walk(callee(eqn).jaxpr, ins)
+    return walk(jaxprs[0], ins)
   if k == "cond":
-    outs = [walk(closed(b).jaxpr, ins[1:]) for b in p["branches"]]
+    outs = [walk(j, ins[1:]) for j in jaxprs]
     return [join(o) for o in zip(*outs, strict=True)]
   if k == "while":
     c, b = p["cond_nconsts"], p["body_nconsts"]
     consts, carry = ins[c:][:b], ins[c:][b:]
-    walk(closed(p["cond_jaxpr"]).jaxpr, ins[:c] + carry)
-    outs = walk(closed(p["body_jaxpr"]).jaxpr, consts + carry)
+    walk(jaxprs[0], ins[:c] + carry)
+    outs = walk(jaxprs[1], consts + carry)
     return [join(o) for o in zip(outs, carry, strict=True)]
   every = join(ins)
-  for j in jax_core.jaxprs_in_params(p):
+  for j in jaxprs:
     walk(j, [every] * len(j.invars))
   return [every] * len(eqn.outvars)
+
+
+def inner(eqn: Any) -> list:
+  """``eqn``'s (open) jaxprs, in the order :func:`descend` walks them."""
+  p, k = eqn.params, kind(eqn)
+  if k in (CALL, "scan", "shard_map"):
+    return [callee(eqn).jaxpr]
+  if k == "cond":
+    return [closed(b).jaxpr for b in p["branches"]]
+  if k == "while":
+    return [closed(p["cond_jaxpr"]).jaxpr, closed(p["body_jaxpr"]).jaxpr]
+  return list(jax_core.jaxprs_in_params(p))
+
+
+def twins(jaxpr: Any, other: Any) -> Iterator:
+  """The equations of ``other`` (the program of ``jaxpr`` traced on other shapes), one for each
+  of ``jaxpr``'s in turn; None for each where the two hold other equations."""
+  same = [e.primitive for e in jaxpr.eqns] == [e.primitive for e in other.eqns]
+  return iter(other.eqns if same else [None] * len(jaxpr.eqns))
 
 
 def map_jaxprs(params: Mapping[str, Any], f: Callable[[Any], Any]) -> dict[str, Any]:

@@ -151,8 +151,9 @@ def microbatched(
       the batch is not split over, of mixed kinds or bound nowhere (no mesh
       set, no shard_map), a mesh mixing Auto and Explicit axes where a split
       could not be seen, or a batch not divisible into ``k`` micro-batches per
-      device. With ``global_stats``, for a statistic that has a gradient, is a
-      max, min or mean over the rows, or follows the rows on no one axis.
+      device. With ``global_stats``, for a statistic that has a gradient, is not
+      linear in the rows (a max, a mean, a ratio of sums), or follows the rows
+      on no one axis.
 
   Example:
     >>> import jax, jax.numpy as jnp

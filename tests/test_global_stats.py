@@ -422,7 +422,7 @@ def test_a_max_or_a_mean_over_the_rows_raises_naming_the_fix(not_a_sum: Any) -> 
     message = "no error"
   except ValueError as e:
     message = str(e)
-  assert re.search(r"`global_stats` is not a sum over rows: its statistic at \['\w+'\] is a"
+  assert re.search(r"`global_stats` is not a sum over rows: its statistic at \['\w+'\] is an?"
                    r" (max|min|argmax|argmin|mean) over the rows\. Return sums and counts, divide"
                    " in the loss", message), message
 
@@ -513,3 +513,58 @@ def test_stats_fn_is_traced_twice_and_fn_once_per_trace_of_the_step(where: str) 
     assert traced == {"stats_fn": 2, "fn": 2 if where == "plain jit" else 1}
     step(params, batch)  # the step's trace is cached: nothing is traced again
   assert traced == {"stats_fn": 2, "fn": 2 if where == "plain jit" else 1}
+
+
+_X = jnp.asarray(np.random.default_rng(5).normal(size=(16, 6)), jnp.float32)
+_M = jnp.asarray(np.random.default_rng(6).random(16) < 0.6, jnp.float32)
+# (statistic of (x, m), linear in the rows?) The review's (issue 74) and others of their kinds.
+_STATISTICS = {
+    "masked mean": (lambda x, m: jnp.sum(x[:, 0] * m) / jnp.sum(m), False),
+    "mean where": (lambda x, m: jnp.mean(x[:, 0], where=m > 0), False),
+    "sum times 1/n": (lambda x, m: jnp.sum(x[:, 0]) * (1 / x.shape[0]), False),
+    "reciprocal": (lambda x, m: 1 / jnp.sum(m), False),
+    "norm": (lambda x, m: jnp.linalg.norm(x[:, 0]), False),
+    "std": (lambda x, m: jnp.std(x, 0), False),
+    "median": (lambda x, m: jnp.median(x[:, 0]), False),
+    "max in a cond": (lambda x, m: lax.cond(True, lambda: jnp.max(x[:, 0]), lambda: 0.0), False),
+    "count plus one": (lambda x, m: jnp.sum(m) + 1.0, False),
+    "centred": (lambda x, m: jnp.sum((x[:, 0] - jnp.sum(x[:, 0])) ** 2), False),
+    "cumsum": (lambda x, m: jnp.sum(jnp.cumsum(x[:, 0])), False),
+    "count": (lambda x, m: jnp.sum(m), True),
+    "int count": (lambda x, m: jnp.sum(m > 0).astype(jnp.int32), True),
+    "histogram": (lambda x, m: jnp.bincount((x[:, 0] > 0).astype(jnp.int32), m, length=2), True),
+    "sum of sums": (lambda x, m: jnp.sum(x, 0).sum() + 2.0 * jnp.sum(m), True),
+    "x.T @ m": (lambda x, m: x.T @ m, True),
+    "mean over features": (lambda x, m: jnp.sum(jnp.mean(x, 1) * m), True),
+    "per row": (lambda x, m: m, True),
+}
+
+
+@pytest.mark.parametrize("name", list(_STATISTICS))
+def test_a_statistic_is_linear_in_the_rows_or_refused(name: str) -> None:
+  """Accepted exactly where the whole batch's statistic is the sum of the micro-batches' (the
+  reference: both computed here, in float64); refused, naming the leaf and the fix, where it
+  is not: ratios, reciprocals, norms, a sort, a max inside a ``cond``, a constant added."""
+  stat, linear = _STATISTICS[name]
+  x64, m64 = np.asarray(_X, np.float64), np.asarray(_M, np.float64)
+  pool = lambda s, rows: np.sum(s, 0) if np.ndim(s) and np.shape(s)[0] == rows else s
+  with jax.enable_x64(True):
+    whole = pool(np.asarray(stat(jnp.asarray(x64), jnp.asarray(m64))), 16)
+    parts = sum(pool(np.asarray(stat(jnp.asarray(x64[i::4]), jnp.asarray(m64[i::4]))), 4)
+                for i in range(4))
+  assert np.allclose(whole, parts, rtol=1e-9) == linear  # the planted case
+
+  def loss(w, x, m, stats):
+    return jnp.sum((x @ w) ** 2 * m) * (1.0 + 1e-3 * jnp.sum(stats["s"]).astype(jnp.float32))
+
+  fn = oa.microbatched(jax.value_and_grad(loss), 4, batch_argnums=(1, 2), normalize="sum",
+                       global_stats=lambda w, x, m: {"s": stat(x, m)})
+  w = jnp.linspace(-1.0, 1.0, 6)
+  if not linear:
+    with pytest.raises(ValueError, match=r"not a sum over rows: its statistic at \['s'\] is"
+                       r" .*Return sums and counts, divide in the loss"):
+      fn(w, _X, _M)
+    return
+  value, _ = fn(w, _X, _M)
+  expected = loss(w, _X, _M, {"s": jnp.asarray(whole, jnp.float32)})
+  np.testing.assert_allclose(value, expected, rtol=1e-5)
