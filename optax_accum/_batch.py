@@ -333,6 +333,10 @@ def unpack(out: Any, normalize: str, has_aux: bool) -> Out:
   elif has_aux:
     value, aux = pair(value, "has_aux=True needs `fn` to return ((value, aux), grads), like"
                              " jax.value_and_grad(loss, has_aux=True)")
+  elif isinstance(value, (tuple, list, dict)):  # (its aux would be averaged as a loss)
+    raise TypeError(
+        f"`fn`'s value has structure {jax.tree.structure(value)}, not one loss: an `fn` built"
+        " with `jax.value_and_grad(loss_fn, has_aux=True)` needs `has_aux=True` here too.")
   return Out(value, den, aux, grads)
 
 

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_accum as oa
+from optax_accum.debug import check_large_batch
 
 
 @pytest.fixture
@@ -494,3 +495,24 @@ def test_accumulate_with_an_axis_bound_nowhere_names_set_mesh(jit):
   with pytest.raises(ValueError, match=r"`axis_name='data'` is bound nowhere.*`accumulate\(\.\.\.,"
                                        r" axis_name=\.\.\.\)`'s update under `with jax\.set_mesh"):
     update({"w": jnp.ones(2)}, tx.init(params), params)
+
+
+def test_an_aux_fn_without_has_aux_is_an_error():
+  """An ``fn`` built with ``has_aux=True`` given without it: its aux (per-example predictions, a
+  count) was averaged across micro-batches as if it were the loss (review 74, 5)."""
+  def loss(w, x):
+    pred = x @ w
+    return jnp.mean(pred ** 2), {"pred": pred, "rows": x.shape[0]}
+
+  fn = jax.value_and_grad(loss, has_aux=True)
+  w, x = jnp.ones(3), jnp.arange(24.0).reshape(8, 3)
+  with pytest.raises(TypeError, match=r"`fn`'s value .*not one loss.*has_aux=True"):
+    oa.microbatched(fn, 2)(w, x)
+  with pytest.raises(TypeError, match=r"has_aux=True"):
+    check_large_batch(fn, 2)(w, x)
+  (value, aux), grads = oa.microbatched(fn, 2, has_aux=True, aux_rules={"pred": "concat",
+                                                                          "rows": "sum"})(w, x)
+  (whole, _), whole_grads = fn(w, x)  # the large batch: the reference
+  np.testing.assert_allclose(value, whole, rtol=1e-6)
+  np.testing.assert_allclose(grads, whole_grads, rtol=1e-6)
+  assert aux["rows"] == 8 and aux["pred"].shape == (8,)
