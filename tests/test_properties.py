@@ -37,21 +37,25 @@ def pytrees(draw):
   return {f"p{i}": s for i, s in enumerate(shapes)}
 
 
-def _materialise(shape_tree, key, dtype, scale=1.0):
+def _materialise(shape_tree, seed, dtype, scale=1.0):
+  """Normal draws + 0.1 in ``dtype``, drawn and cast by numpy and placed by ``device_put``:
+  ``jax.random``, ``astype`` and ``jnp.asarray`` each compile a program per shape and dtype
+  (XLA:CPU's compiles are most of this file's time)."""
   leaves, treedef = jax.tree.flatten(shape_tree, is_leaf=lambda x: isinstance(x, tuple))
-  keys = jax.random.split(key, len(leaves))
-  arrays = [(jax.random.normal(k, s) * scale + 0.1).astype(dtype) for k, s in zip(
-      keys, leaves, strict=True)]
+  rng = np.random.default_rng(seed)
+  arrays = [jax.device_put((rng.normal(size=s) * scale + 0.1).astype(np.float32).astype(dtype))
+            for s in leaves]
   return jax.tree.unflatten(treedef, arrays)
 
 
 def _ref_update(opt_name, reduced64, params, grads_dtype_tree):
   """The inner optimizer on the float64 reduced gradient, rounded once to the
   wider of the gradient's and the param's dtype (the documented contract)."""
-  reduced = jax.tree.map(lambda r, g, p: jnp.asarray(r, jnp.promote_types(g.dtype, p.dtype)),
-                         reduced64, grads_dtype_tree, params)
+  reduced = jax.tree.map(lambda r, g, p: jax.device_put(np.asarray(r, np.float64).astype(
+      jnp.promote_types(g.dtype, p.dtype))), reduced64, grads_dtype_tree, params)
   opt = OPTIMIZERS[opt_name]()
-  return opt.update(reduced, opt.init(params), params)[0]
+  # One program (as the accumulated update is), not an eager compile per op and shape.
+  return jax.jit(lambda r, p: opt.update(r, opt.init(p), p)[0])(reduced, params)
 
 
 # Every example compiles its own update (a new pytree, dtypes, optimizer): the examples
@@ -68,13 +72,11 @@ def _ref_update(opt_name, reduced64, params, grads_dtype_tree):
 )
 def test_emitted_update_equals_reference(
     shape_tree, k, reduction, grad_dtype, param_dtype, opt_name, seed):
-  key = jax.random.key(seed)
-  params = _materialise(shape_tree, key, DTYPES[param_dtype])
-  grads = [_materialise(shape_tree, jax.random.fold_in(key, i + 1), DTYPES[grad_dtype])
-           for i in range(k)]
+  params = _materialise(shape_tree, (seed, 0), DTYPES[param_dtype])
+  grads = [_materialise(shape_tree, (seed, i + 1), DTYPES[grad_dtype]) for i in range(k)]
   weights = [float(w) for w in np.random.default_rng(seed).integers(1, 50, size=k)]
   tx = oa.accumulate(k, OPTIMIZERS[opt_name](), reduction=reduction)
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)
   update = jax.jit(tx.update)
   for i, g in enumerate(grads):
     kwargs = {"weight": weights[i]} if reduction == "weighted" else {}
@@ -107,11 +109,10 @@ def test_emitted_update_equals_reference(
     seed=st.integers(0, 2**16),
 )
 def test_dtypes_never_drift_inside_scan(shape_tree, k, grad_dtype, param_dtype, acc_dtype, seed):
-  key = jax.random.key(seed)
-  params = _materialise(shape_tree, key, DTYPES[param_dtype])
+  params = _materialise(shape_tree, seed, DTYPES[param_dtype])
   tx = oa.accumulate(k, optax.adam(1e-3),
                      accumulator_dtype=None if acc_dtype is None else DTYPES[acc_dtype])
-  state0 = tx.init(params)
+  state0 = jax.jit(tx.init)(params)
 
   def body(carry, i):
     p, s = carry
