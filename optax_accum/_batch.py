@@ -340,6 +340,22 @@ def unpack(out: Any, normalize: str, has_aux: bool) -> Out:
   return Out(value, den, aux, grads)
 
 
+def check_no_batch_gradient(grads: Any, args: Sequence[Any], positions: tuple[int, ...]) -> None:
+  """Raises where ``grads`` is ``jax.value_and_grad(..., argnums=(0, ...))``'s tuple (its first
+  entry shaped like the params, leaf by leaf) and another entry is shaped like a batch argument
+  of ``args``. Summed over the micro-batches, its rows would be other examples' added together."""
+  shapes = lambda tree: (jax.tree.structure(tree), [jnp.shape(x) for x in jax.tree.leaves(tree)])
+  tupled = isinstance(grads, (tuple, list)) and len(grads) > 1 and shapes(grads[0]) == shapes(
+      args[PARAMS])
+  for i in positions if tupled else ():
+    if any(shapes(g) == shapes(args[i]) for g in grads[1:]):
+      raise TypeError(
+          f"`fn` returns a gradient with respect to batch argument {i}: gradients are summed over"
+          " the micro-batches, which would add other examples' rows together. Differentiate"
+          " with respect to the params (`argnums=0`); return what you need of the batch's"
+          " gradient as an aux (`has_aux=True`, `aux_rules='concat'`).")
+
+
 def shapes_at(args: Sequence[Any], positions: tuple[int, ...], rows: int) -> list[Any]:
   """The shapes of the array leaves of ``args``, those at ``positions`` holding ``rows`` rows."""
   leaves = _arrays.ArrayLeaves.of(tuple(args))

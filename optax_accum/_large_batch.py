@@ -235,7 +235,9 @@ def check_large_batch(
     on_micro, _, seen = _in_float64(fn, micro(0), own, b_nums, programs["fn"])
     # The whole batch's trace, beside the micro-batch's: refuses draws per row.
     on_whole, as_trained, found = _in_float64(fn, args, own, b_nums, programs["fn"], seen)
-    native = grads(as_trained(args), "the whole batch")  # what training sees
+    out = as_trained(args)
+    _batch.check_no_batch_gradient(_batch.unpack(out, normalize, has_aux).grads, args, b_nums)
+    native = grads(out, "the whole batch")  # what training sees
     whole = grads(on_whole(args, wide), "the whole batch")
     # A swap and a rotation generate every permutation: a loss both leave as it is reads its
     # rows as a set. (One random order missed some: for 2 rows the identity, for 6 one that

@@ -296,6 +296,7 @@ def _run(call: Callable[..., Any], config: _Config, args: Sequence[Any], batch: 
   step = (lambda i: call(*micro(i))) if config.k == 1 else (
       lambda i: jax.tree.unflatten(jax.tree.structure(out), jax_core.jaxpr_as_fun(closed)(i)))
   shapes = _batch.unpack(out, config.normalize, config.has_aux)
+  _batch.check_no_batch_gradient(shapes.grads, jax.eval_shape(micro, 0), batch.positions)
   _validation.check_no_float0(shapes.grads, where="gradient `fn` returns")
   aux = _aux_rules.resolve(config.aux_rules if config.has_aux else None, shapes.aux, config)
   carry = _loop(config, functools.partial(_add, config, aux, step),

@@ -151,7 +151,8 @@ def weighted_scale_is_the_mean_microbatched(patch: pytest.MonkeyPatch) -> None:
   def change(out: Any, fn: Any, k: int, options: dict[str, Any], args: Any, kwargs: Any) -> Any:
     if options.get("normalize") != "weighted" or options.get("has_aux"):
       return out
-    (num, _), grads = _microbatched(fn, k, **{**options, "normalize": "sum"})(*args, **kwargs)
+    numerator = lambda *a, **kw: (lambda out: (out[0][0], out[1]))(fn(*a, **kw))
+    num, grads = _microbatched(numerator, k, **{**options, "normalize": "sum"})(*args, **kwargs)
     return _scaled((num, grads), 1 / k)
   _patch_microbatched(patch, change)
 

@@ -516,3 +516,21 @@ def test_an_aux_fn_without_has_aux_is_an_error():
   np.testing.assert_allclose(value, whole, rtol=1e-6)
   np.testing.assert_allclose(grads, whole_grads, rtol=1e-6)
   assert aux["rows"] == 8 and aux["pred"].shape == (8,)
+
+
+def test_a_gradient_with_respect_to_the_batch_is_an_error():
+  """``argnums=(0, 1)``: the batch's gradient, summed over micro-batches, added other examples'
+  rows together (and the check crashed in numpy); both name the fix (review 74, 4)."""
+  def loss(w, x):
+    return jnp.mean((x @ w) ** 2)
+
+  fn = jax.value_and_grad(loss, argnums=(0, 1))
+  w, x = jnp.ones(3), jnp.arange(24.0).reshape(8, 3)
+  for run in (oa.microbatched(fn, 2), jax.jit(oa.microbatched(fn, 2)), check_large_batch(fn, 2)):
+    with pytest.raises(TypeError, match=r"gradient with respect to batch argument 1.*argnums=0"):
+      run(w, x)
+  # Params that are a tuple, one of them shaped like a micro-batch: the large batch's gradient.
+  pair = lambda p, x: loss(p[0][0], x) + jnp.sum(p[1] ** 2)
+  params = (jnp.ones((4, 3)), jnp.ones(3))  # p[0] is shaped like a micro-batch of x
+  _, grads = oa.microbatched(jax.value_and_grad(pair), 2)(params, x)
+  chex.assert_trees_all_close(grads, jax.grad(pair)(params, x), rtol=1e-6)
