@@ -17,6 +17,7 @@ too), and each gradient given back in its param's layout.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -81,6 +82,13 @@ def of(args: Sequence[Any], batch_argnums: tuple[int, ...], rng_argnums: tuple[i
   """
   positions = _positions(batch_argnums, len(args), "batch_argnums")
   keys = _positions(rng_argnums, len(args), "rng_argnums")
+  nnx = sys.modules.get("flax.nnx")  # (imported where a user made an NNX module)
+  if nnx is not None and any(isinstance(x, nnx.Module) for x in args):
+    raise TypeError(
+        "An NNX module is an argument: it is no pytree, and a traced loop cannot read it. Split"
+        " it and differentiate its params: `graphdef, params, rest = nnx.split(model,"
+        " nnx.Param, ...)`, `fn = jax.value_and_grad(lambda params, *a: loss(nnx.merge("
+        "graphdef, params, rest), *a))`, called with `params`; `optimizer.update(model, grads)`.")
   if set(positions) & set(keys):
     raise ValueError(
         f"`batch_argnums` {positions} and `rng_argnums` {keys} must not overlap: an argument"

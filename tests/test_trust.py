@@ -534,3 +534,27 @@ def test_a_gradient_with_respect_to_the_batch_is_an_error():
   params = (jnp.ones((4, 3)), jnp.ones(3))  # p[0] is shaped like a micro-batch of x
   _, grads = oa.microbatched(jax.value_and_grad(pair), 2)(params, x)
   chex.assert_trees_all_close(grads, jax.grad(pair)(params, x), rtol=1e-6)
+
+
+def test_an_nnx_module_is_refused_naming_the_split_that_works():
+  """``nnx.value_and_grad(loss)`` with the module passed (review 74, 7): Flax's "different trace
+  level" before; now the package's error, whose recipe gives the whole batch's gradient."""
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  x = jnp.arange(24.0).reshape(8, 3)
+  loss = lambda model, x: jnp.mean(model(x) ** 2)
+  for run in (oa.microbatched(nnx.value_and_grad(loss), 2),
+              check_large_batch(nnx.value_and_grad(loss), 2)):
+    with pytest.raises(TypeError, match=r"NNX module.*nnx\.split\(model, nnx\.Param"):
+      run(model, x)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  fn = jax.value_and_grad(lambda params, x: loss(nnx.merge(graphdef, params, rest), x))
+  value, grads = oa.microbatched(fn, 2)(params, x)
+  whole_value, whole_grads = nnx.value_and_grad(loss)(model, x)
+  np.testing.assert_allclose(value, whole_value, rtol=1e-6)
+  chex.assert_trees_all_close(jax.tree.leaves(grads), jax.tree.leaves(whole_grads), rtol=1e-6)
+  from optax_accum.flax import Optimizer  # (flax: the test extra)
+  optimizer, kernel = Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), np.array(model.kernel.value)
+  optimizer.update(model, grads)
+  np.testing.assert_allclose(model.kernel.value, kernel - 0.1 * np.asarray(grads["kernel"].value),
+                             rtol=1e-6)
