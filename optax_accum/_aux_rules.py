@@ -97,6 +97,15 @@ def resolve(aux_rules: Any, aux_shapes: Any, loop: Any) -> AuxRule:
       lambda c: treedef.unflatten([p.finalize(x) for p, x in zip(programs, c, strict=True)]))
 
 
+def summed_rows(aux_rules: Any, aux_shapes: Any, rows: int) -> list[tuple[str, str]]:
+  """Where ``"mean"`` or ``"sum"`` would add up an aux leaf whose leading axis has ``rows``
+  entries (the micro-batch's examples, perhaps), and that rule."""
+  rules, subtrees, where, _ = _match(aux_rules, aux_shapes)
+  return [(w + jax.tree_util.keystr(p), r) for r, sub, w in zip(rules, subtrees, where, strict=True)
+          if r in ("mean", "sum") for p, s in jax.tree_util.tree_flatten_with_path(sub)[0]
+          if s.shape[:1] == (rows,)]
+
+
 def _match(aux_rules: Any, aux_shapes: Any) -> tuple[list[Any], list[Any], list[str], Any]:
   """Each rule of the ``aux_rules`` prefix tree, the aux subtree under it, where it is (for
   messages); and the rules' structure."""

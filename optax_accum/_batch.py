@@ -341,22 +341,27 @@ def unpack(out: Any, normalize: str, has_aux: bool) -> Out:
   elif has_aux:
     value, aux = pair(value, "has_aux=True needs `fn` to return ((value, aux), grads), like"
                              " jax.value_and_grad(loss, has_aux=True)")
-  elif isinstance(value, (tuple, list, dict)):  # (its aux would be averaged as a loss)
+  elif isinstance(value, tuple) and len(value) == 2:  # (its aux would be averaged as a loss)
     raise TypeError(
         f"`fn`'s value has structure {jax.tree.structure(value)}, not one loss: an `fn` built"
         " with `jax.value_and_grad(loss_fn, has_aux=True)` needs `has_aux=True` here too.")
   return Out(value, den, aux, grads)
 
 
-def check_no_batch_gradient(grads: Any, args: Sequence[Any], positions: tuple[int, ...]) -> None:
+def check_no_batch_gradient(grads: Any, args: Sequence[Any], positions: tuple[int, ...],
+                            rows: int) -> None:
   """Raises where ``grads`` is ``jax.value_and_grad(..., argnums=(0, ...))``'s tuple (its first
   entry shaped like the params, leaf by leaf) and another entry is shaped like a batch argument
-  of ``args``. Summed over the micro-batches, its rows would be other examples' added together."""
-  shapes = lambda tree: (jax.tree.structure(tree), [jnp.shape(x) for x in jax.tree.leaves(tree)])
+  of ``args`` on ``rows`` rows. Summed over the micro-batches, its rows would be other
+  examples' added together."""
+  def shapes(tree: Any) -> tuple[Any, list[tuple[int, ...]]]:
+    return jax.tree.structure(tree), [tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(tree)]
+
   tupled = isinstance(grads, (tuple, list)) and len(grads) > 1 and shapes(grads[0]) == shapes(
       args[PARAMS])
   for i in positions if tupled else ():
-    if any(shapes(g) == shapes(args[i]) for g in grads[1:]):
+    treedef, leaves = shapes(args[i])
+    if any(shapes(g) == (treedef, [(rows, *s[1:]) for s in leaves]) for g in grads[1:]):
       raise TypeError(
           f"`fn` returns a gradient with respect to batch argument {i}: gradients are summed over"
           " the micro-batches, which would add other examples' rows together. Differentiate"

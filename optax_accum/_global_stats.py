@@ -73,9 +73,9 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
   The two jaxprs (read together by :func:`_walk`) give the shapes and the
   checks. Raises for a leaf that is not an array of numbers; that is not
   linear in the rows (a max or a mean over them, a ratio of sums: its sum over
-  the micro-batches is not the whole batch's); or that has a gradient: a float that a float param reaches
-  through floats (a counted choice, an integer, or ``stop_gradient``, do
-  not).
+  the micro-batches is not the whole batch's); or that has a gradient: a
+  float that a float param reaches through floats (a counted choice, an
+  integer, or ``stop_gradient``, do not).
 
   Returns ``stats_fn`` on any rows, and ``on``: the statistics of the
   micro-batch whose array leaves are given, the first jaxpr evaluated

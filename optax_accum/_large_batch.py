@@ -236,7 +236,7 @@ def check_large_batch(
     # The whole batch's trace, beside the micro-batch's: refuses draws per row.
     on_whole, as_trained, found = _in_float64(fn, args, own, b_nums, programs["fn"], seen)
     out = as_trained(args)
-    _batch.check_no_batch_gradient(_batch.unpack(out, normalize, has_aux).grads, args, b_nums)
+    _batch.check_no_batch_gradient(_batch.unpack(out, normalize, has_aux).grads, args, b_nums, rows)
     native = grads(out, "the whole batch")  # what training sees
     whole = grads(on_whole(args, wide), "the whole batch")
     # A swap and a rotation generate every permutation: a loss both leave as it is reads its

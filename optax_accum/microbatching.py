@@ -296,8 +296,11 @@ def _run(call: Callable[..., Any], config: _Config, args: Sequence[Any], batch: 
   step = (lambda i: call(*micro(i))) if config.k == 1 else (
       lambda i: jax.tree.unflatten(jax.tree.structure(out), jax_core.jaxpr_as_fun(closed)(i)))
   shapes = _batch.unpack(out, config.normalize, config.has_aux)
-  _batch.check_no_batch_gradient(shapes.grads, jax.eval_shape(micro, 0), batch.positions)
+  _batch.check_no_batch_gradient(shapes.grads, args, batch.positions,
+                                 batch.per_device_rows // config.k)
   _validation.check_no_float0(shapes.grads, where="gradient `fn` returns")
+  if config.has_aux and config.k > 1:
+    _check_aux_rows(call, config, args, batch, shapes.aux)
   aux = _aux_rules.resolve(config.aux_rules if config.has_aux else None, shapes.aux, config)
   carry = _loop(config, functools.partial(_add, config, aux, step),
                 _init_carry(config, aux, shapes), varying=varying)
@@ -306,6 +309,26 @@ def _run(call: Callable[..., Any], config: _Config, args: Sequence[Any], batch: 
                             (shapes.num, shapes.grads))
   value = (num, aux.finalize(carry.aux)) if config.has_aux else num
   return _Result(value, grads, stats)
+
+
+def _check_aux_rows(call: Callable[..., Any], config: _Config, args: Sequence[Any],
+                    batch: _batch.Batch, aux: Any) -> None:
+  """Raises where ``"mean"`` or ``"sum"`` would add up the examples of an aux leaf: its leading
+  axis holds the micro-batch's rows (``fn`` traced again on twice them: it doubles)."""
+  rows = batch.per_device_rows // config.k
+  if not _aux_rules.summed_rows(config.aux_rules, aux, rows):
+    return
+  leaves = _arrays.ArrayLeaves.of(tuple(args))
+  doubled = _batch.unpack(jax.eval_shape(lambda *v: call(*leaves.rebuild(v)), *_batch.shapes_at(
+      args, batch.positions, 2 * rows)), config.normalize, True).aux
+  found = [(w, r) for w, r in _aux_rules.summed_rows(config.aux_rules, aux, rows)
+           if (w, r) in _aux_rules.summed_rows(config.aux_rules, doubled, 2 * rows)]
+  if found:
+    raise ValueError(
+        f"The aux leaf at {found[0][0]} holds the micro-batch's examples on its leading axis"
+        f" ({rows} rows), and `aux_rules` {found[0][1]!r} would add other examples' rows"
+        " together across micro-batches. Give per-example outputs `aux_rules='concat'` (a"
+        " rule per leaf: `{'pred': 'concat', 'loss': 'mean'}`).")
 
 
 def _init_carry(config: _Config, aux: AuxRule, shapes: _batch.Out) -> _Carry:

@@ -558,3 +558,22 @@ def test_an_nnx_module_is_refused_naming_the_split_that_works():
   optimizer.update(model, grads)
   np.testing.assert_allclose(model.kernel.value, kernel - 0.1 * np.asarray(grads["kernel"].value),
                              rtol=1e-6)
+
+
+def test_a_per_example_aux_under_mean_or_sum_is_an_error():
+  """The default aux_rules='mean' on an aux leaf of the micro-batch's examples averaged row i of
+  each micro-batch together (review 74, 5); 'concat' gives them in the batch's order, and a
+  leaf merely as long as a micro-batch (not doubling with it) is still averaged."""
+  def loss(w, x):
+    pred = x @ w
+    return jnp.mean(pred ** 2), {"pred": pred, "features": jnp.mean(x, 0)[:2] * 0 + w[:2]}
+
+  fn = jax.value_and_grad(loss, has_aux=True)
+  w, x = jnp.arange(1.0, 4.0), jnp.arange(12.0).reshape(4, 3)  # micro-batches of 2 rows
+  for rules in ("mean", "sum", {"pred": "mean", "features": "mean"}):
+    with pytest.raises(ValueError, match=r"aux\['pred'\] holds the micro-batch's examples.*concat"):
+      oa.microbatched(fn, 2, has_aux=True, aux_rules=rules)(w, x)
+  (_, aux), _ = oa.microbatched(fn, 2, has_aux=True, aux_rules={"pred": "concat",
+                                                               "features": "mean"})(w, x)
+  np.testing.assert_allclose(aux["pred"], x @ w)  # every example's, in order
+  np.testing.assert_allclose(aux["features"], w[:2])  # 2 entries, like a micro-batch: averaged
