@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import difflib
 import itertools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -225,14 +224,9 @@ def check_schedule_value(value: Any, step: Any) -> jax.Array:
 
 
 def check_schedule_at_zero(schedule: Callable[[jax.Array], Any]) -> None:
-  """Evaluates a ``k`` schedule at step 0 to catch obviously wrong ones early."""
-  try:
-    value = schedule(jnp.zeros([], jnp.int32))
-  except Exception as e:  # the schedule may only work on traced values
-    warnings.warn(f"Could not evaluate the `k` schedule at step 0 ({e!r}); it will be"
-                  " checked when first called.", stacklevel=3)
-    return
-  check_schedule_value(value, 0)
+  """Evaluates a ``k`` schedule at step 0 (an array, as the window gives it): a schedule that
+  fails there, or gives no positive integer, fails where ``accumulate`` is built."""
+  check_schedule_value(schedule(jnp.zeros([], jnp.int32)), 0)
 
 
 def check_flag(value: Any, name: str) -> bool:

@@ -577,3 +577,11 @@ def test_a_per_example_aux_under_mean_or_sum_is_an_error():
                                                                "features": "mean"})(w, x)
   np.testing.assert_allclose(aux["pred"], x @ w)  # every example's, in order
   np.testing.assert_allclose(aux["features"], w[:2])  # 2 entries, like a micro-batch: averaged
+
+
+def test_a_k_schedule_that_fails_at_step_zero_fails_where_accumulate_is_built():
+  """(It warned and went on: the step that traced it failed later, farther from the cause.)"""
+  with pytest.raises(TypeError):
+    oa.accumulate(lambda step: step + "4", optax.sgd(0.1))
+  tx = oa.accumulate(lambda step: jnp.where(step < 2, 2, 4), optax.sgd(0.1))  # an array schedule
+  assert tx.init({"w": jnp.zeros(2)}).mini_step == 0
