@@ -80,10 +80,11 @@ LOSSES = {"clip": clip_loss, "siglip": siglip_loss}
 def whole_batch(loss, params, *args, has_aux=False):
   """The reference: the whole batch's value and gradient, in float64 on the host CPU."""
   with on_cpu():
-    wide = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64))
+    wide = jax.tree.map(lambda x: jax.device_put(np.asarray(x, np.float64))
                         if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x,
                         (params, *args))
-    return jax.value_and_grad(loss, has_aux=has_aux)(*wide)
+    # One program: XLA:CPU compiles an eager op for each new shape (most of this file's time).
+    return jax.jit(jax.value_and_grad(loss, has_aux=has_aux))(*wide)
 
 
 def composed(loss_fn):
