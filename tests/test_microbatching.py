@@ -771,19 +771,21 @@ def test_split_microbatches_matches_manual(batch):
 
 
 # ---------------------------------------------------------------- properties
-# Each new shape compiles: 10 examples over 96 shapes (split="contiguous" is deprecated and
-# tested once, in test_deprecated_options_warn_and_still_work).
+# Each new shape compiles (two programs: the reference and microbatched): 10 examples over 96
+# shapes (split="contiguous" is deprecated and tested once, in
+# test_deprecated_options_warn_and_still_work).
 @settings(max_examples=10, deadline=None)
 @given(k=st.integers(1, 6), m=st.integers(1, 4), d=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_property_random_shapes_equal_full_batch(k, m, d, seed):
   rng = np.random.default_rng(seed)
-  params = {"w": jnp.asarray(rng.normal(size=(d,)), jnp.float32),
-            "c": jnp.asarray(rng.normal(), jnp.float32)}
-  batch = {"x": jnp.asarray(rng.normal(size=(k * m, d)), jnp.float32),
-           "y": jnp.asarray(rng.normal(size=(k * m,)), jnp.float32)}
+  f32 = lambda *shape: jax.device_put(rng.normal(size=shape).astype(np.float32))
+  params = {"w": f32(d), "c": f32()}
+  batch = {"x": f32(k * m, d), "y": f32(k * m)}
   loss = lambda p, b: jnp.mean(jnp.sin(b["x"] @ p["w"] + p["c"]) * b["y"])
-  ref = jax.value_and_grad(loss)(params, batch)
-  out = oa.microbatched(jax.value_and_grad(loss), k)(params, batch)
+  # Both jitted: a program each per shape, not an eager one per op (test_mean_equals_full_batch
+  # has the un-jitted call).
+  ref = jax.jit(jax.value_and_grad(loss))(params, batch)
+  out = jax.jit(oa.microbatched(jax.value_and_grad(loss), k))(params, batch)
   assert_trees_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
