@@ -215,10 +215,11 @@ def test_the_state_streams_through_the_device_a_piece_at_a_time() -> None:
   assert len(barriers) == 6  # each piece's state in after the last piece's is out
   run, ref = (fresh(LEAVES), tx.init(fresh(LEAVES))), (fresh(LEAVES), oa.accumulate(
       2, adam()).init(fresh(LEAVES)))
+  ref_step = jax.jit(lambda p, s, g: oa.update_and_apply(oa.accumulate(2, adam()), g, s, p))
   for i in range(4):
     g = jax.tree.map(lambda x, i=i: x * (i + 1.0), fresh(LEAVES))
     run = jax.jit(step)(*run, g)
-    ref = jax.jit(lambda p, s, g: oa.update_and_apply(oa.accumulate(2, adam()), g, s, p))(*ref, g)
+    ref = ref_step(*ref, g)
     assert_on_host(run[1])
     assert_bitwise((run[0], inner_of(run[1])), (ref[0], inner_of(ref[1])))
 
@@ -340,8 +341,9 @@ def test_an_optimizer_built_in_the_step_from_a_traced_learning_rate() -> None:
 
   runs = {host: (fresh(PARAMS), (oa.host_state(adam()) if host else adam()).init(fresh(PARAMS)))
           for host in (False, True)}
+  steps = {host: make_step(host) for host in runs}  # each traced once
   for i in range(3):
-    runs = {host: make_step(host)(*run, batch(i), jnp.float32(1e-2 * (i + 1)))
+    runs = {host: steps[host](*run, batch(i), jnp.float32(1e-2 * (i + 1)))
             for host, run in runs.items()}
     assert_on_host(runs[True][1])
     assert_bitwise((runs[True][0], inner_of(runs[True][1])), runs[False])
@@ -421,10 +423,11 @@ def test_on_8_devices_the_state_is_sharded_on_the_host_like_on_the_device() -> N
   ref = (on_mesh(mesh), ref_tx.init(on_mesh(mesh)))
   runs = {"out_shardings": (params, state), "plain init": (on_mesh(mesh), tx.init(on_mesh(mesh)))}
   steps = {name: jax.jit(mesh_step(tx)) for name in runs}
+  ref_step = jax.jit(mesh_step(ref_tx))
   x = jax.device_put(batch(0, 16), NamedSharding(mesh, P("data")))
   with jax.set_mesh(mesh):
     for i in range(3):
-      ref = jax.jit(mesh_step(ref_tx))(*ref, x * (i + 1))
+      ref = ref_step(*ref, x * (i + 1))
       for name, step in steps.items():
         runs[name] = step(*runs[name], x * (i + 1))
         assert_on_host(runs[name][1])
