@@ -190,8 +190,9 @@ def test_nnx_update_forwards_weight_and_emit_now():
   ref = nnx.clone(model)
   tx = oa.accumulate(4, _momentum(), reduction="weighted")
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  grad_fn = nnx.jit(nnx.grad(_nnx_loss))  # a program per size, not an eager compile per op
   for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
-    grads = nnx.grad(_nnx_loss)(model, jnp.asarray(x), jnp.asarray(y))
+    grads = grad_fn(model, jnp.asarray(x), jnp.asarray(y))
     optimizer.update(model, grads, weight=jnp.float32(len(x)), emit_now=i == len(xs) - 1)
   assert int(optimizer.opt_state.gradient_step[...]) == 1
   # The mean over all 7 examples, one step of the plain optimizer.
