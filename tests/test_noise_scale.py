@@ -52,13 +52,12 @@ def problem(d: int) -> tuple[np.ndarray, np.ndarray]:
   return rng.normal(size=d), delta * DELTA_NORM / np.linalg.norm(delta)
 
 
-def micro_batch_grad(w: jax.Array, w_star: jax.Array, sigma: float, key: jax.Array,
-                     size: jax.Array, b_max: int) -> jax.Array:
-  """The mean gradient over ``size`` fresh examples (rows past ``size`` are padding)."""
-  kx, ke = jax.random.split(key)
-  x = jax.random.normal(kx, (b_max, w.shape[0]))
-  y = x @ w_star + sigma * jax.random.normal(ke, (b_max,))
-  real = (jnp.arange(b_max) < size).astype(w.dtype)
+def micro_batch_grad(w: jax.Array, w_star: jax.Array, sigma: float, x: jax.Array,
+                     eps: jax.Array, size: jax.Array) -> jax.Array:
+  """The mean gradient over ``size`` fresh examples ``x ~ N(0, I)`` with noise ``eps ~ N(0, 1)``
+  (rows past ``size`` are padding)."""
+  y = x @ w_star + sigma * eps
+  real = (jnp.arange(x.shape[0]) < size).astype(w.dtype)
   return jax.grad(lambda v: 0.5 * jnp.sum(real * (x @ v - y) ** 2) / size)(w)
 
 
@@ -77,24 +76,27 @@ def noise_state(tx: Any, d: int, sigma: float, sizes: tuple[int, ...], windows: 
 @functools.cache
 def _compiled_run(tx: Any, d: int, sigma: float, sizes: tuple[int, ...], windows: int,
                   weighted: bool) -> Any:
-  """``run(keys, loss_scale) -> state per key``, jitted once per setting."""
+  """``run(keys, loss_scale) -> state per key``, jitted once per setting. Each seed's examples
+  and noise are drawn at once before the scan (a draw per step ran twice as long at
+  XLA:CPU's optimization level 0: 6.6 s against 2.8 s for 6400 micro-batches of 16 x 16)."""
   w_star, delta = problem(d)
   params = {"w": jnp.asarray(w_star + delta, jnp.float32)}
   w_star = jnp.asarray(w_star, jnp.float32)
   sizes_arr = jnp.asarray(sizes, jnp.float32)
-  n = windows * len(sizes)
+  n, b_max = windows * len(sizes), max(sizes)
 
   def one_seed(key: jax.Array, loss_scale: jax.Array) -> Any:
-    def body(state: Any, inp: tuple[jax.Array, jax.Array]) -> tuple[Any, None]:
-      i, key = inp
+    def body(state: Any, inp: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[Any, None]:
+      i, x, eps = inp
       size = sizes_arr[i % len(sizes)]
-      g = loss_scale * micro_batch_grad(params["w"], w_star, sigma, key, size, max(sizes))
+      g = loss_scale * micro_batch_grad(params["w"], w_star, sigma, x, eps, size)
       kw = {"weight": size} if weighted else {}
       _, state = tx.update({"w": g}, state, params, **kw)
       return state, None
 
-    keys = jax.random.split(key, n)
-    return lax.scan(body, tx.init(params), (jnp.arange(n), keys))[0]
+    kx, ke = jax.random.split(key)
+    xs, eps = jax.random.normal(kx, (n, b_max, d)), jax.random.normal(ke, (n, b_max))
+    return lax.scan(body, tx.init(params), (jnp.arange(n), xs, eps))[0]
 
   return jax.jit(jax.vmap(one_seed, in_axes=(0, None)))
 
