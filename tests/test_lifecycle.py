@@ -107,13 +107,17 @@ def large_batch(weighted: bool) -> dict[str, np.ndarray]:
   floats = {n: p[n] for n in FLOAT_LEAVES}
   opt = inner()
   state = opt.init(floats)
+
+  @jax.jit  # one program: eagerly, XLA:CPU compiles each op of the gradient and the update
+  def step(floats: Any, state: Any, *window: jax.Array) -> tuple[Any, Any]:
+    grads = jax.grad(lambda f: mean_loss({**p, **f}, *window, weighted))(floats)
+    updates, state = opt.update(grads, state, floats)
+    return optax.apply_updates(floats, updates), state
+
   for w in range(STEPS // K):
     rows = slice(w * K, (w + 1) * K)
     window = (x[rows].reshape(-1, 8), y[rows].reshape(-1, 4), mask[rows].reshape(-1))
-    grads = jax.grad(lambda f, xs, ys, ms: mean_loss({**p, **f}, xs, ys, ms, weighted))(
-        floats, *window)
-    updates, state = opt.update(grads, state, floats)
-    floats = optax.apply_updates(floats, updates)
+    floats, state = step(floats, state, *window)
   return jax.device_get({**p, **floats})
 
 
