@@ -94,15 +94,17 @@ def test_the_window_error_has_mean_zero(dtype: str) -> None:
 def test_rounding_is_unbiased_value_by_value() -> None:
   """One rounding of x = 1 + 1/3 (between two bf16 neighbours): the average
   over many uniforms is x, not the nearest neighbour."""
+  # Jitted, as the buffer calls it (eagerly, XLA:CPU compiles each op of the hash).
+  round_stochastic = jax.jit(_rounding.round_stochastic, static_argnums=1)
   x = jnp.full((1 << 18,), 1.0 + 1.0 / 3.0, jnp.float32)
   for dtype in NARROW.values():
-    y = _rounding.round_stochastic(x, dtype, _rounding.random_bits(x.shape, [7]))
+    y = round_stochastic(x, dtype, jax.jit(lambda: _rounding.random_bits(x.shape, [7]))())
     got = float(jnp.mean(y.astype(jnp.float32)))
     nearest = float(x[0].astype(dtype).astype(jnp.float32))
     assert abs(got - float(x[0])) < 0.05 * abs(nearest - float(x[0])), (got, nearest)
   special = jnp.array([jnp.inf, -jnp.inf, jnp.nan, 0.0, 1.0, -2.0])
   for dtype in NARROW.values():
-    out = _rounding.round_stochastic(special, dtype, jnp.full(6, 2**32 - 1, jnp.uint32))
+    out = round_stochastic(special, dtype, jnp.full(6, 2**32 - 1, jnp.uint32))
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(special))
 
 
