@@ -316,13 +316,14 @@ def _check_aux_rows(call: Callable[..., Any], config: _Config, args: Sequence[An
   """Raises where ``"mean"`` or ``"sum"`` would add up the examples of an aux leaf: its leading
   axis holds the micro-batch's rows (``fn`` traced again on twice them: it doubles)."""
   rows = batch.per_device_rows // config.k
-  if not _aux_rules.summed_rows(config.aux_rules, aux, rows):
+  suspects = _aux_rules.summed_rows(config.aux_rules, aux, rows)
+  if not suspects:
     return
   leaves = _arrays.ArrayLeaves.of(tuple(args))
   doubled = _batch.unpack(jax.eval_shape(lambda *v: call(*leaves.rebuild(v)), *_batch.shapes_at(
       args, batch.positions, 2 * rows)), config.normalize, True).aux
-  found = [(w, r) for w, r in _aux_rules.summed_rows(config.aux_rules, aux, rows)
-           if (w, r) in _aux_rules.summed_rows(config.aux_rules, doubled, 2 * rows)]
+  grown = _aux_rules.summed_rows(config.aux_rules, doubled, 2 * rows)
+  found = [s for s in suspects if s in grown]
   if found:
     raise ValueError(
         f"The aux leaf at {found[0][0]} holds the micro-batch's examples on its leading axis"
