@@ -203,8 +203,9 @@ def _nested(twins: Iterator[Any], b: Any, ins: list[_Flow]) -> list[_Flow]:
   """A call, ``scan``, ``shard_map``, ``cond`` or ``while``: its jaxprs walked with their twins."""
   a = next(twins)
   if a is None or a.params.get("length") != b.params.get("length"):  # (a scan over the rows)
-    return [_join(ins)._replace(grad=_join(ins).grad and jnp.issubdtype(
-        v.aval.dtype, jnp.inexact)) for v in b.outvars]
+    joined = _join(ins)
+    return [joined._replace(grad=joined.grad and jnp.issubdtype(v.aval.dtype, jnp.inexact))
+            for v in b.outvars]
   others = iter(_jaxpr.inner(a))
   outs = _jaxpr.descend(b, ins, lambda j, x: _walk(next(others), j, x), _join)
   if b.primitive.name == "cond" and (ins[0].rows or ins[0].why):  # chosen by the batch
