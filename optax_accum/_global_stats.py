@@ -22,7 +22,7 @@ the same values; it has nothing to advance.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -30,9 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jax_core
-from jax.extend.core import Literal
 
-from optax_accum import _arrays, _batch, _jaxpr
+from optax_accum import _arrays, _batch, _row_trail
 
 
 class GlobalStats(NamedTuple):
@@ -70,7 +69,7 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
   ``avals``: the types of the array leaves of ``args`` on a micro-batch of
   ``rows`` rows (``_batch.shapes_at``'s, or a micro-batch's in the loop's own
   context); those at ``positions`` get twice the rows for the second jaxpr.
-  The two jaxprs (read together by :func:`_walk`) give the shapes and the
+  The two jaxprs (read together by ``_row_trail.walk``) give the shapes and the
   checks. Raises for a leaf that is not an array of numbers; that is not
   linear in the rows (a max or a mean over them, a ratio of sums: its sum over
   the micro-batches is not the whole batch's); or that has a gradient: a
@@ -91,9 +90,9 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
                                        for x, p in zip(xs, leaves.paths, strict=True)], avals)
   (small, shapes), (large, large_shapes) = (jax.make_jaxpr(
       lambda *v: checked(*leaves.rebuild(v)), return_shape=True)(*a) for a in (avals, doubled))
-  flows = _walk(small.jaxpr, large.jaxpr, [
-      _Flow("", None, p[0].idx == _batch.PARAMS and jnp.issubdtype(x.dtype, jnp.inexact))
-      for p, x in zip(leaves.paths, leaves.arrays, strict=True)])
+  flows = _row_trail.walk(large.jaxpr, small.jaxpr, [_row_trail.Flow(
+      frozenset(), "", None, p[0].idx == _batch.PARAMS and jnp.issubdtype(x.dtype, jnp.inexact))
+      for p, x in zip(leaves.paths, leaves.arrays, strict=True)], 2)
   found, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   axes = []
   for (path, a), b, flow in zip(found, jax.tree.leaves(large_shapes), flows, strict=True):
@@ -150,126 +149,6 @@ def _rows_axis(a: Any, b: Any, rows: int, where: str) -> int | None:
   raise ValueError(
       f"`global_stats`'s statistic at {where} has shape {a.shape} on {rows} rows and {b.shape}"
       f" on {2 * rows}: no one axis holds the rows, to pool it over. Sum it over the rows.")
-
-
-_CONSTANT = ("stop_gradient", "floor", "ceil", "round", "sign")  # no gradient flows through
-_MAXIMA = {"reduce_max": "a max", "reduce_min": "a min", "argmax": "an argmax",
-           "argmin": "an argmin"}
-_SUMS = ("reduce_sum", "dot_general", "scatter-add", "scatter_add")  # a sum over what they reduce
-# Linear in each operand that is a sum over the rows (a product or a ratio: in one of them).
-_LINEAR = frozenset("""neg convert_element_type reshape broadcast_in_dim transpose squeeze
-  expand_dims slice dynamic_slice concatenate stack split pad reduce_sum copy copy_p select_n
-  gather sharding_constraint reshard mesh_cast stop_gradient reduce_precision real imag conj
-  cumsum""".split())
-_ACROSS = {"sort": "dimension", "cumsum": "axis", "cumprod": "axis", "cummax": "axis",
-           "cummin": "axis", "cumlogsumexp": "axis", "rev": "dimensions"}  # mix rows in place
-
-
-class _Flow(NamedTuple):
-  """What :func:`_walk` knows of a value."""
-
-  rows: str  # "": of no rows (the params, a constant); "rows": follows them; "sum": a sum over them
-  why: str | None  # what makes it no sum over the rows: a max over them, a ratio of sums
-  grad: bool  # a float that a float param reaches through floats
-
-
-_NONE = _Flow("", None, False)  # a literal's or a constant's
-
-
-def _walk(small: Any, large: Any, flows: list[_Flow]) -> list[_Flow]:
-  """The flows of the outputs of ``large``, the jaxpr ``small`` is on half the rows.
-
-  A value follows the rows where its shape differs between the two. A statistic
-  must be linear in the rows: a sum over them (a ``reduce_sum``, a ``dot_general``
-  or a scatter-add over the rows: a count, a histogram) of values computed row by
-  row, and of such sums only what is linear in them (a sum of sums, a cast, a
-  product with a constant). Anything else made of a sum (a ratio, a reciprocal, a
-  ``sqrt``, a choice by it), a max or a sort over the rows, or a number that the
-  rows' count scales (a mean's divisor) carries its ``why``, through calls,
-  ``scan``, ``cond`` and ``while``. Where the two jaxprs differ in their
-  equations (or a ``scan`` runs over the rows), ``large`` is read alone: ``why``
-  is not looked for.
-  """
-  return _jaxpr.interpret(_ROWS, large, [_NONE] * len(large.constvars), flows,
-                          _jaxpr.twins(large, small))
-
-
-def _join(flows: Sequence[_Flow]) -> _Flow:
-  return _Flow(max(f.rows for f in flows), next((f.why for f in flows if f.why), None),
-               any(f.grad for f in flows))
-
-
-def _nested(twins: Iterator[Any], b: Any, ins: list[_Flow]) -> list[_Flow]:
-  """A call, ``scan``, ``shard_map``, ``cond`` or ``while``: its jaxprs walked with their twins."""
-  a = next(twins)
-  if a is None or a.params.get("length") != b.params.get("length"):  # (a scan over the rows)
-    joined = _join(ins)
-    return [joined._replace(grad=joined.grad and jnp.issubdtype(v.aval.dtype, jnp.inexact))
-            for v in b.outvars]
-  others = iter(_jaxpr.inner(a))
-  outs = _jaxpr.descend(b, ins, lambda j, x: _walk(next(others), j, x), _join)
-  if b.primitive.name == "cond" and (ins[0].rows or ins[0].why):  # chosen by the batch
-    outs = [o._replace(why=o.why or ins[0].why or "a choice (`cond`) by the batch's values")
-            for o in outs]
-  return outs
-
-
-def _op(twins: Iterator[Any], b: Any, ins: list[_Flow]) -> list[_Flow]:
-  """Any other equation (``b``; ``a`` its twin on small)."""
-  a, name = next(twins), b.primitive.name
-  grad = any(f.grad for f in ins) and name not in _CONSTANT
-  grads = [grad and jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in b.outvars]
-  if a is None:
-    return [_join(ins)._replace(grad=g) for g in grads]
-  count = [isinstance(v, Literal) and not np.array_equal(v.val, w.val)
-           for v, w in zip(b.invars, a.invars, strict=True)]  # a number the rows' count scales
-  ins = [_Flow("sum", None, False) if c else f._replace(rows="rows") if not isinstance(
-      v, Literal) and v.aval.shape != w.aval.shape else f  # (a batch argument's leaf)
-         for f, c, v, w in zip(ins, count, b.invars, a.invars, strict=True)]
-  follows = [v.aval.shape != w.aval.shape for v, w in zip(b.outvars, a.outvars, strict=True)]
-  rows, why = _not_a_sum(name, a, b, ins, count, any(follows))
-  why = next((f.why for f in ins if f.why), None) or why
-  return [_Flow("rows" if f else rows, why, g) for f, g in zip(follows, grads, strict=True)]
-
-
-def _not_a_sum(name: str, a: Any, b: Any, ins: list[_Flow], count: list[bool],
-               follows: bool) -> tuple[str, str | None]:
-  """What ``b`` makes of the rows (``a`` its twin): its results' ``rows`` where they do not
-  follow them, and why they are no sum over the rows, if they are not."""
-  batch = {f.rows for f in ins} - {""}
-  if not batch:
-    return "", None
-  if (any(count) and name in ("div", "mul")) or any(
-      c and not np.array_equal(2 * w.val, v.val) for c, v, w in zip(count, b.invars, a.invars,
-                                                                     strict=True)):
-    return "", "a mean over the rows"  # divided by the rows' count, or a function of it
-  if follows:
-    axes = np.atleast_1d(b.params.get(_ACROSS.get(name, ""), ())).tolist()
-    if any(b.invars[0].aval.shape[d] != a.invars[0].aval.shape[d] for d in axes):
-      return "", f"a `{name}` across the rows"
-    return "", "a sum over the rows spread over them again" if "sum" in batch else None
-  if batch == {"rows"}:  # values of the rows, reduced over them
-    if name in _SUMS:
-      return "sum", None
-    return "", f"{_MAXIMA[name]} over the rows" if name in _MAXIMA else f"`{name}` over the rows"
-  if batch != {"sum"}:
-    return "", "a value of a row combined with a sum over the rows"
-  summed = [bool(f.rows) for f in ins]
-  if name in ("add", "sub", "add_any"):
-    return ("sum", None) if all(summed) else ("", "a sum plus a constant (each micro-batch's)")
-  if name in ("mul", "dot_general"):
-    return ("sum", None) if sum(summed) == 1 else ("", "a product of sums over the rows")
-  if name == "div" and summed == [True, False]:
-    return "sum", None
-  if name == "div":
-    return "", "a ratio of sums over the rows" if all(summed) else "a reciprocal of a sum over them"
-  if name in _LINEAR and not (name == "select_n" and summed[0]):
-    return "sum", None
-  return "", f"`{name}` of a sum over the rows"
-
-
-_ROWS = _jaxpr.Rules(dict.fromkeys((_jaxpr.CALL, "scan", "shard_map", "cond", "while"), _nested),
-                     _op, lambda v: _NONE)
 
 
 # ------------------------------------------------------- across steps: accumulate

@@ -1,10 +1,10 @@
 """The one jaxpr interpreter: a table of rules keyed by primitive, one descent into inner jaxprs.
 
-Four walks read a jaxpr equation by equation: ``_float64`` evaluates it with
-its floating values in float64, ``_row_trail`` follows where each value comes
-from (a key, a batch argument, a statistic of the batch), ``_global_stats``
-follows the rows and the gradient, and ``offload`` inlines the calls of the
-update it streams. Each is a :class:`Rules`, a rule per
+Three walks read a jaxpr equation by equation: ``_float64`` evaluates it with
+its floating values in float64, ``_row_trail`` follows the batch's rows (where
+each value comes from, whether it is linear in the rows, whether a gradient
+reaches it: for ``global_stats`` and the check), and ``offload`` inlines the
+calls of the update it streams. Each is a :class:`Rules`, a rule per
 primitive and one for the rest, which :func:`interpret` runs. What JAX keeps
 inside an equation is read here alone: which primitives are calls (``CALL``,
 by every name JAX gives them), where an equation keeps its jaxprs
@@ -140,8 +140,10 @@ def inner(eqn: Any) -> list:
 
 def twins(jaxpr: Any, other: Any) -> Iterator:
   """The equations of ``other`` (the program of ``jaxpr`` traced on other shapes), one for each
-  of ``jaxpr``'s in turn; None for each where the two hold other equations."""
-  same = [e.primitive for e in jaxpr.eqns] == [e.primitive for e in other.eqns]
+  of ``jaxpr``'s in turn; None for each where the two hold other equations (or ``other`` is
+  None)."""
+  same = other is not None and [e.primitive for e in jaxpr.eqns] == [
+      e.primitive for e in other.eqns]
   return iter(other.eqns if same else [None] * len(jaxpr.eqns))
 
 

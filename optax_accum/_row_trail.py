@@ -1,18 +1,28 @@
-"""Where each value of a loss's trace comes from (``debug.check_large_batch``).
+"""Which values of a trace follow the batch's rows: the one analysis of the rows.
 
-One walk of the trace on the whole batch, equation by equation beside the trace on a
-micro-batch: each value carries the inputs it comes from (a batch argument, another
-argument, a captured constant) and whether it is a statistic of the batch (a value of
-the batch whose shape does not follow its rows). It refuses random numbers drawn per
-row from a key no batch argument feeds, and records the selections by the batch's
-values and the roundings on a statistic of the batch that the verdict's fix names.
+A function of the batch is traced twice, on more rows (``large``: the whole
+batch) and on fewer (``small``: a micro-batch, or half as many), and one walk
+reads the two equation beside equation (``_jaxpr.twins``), into calls,
+``scan``, ``cond`` and ``while`` (``_jaxpr.inner``): a value follows the rows
+where its shapes differ. Each value's :class:`Flow` says where it comes from (a
+batch argument, another argument, a captured constant, and ``_STAT``: a
+statistic of the batch, a value of the batch whose shape does not follow the
+rows), whether it is linear in the rows and why not (``microbatched``'s
+``global_stats`` must be), and whether a param's gradient reaches it. The
+check's :class:`Trail` sees each equation beside its twin: it refuses random
+numbers drawn per row from a key no batch argument feeds, and records the
+selections by the batch's values and the roundings on a statistic of the batch
+that the verdict's fix names.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 from jax.extend import source_info_util
@@ -24,107 +34,206 @@ _BATCH, _CAPTURED = "a batch argument", "captured"
 _STAT = "a statistic of the batch"  # of the batch, and its shape does not follow the rows
 _SELECT = {"top_k": "axis", "sort": "dimension", "argmax": "axes", "argmin": "axes",
            "reduce_max": "axes", "reduce_min": "axes"}  # pick among the rows on these axes
+_CONSTANT = ("stop_gradient", "floor", "ceil", "round", "sign")  # no gradient flows through
+_MAXIMA = {"reduce_max": "a max", "reduce_min": "a min", "argmax": "an argmax",
+           "argmin": "an argmin"}
+_SUMS = ("reduce_sum", "dot_general", "scatter-add", "scatter_add")  # a sum over what they reduce
+# Linear in each operand that is a sum over the rows (a product or a ratio: in one of them).
+_LINEAR = frozenset("""neg convert_element_type reshape broadcast_in_dim transpose squeeze
+  expand_dims slice dynamic_slice concatenate stack split pad reduce_sum copy copy_p select_n
+  gather sharding_constraint reshard mesh_cast stop_gradient reduce_precision real imag conj
+  cumsum""".split())
+_ACROSS = {"sort": "dimension", "cumsum": "axis", "cumprod": "axis", "cummax": "axis",
+           "cummin": "axis", "cumlogsumexp": "axis", "rev": "dimensions"}  # mix rows in place
+
+
+class Flow(NamedTuple):
+  """What :func:`walk` knows of a value."""
+
+  sources: frozenset  # the inputs it comes from (labelled by :func:`source`), and `_STAT`
+  rows: str  # "": of no rows (the params, a constant); "rows": follows them; "sum": a sum over them
+  why: str | None  # what makes it no sum over the rows: a max over them, a ratio of sums
+  grad: bool  # a float that a float param reaches through floats
+
+
+_NONE = Flow(frozenset(), "", None, False)  # a literal's
 
 
 class Trail:
-  """What a walk of one trace found, beside the trace of a micro-batch (``other``).
+  """What the check's walk of the whole batch's trace found, beside a micro-batch's.
 
-  The two traces hold the same equations in the same order (checked: ``aligned``), and
-  a value's shape tells whether it follows the rows: a value of the batch whose shape
-  does not is a statistic of the batch (labelled ``_STAT``). Compared with ``other``, it
-  raises at random numbers drawn per row (their shape differs from the micro-batch's, or
-  a loop over the rows or a ``while`` draws them) from a key no batch argument feeds, and
-  records each selection among the rows or by a statistic of the batch (``cond``,
-  ``select_n``, ``_SELECT``) and each rounding (``round``, a cast to an 8-bit float: fp8)
-  of a value that a statistic of the batch scales. Without ``other`` (the
-  micro-batch itself, ``microbatched``) it only records the shapes.
+  It raises at random numbers drawn per row (their shapes differ from the
+  micro-batch's, or a loop over the rows or a ``while`` draws them) from a key no
+  batch argument feeds, and records each selection among the rows or by a
+  statistic of the batch (``cond``, ``select_n``, ``_SELECT``) and each rounding
+  (``round``, a cast to an 8-bit float: fp8) of a value that a statistic of the
+  batch scales.
   """
 
-  def __init__(self, other: Trail | None = None) -> None:
-    self.shapes: list[Any] = []  # (primitive, operand shapes, result shapes), in walk order
-    self.other, self.aligned = (iter(other.shapes) if other else None), other is not None
+  def __init__(self) -> None:
     self.in_loop = False  # inside a loop whose trip count may follow the rows
     self.at = ""  # the user's line of the equation being walked (inner ones have JAX's)
     self.selections: list[str] = []
     self.roundings: list[tuple[bool, str]] = []  # (of a sum over the rows?, what, where)
     self.divided = False  # by a statistic of the batch (a count): normalisation mends it
 
-  def visit(self, eqn: Any, ins: list[frozenset]) -> tuple[Any, ...] | None:
-    """Records ``eqn``; returns the micro-batch's shapes of it (None: not comparable)."""
-    mine = (eqn.primitive.name, *([v.aval.shape for v in vs] for vs in (eqn.invars,
-                                                                        eqn.outvars)),
-            eqn.params.get("length"))  # a scan's: does it follow the rows?
-    self.shapes.append(mine)
-    theirs = next(self.other, None) if self.aligned else None
-    self.aligned = theirs is not None and theirs[0] == mine[0]
-    theirs = theirs if self.aligned else None
-    name, p = mine[0], eqn.params
-    where = self.at = source_info_util.summarize(eqn.source_info) or self.at
-    first = ins[0] if ins and name != "rng_uniform" else frozenset()  # a key, a predicate
-    if name in _RANDOM and self.other is not None and (self.in_loop or theirs != mine):
+  def visit(self, a: Any, b: Any, ins: list[Flow]) -> None:
+    """Records ``b``, an equation of the whole batch's trace (``a``: its twin, or None)."""
+    name, p = b.primitive.name, b.params
+    where = self.at = source_info_util.summarize(b.source_info) or self.at
+    first = ins[0].sources if ins and name != "rng_uniform" else frozenset()  # a key, a predicate
+    shapes = lambda e: [v.aval.shape for v in (*e.invars, *e.outvars)]
+    if name in _RANDOM and (self.in_loop or a is None or shapes(a) != shapes(b)):
       _check_key(first)  # a draw per row
     axes = np.atleast_1d(p.get(_SELECT.get(name, ""), ())).tolist()
-    among_rows = theirs and _BATCH in first and any(mine[1][0][a] != theirs[1][0][a] for a in axes)
-    self.divided |= name == "div" and _STAT in ins[1]
+    among_rows = a is not None and _BATCH in first and any(
+        b.invars[0].aval.shape[x] != a.invars[0].aval.shape[x] for x in axes)
+    self.divided |= name == "div" and _STAT in ins[1].sources
     if among_rows or (_STAT in first and name in ("cond", "select_n")):
       self.selections.append(f"`{name}` at {where}")
     # A cast to fp8 rounds; one to an integer or a bool (a count, a guard) is exact there.
     narrow = name == "convert_element_type" and np.dtype(p["new_dtype"]).itemsize == 1 and (
-        jax.numpy.issubdtype(p["new_dtype"], jax.numpy.floating))
+        jnp.issubdtype(p["new_dtype"], jnp.floating))
     if name == "reduce_precision" and _float64.narrow(p):
       narrow, p = True, {"new_dtype": f"e{p['exponent_bits']}m{p['mantissa_bits']} (fp8)"}
     if _STAT in first and (name == "round" or narrow):  # summed: the value is a statistic
-      summed = theirs is not None and theirs[1][0] == mine[1][0]  # (a weight's gradient)
+      summed = a is not None and a.invars[0].aval.shape == b.invars[0].aval.shape  # (a weight's)
       self.roundings.append((summed, f"`{name}` to {p.get('new_dtype', 'integers')} at {where}"))
-    return theirs
 
 
-def source(path: Any, b_nums: tuple[int, ...]) -> str:
-  """The label of an input leaf: a batch argument, or where a user finds it."""
+def source(path: Any, b_nums: tuple[int, ...]) -> Flow:
+  """The flow of an input leaf, labelled a batch argument or where a user finds it."""
   where, *rest = path
   at = jax.tree_util.keystr(tuple(rest[1:]))
   if where.idx == 0:  # positional
     i = rest[0].idx
-    return _BATCH if i in b_nums else f"argument {i}{at}"
-  return f"keyword `{rest[0].key}`{at}"
+    label = _BATCH if i in b_nums else f"argument {i}{at}"
+  else:
+    label = f"keyword `{rest[0].key}`{at}"
+  return Flow(frozenset({label}), "", None, False)
 
 
-def walk(jaxpr: jax_core.Jaxpr, labels: list[frozenset], trail: Trail) -> list[frozenset]:
-  """Propagates the input labels through ``jaxpr``; returns its outputs' labels.
+class _Walk(NamedTuple):
+  twins: Iterator[Any]  # the equations of `small`, one beside each of `large`'s (or None)
+  ratio: int  # large's rows over small's: what a number the rows' count scales is multiplied by
+  trail: Trail | None
 
-  Each variable carries the inputs it comes from (a batch argument, another argument, a
-  captured constant; none for a constant made inside), and ``_STAT`` for a statistic of
-  the batch; ``trail`` records what the check needs of each equation.
+
+def walk(large: jax_core.Jaxpr, small: jax_core.Jaxpr | None, flows: list[Flow], ratio: int,
+         trail: Trail | None = None) -> list[Flow]:
+  """The flows of ``large``'s outputs from its inputs' (``small``: the same program on
+  ``1 / ratio`` of the rows, or None: nothing follows the rows).
+
+  A statistic must be linear in the rows: a sum over them (a ``reduce_sum``, a
+  ``dot_general`` or a scatter-add over the rows: a count, a histogram) of values
+  computed row by row, and of such sums only what is linear in them (a sum of sums,
+  a cast, a product with a constant). Anything else made of a sum (a ratio, a
+  reciprocal, a ``sqrt``, a choice by it), a max or a sort over the rows, or a number
+  that the rows' count scales (a mean's divisor) carries its ``why``. Where the two
+  jaxprs differ in their equations (or a ``scan`` runs over the rows), ``large`` is
+  read alone: nothing is a statistic there and no ``why`` is looked for.
   """
-  return _jaxpr.interpret(_LABELS, jaxpr, [frozenset({_CAPTURED})] * len(jaxpr.constvars),
-                          labels, trail)
+  captured = Flow(frozenset({_CAPTURED}), "", None, False)
+  return _jaxpr.interpret(_RULES, large, [captured] * len(large.constvars), flows,
+                          _Walk(_jaxpr.twins(large, small), ratio, trail))
 
 
-def _labels(trail: Trail, eqn: Any, ins: list[frozenset]) -> list[frozenset]:
-  """The walk's one rule: an equation's output labels, the equation recorded by ``trail`` first.
+def _join(flows: Sequence[Flow]) -> Flow:
+  return Flow(frozenset().union(*(f.sources for f in flows)), max((f.rows for f in flows),
+                                                                    default=""),
+              next((f.why for f in flows if f.why), None), any(f.grad for f in flows))
 
-  The labels go through the equation's jaxprs as ``_jaxpr.descend`` takes them, joined by
-  union. A loop's body is walked once, with the carry's labels on entry: a label that
-  reaches a key only through the carry is missed, which refuses a loss rather than passing
-  one. A ``cond``'s outputs do not carry the branch index's labels: a value the batch only
-  chooses carries no rows, and a key it chooses is drawn the same for every micro-batch
-  (refused). An equation without jaxprs puts the union of its operands' labels on each
-  output. A value of the batch whose shape the rows do not shape is a statistic.
-  """
-  in_loop, at = trail.in_loop, trail.at
-  theirs = trail.visit(eqn, ins)  # sets trail.at for the inner jaxprs
-  trail.in_loop |= eqn.primitive.name == "while" or (  # a scan: if its length follows
-      eqn.primitive.name == "scan" and (theirs or (0,) * 4)[3] != trail.shapes[-1][3])
-  outs = _jaxpr.descend(eqn, ins, lambda j, a: walk(j, a, trail),
-                        lambda labels: frozenset().union(*labels))
-  trail.in_loop, trail.at = in_loop, at
-  if theirs is None:
+
+def _marked(a: Any, b: Any, outs: list[Flow]) -> list[Flow]:
+  """``outs``, a value of the batch whose shape does not follow the rows marked a statistic."""
+  if a is None:
     return outs
-  return [o | {_STAT} if _BATCH in o and v.aval.shape == s else o
-          for o, v, s in zip(outs, eqn.outvars, theirs[2], strict=True)]
+  return [o._replace(sources=o.sources | {_STAT}) if _BATCH in o.sources and (
+      v.aval.shape == w.aval.shape) else o for o, v, w in zip(outs, b.outvars, a.outvars,
+                                                               strict=True)]
 
 
-_LABELS = _jaxpr.Rules({}, _labels, lambda v: frozenset())  # one rule: the trail sees each equation
+def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
+  """A call, ``scan``, ``shard_map``, ``cond`` or ``while``: its jaxprs walked with their twins."""
+  a, name, trail = next(ctx.twins), b.primitive.name, ctx.trail
+  if a is not None and a.params.get("length") != b.params.get("length"):
+    a = None  # a scan over the rows: its body is read alone
+  if trail is not None:
+    saved = trail.in_loop, trail.at
+    trail.visit(a, b, ins)  # sets trail.at for the inner jaxprs
+    trail.in_loop |= name == "while" or (name == "scan" and a is None)
+  others = iter(_jaxpr.inner(a)) if a is not None else itertools.repeat(None)
+  outs = _jaxpr.descend(b, ins, lambda j, x: walk(j, next(others), x, ctx.ratio, trail), _join)
+  if trail is not None:
+    trail.in_loop, trail.at = saved
+  if name == "cond" and (ins[0].rows or ins[0].why):  # chosen by the batch
+    outs = [o._replace(why=o.why or ins[0].why or "a choice (`cond`) by the batch's values")
+            for o in outs]
+  return _marked(a, b, outs)
+
+
+def _op(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
+  """Any other equation (``b``; ``a`` its twin on small)."""
+  a, name = next(ctx.twins), b.primitive.name
+  joined = _join(ins)
+  if ctx.trail is not None:
+    ctx.trail.visit(a, b, ins)
+    if _jaxpr.inner(b):  # (a reduction's scalar computation, a linear solve's functions)
+      _jaxpr.descend(b, ins, lambda j, x: walk(j, None, x, ctx.ratio, ctx.trail), _join)
+  grad = joined.grad and name not in _CONSTANT
+  grads = [grad and jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in b.outvars]
+  if a is None:
+    return [joined._replace(grad=g) for g in grads]
+  count = [isinstance(v, jax_core.Literal) and not np.array_equal(v.val, w.val)
+           for v, w in zip(b.invars, a.invars, strict=True)]  # a number the rows' count scales
+  ins = [f._replace(rows="sum") if c else f._replace(rows="rows") if not isinstance(
+      v, jax_core.Literal) and v.aval.shape != w.aval.shape else f  # (a batch argument's leaf)
+         for f, c, v, w in zip(ins, count, b.invars, a.invars, strict=True)]
+  follows = [v.aval.shape != w.aval.shape for v, w in zip(b.outvars, a.outvars, strict=True)]
+  rows, why = _not_a_sum(name, a, b, ins, count, any(follows), ctx.ratio)
+  why = next((f.why for f in ins if f.why), None) or why
+  return _marked(a, b, [Flow(joined.sources, "rows" if f else rows, why, g)
+                        for f, g in zip(follows, grads, strict=True)])
+
+
+def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], count: list[bool],
+               follows: bool, ratio: int) -> tuple[str, str | None]:
+  """What ``b`` makes of the rows (``a`` its twin): its results' ``rows`` where they do not
+  follow them, and why they are no sum over the rows, if they are not."""
+  batch = {f.rows for f in ins} - {""}
+  if not batch:
+    return "", None
+  if (any(count) and name in ("div", "mul")) or any(
+      c and not np.array_equal(ratio * w.val, v.val) for c, v, w in zip(
+          count, b.invars, a.invars, strict=True)):
+    return "", "a mean over the rows"  # divided by the rows' count, or a function of it
+  if follows:
+    axes = np.atleast_1d(b.params.get(_ACROSS.get(name, ""), ())).tolist()
+    if any(b.invars[0].aval.shape[d] != a.invars[0].aval.shape[d] for d in axes):
+      return "", f"a `{name}` across the rows"
+    return "", "a sum over the rows spread over them again" if "sum" in batch else None
+  if batch == {"rows"}:  # values of the rows, reduced over them
+    if name in _SUMS:
+      return "sum", None
+    return "", f"{_MAXIMA[name]} over the rows" if name in _MAXIMA else f"`{name}` over the rows"
+  if batch != {"sum"}:
+    return "", "a value of a row combined with a sum over the rows"
+  summed = [bool(f.rows) for f in ins]
+  if name in ("add", "sub", "add_any"):
+    return ("sum", None) if all(summed) else ("", "a sum plus a constant (each micro-batch's)")
+  if name in ("mul", "dot_general"):
+    return ("sum", None) if sum(summed) == 1 else ("", "a product of sums over the rows")
+  if name == "div" and summed == [True, False]:
+    return "sum", None
+  if name == "div":
+    return "", "a ratio of sums over the rows" if all(summed) else "a reciprocal of a sum over them"
+  if name in _LINEAR and not (name == "select_n" and summed[0]):
+    return "sum", None
+  return "", f"`{name}` of a sum over the rows"
+
+
+_RULES = _jaxpr.Rules(dict.fromkeys((_jaxpr.CALL, "scan", "shard_map", "cond", "while"), _nested),
+                      _op, lambda v: _NONE)
 
 
 def _check_key(labels: frozenset) -> None:
