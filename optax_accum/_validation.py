@@ -13,7 +13,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from optax_accum import _arrays, _copies, _state
 
@@ -231,6 +230,9 @@ def check_schedule_at_zero(schedule: Callable[[jax.Array], Any]) -> None:
 
 def check_flag(value: Any, name: str) -> bool:
   """Returns ``value`` as a Python bool if it is a bool (numpy's too), else raises."""
+  if isinstance(value, Flush):  # read by a window of ours
+    value.taken = True
+    return True
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"`{name}` must be a bool; got {value!r}.")
   return bool(value)
@@ -314,14 +316,20 @@ def has_window(node: Any) -> bool:
   return hasattr(node, "mini_step") and hasattr(node, "gradient_step")
 
 
-def check_flushable(tx: Any, state: Any) -> None:
-  """Raises unless ``state`` holds a window of ours that ``flush`` can close.
+class Flush:
+  """What :func:`~optax_accum.flush` passes as ``flush=True``: ``taken`` once a window of ours
+  reads it (a transform that passes it on, ``optax.MultiSteps``, or ignores it, leaves it)."""
 
-  Any other transform would take a step on zero gradients, or (``optax.MultiSteps``, whose
-  state is of the type ours keeps) count them as a micro-batch.
-  """
-  if isinstance(getattr(getattr(tx, "update", None), "__self__", None), optax.MultiSteps) or (
-      _arrays.first_node(state, has_window) is None):
+  taken = False
+
+  def __bool__(self) -> bool:
+    return True
+
+
+def check_flushed(flag: Flush) -> None:
+  """Raises unless a window of ours closed on ``flag``: any other transform took a step on
+  zero gradients, or (``optax.MultiSteps``) counted them as a micro-batch."""
+  if not flag.taken:
     raise TypeError(
         "`flush` closes the window of `optax_accum.accumulate` or `optax_accum.MultiSteps`, and"
         " this transform holds neither: it would take a step on zero gradients (or count them as"

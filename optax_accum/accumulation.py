@@ -382,10 +382,11 @@ def flush(
     >>> updates["w"].tolist(), int(state.gradient_step), int(state.mini_step)
     ([-3.0, -3.0], 1, 0)
   """
-  _validation.check_flushable(tx, state)
   tx = _extra_args_transform(tx, "flush", {})
-  zeros = jax.tree.map(jnp.zeros_like, params)
-  return tx.update(zeros, state, params, **extra_args, flush=True)
+  zeros, flag = jax.tree.map(jnp.zeros_like, params), _validation.Flush()
+  out = tx.update(zeros, state, params, **extra_args, flush=flag)
+  _validation.check_flushed(flag)
+  return out
 
 
 def update_and_apply(

@@ -441,10 +441,12 @@ def test_fp8_params_accumulate_in_float32():
 
 def test_flush_refuses_a_transform_without_our_window():
   """``flush`` on ``optax.adam`` took a step on zero gradients, on ``optax.MultiSteps`` it
-  added a zero micro-batch (the window's mean halved): refused. Ours still flush, in a chain."""
+  added a zero micro-batch (the window's mean halved), in a chain too (its state is of our
+  MultiSteps' type): refused. Ours still flush, in a chain."""
   params = {"w": jnp.full(2, 0.9)}
   theirs = optax.MultiSteps(optax.sgd(1.0), 4)
-  for tx in (optax.adam(0.1), theirs, theirs.gradient_transformation()):
+  for tx in (optax.adam(0.1), theirs, theirs.gradient_transformation(),
+             optax.chain(optax.identity(), theirs.gradient_transformation())):
     state = tx.update({"w": jnp.ones(2)}, tx.init(params), params)[1]
     with pytest.raises(TypeError, match=r"`flush`.*`optax_accum.accumulate\(k, opt\)`.*`"
                        r"optax_accum.MultiSteps\(opt, k\)` for `optax.MultiSteps"):
