@@ -71,19 +71,19 @@ class Trail:
   """
 
   def __init__(self) -> None:
-    self.in_loop = False  # inside a loop whose trip count may follow the rows
     self.at = ""  # the user's line of the equation being walked (inner ones have JAX's)
     self.selections: list[str] = []
     self.roundings: list[tuple[bool, str]] = []  # (of a sum over the rows?, what, where)
     self.divided = False  # by a statistic of the batch (a count): normalisation mends it
 
-  def visit(self, a: Any, b: Any, ins: list[Flow]) -> None:
-    """Records ``b``, an equation of the whole batch's trace (``a``: its twin, or None)."""
+  def visit(self, a: Any, b: Any, ins: list[Flow], in_loop: bool) -> None:
+    """Records ``b``, an equation of the whole batch's trace (``a``: its twin, or None;
+    ``in_loop``: inside a loop whose trip count may follow the rows)."""
     name, p = b.primitive.name, b.params
     where = self.at = source_info_util.summarize(b.source_info) or self.at
     first = ins[0].sources if ins and name != "rng_uniform" else frozenset()  # a key, a predicate
     shapes = lambda e: [v.aval.shape for v in (*e.invars, *e.outvars)]
-    if name in _RANDOM and (self.in_loop or a is None or shapes(a) != shapes(b)):
+    if name in _RANDOM and (in_loop or a is None or shapes(a) != shapes(b)):
       _check_key(first)  # a draw per row
     axes = np.atleast_1d(p.get(_SELECT.get(name, ""), ())).tolist()
     among_rows = a is not None and _BATCH in first and any(
@@ -117,10 +117,11 @@ class _Walk(NamedTuple):
   twins: Iterator[Any]  # the equations of `small`, one beside each of `large`'s (or None)
   ratio: int  # large's rows over small's: what a number the rows' count scales is multiplied by
   trail: Trail | None
+  in_loop: bool  # inside a loop whose trip count may follow the rows: its draws are per row
 
 
 def walk(large: jax_core.Jaxpr, small: jax_core.Jaxpr | None, flows: list[Flow], ratio: int,
-         trail: Trail | None = None) -> list[Flow]:
+         trail: Trail | None = None, in_loop: bool = False) -> list[Flow]:
   """The flows of ``large``'s outputs from its inputs' (``small``: the same program on
   ``1 / ratio`` of the rows, or None: nothing follows the rows).
 
@@ -135,7 +136,7 @@ def walk(large: jax_core.Jaxpr, small: jax_core.Jaxpr | None, flows: list[Flow],
   """
   captured = Flow(frozenset({_CAPTURED}), "", None, False)
   return _jaxpr.interpret(_RULES, large, [captured] * len(large.constvars), flows,
-                          _Walk(_jaxpr.twins(large, small), ratio, trail))
+                          _Walk(_jaxpr.twins(large, small), ratio, trail, in_loop))
 
 
 def _join(flows: Sequence[Flow]) -> Flow:
@@ -159,13 +160,11 @@ def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   if a is not None and a.params.get("length") != b.params.get("length"):
     a = None  # a scan over the rows: its body is read alone
   if trail is not None:
-    saved = trail.in_loop, trail.at
-    trail.visit(a, b, ins)  # sets trail.at for the inner jaxprs
-    trail.in_loop |= name == "while" or (name == "scan" and a is None)
+    trail.visit(a, b, ins, ctx.in_loop)  # sets trail.at for the inner jaxprs
+  in_loop = ctx.in_loop or name == "while" or (name == "scan" and a is None)
   others = iter(_jaxpr.inner(a)) if a is not None else itertools.repeat(None)
-  outs = _jaxpr.descend(b, ins, lambda j, x: walk(j, next(others), x, ctx.ratio, trail), _join)
-  if trail is not None:
-    trail.in_loop, trail.at = saved
+  outs = _jaxpr.descend(b, ins, lambda j, x: walk(j, next(others), x, ctx.ratio, trail, in_loop),
+                        _join)
   if name == "cond" and (ins[0].rows or ins[0].why):  # chosen by the batch
     outs = [o._replace(why=o.why or ins[0].why or "a choice (`cond`) by the batch's values")
             for o in outs]
@@ -177,9 +176,7 @@ def _op(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   a, name = next(ctx.twins), b.primitive.name
   joined = _join(ins)
   if ctx.trail is not None:
-    ctx.trail.visit(a, b, ins)
-    if _jaxpr.inner(b):  # (a reduction's scalar computation, a linear solve's functions)
-      _jaxpr.descend(b, ins, lambda j, x: walk(j, None, x, ctx.ratio, ctx.trail), _join)
+    ctx.trail.visit(a, b, ins, ctx.in_loop)
   grad = joined.grad and name not in _CONSTANT
   grads = [grad and jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in b.outvars]
   if a is None:
