@@ -98,8 +98,24 @@ def evaluate(closed: jax_core.ClosedJaxpr) -> Callable[..., list[jax.Array]]:
 
 def _meshed(jaxpr: jax_core.Jaxpr) -> bool:
   """Whether ``jaxpr`` holds a ``shard_map`` over more than one device, at any depth."""
-  return any((e.primitive.name == "shard_map" and e.params["mesh"].size > 1)
-             or any(map(_meshed, jax_core.jaxprs_in_params(e.params))) for e in jaxpr.eqns)
+  found: list[Any] = []
+  _meshes(found, jaxpr, [None] * len(jaxpr.invars))
+  return bool(found)
+
+
+def _meshes(found: list[Any], jaxpr: jax_core.Jaxpr, ins: list[Any]) -> list[Any]:
+  """A walk of ``jaxpr`` (every value None) that adds each ``shard_map`` over several devices
+  to ``found``."""
+  return _jaxpr.interpret(_MESHES, jaxpr, [None] * len(jaxpr.constvars), ins, found)
+
+
+def _mesh(found: list[Any], eqn: Any, ins: list[Any]) -> list[Any]:
+  if _jaxpr.kind(eqn) == "shard_map" and eqn.params["mesh"].size > 1:
+    found.append(eqn)
+  return _jaxpr.descend(eqn, ins, functools.partial(_meshes, found), lambda _: None)
+
+
+_MESHES = _jaxpr.Rules({}, _mesh, lambda _: None)
 
 
 def _eval(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:

@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _arrays, _per_device
+from optax_accum import _arrays, _batch, _per_device
 
 __all__ = ["clip_loss", "siglip_loss"]
 
@@ -446,22 +446,11 @@ def _run(loss: Any, x: Any, y: Any, scalars: dict[str, Any], block_size: Any,
 def _devices(axis_name: Any, x: Any, y: Any) -> tuple[tuple[Any, ...] | None, Any]:
   """``(manual axes, None)`` inside shard_map, ``(None, data axes)`` for plain jit on a
   mesh, ``(None, None)`` on one device."""
-  split = [_arrays.leading_axes(v) for v in (x, y)]
-  if split[0] != split[1]:
-    raise ValueError(
-        f"`x` has its rows sharded over {split[0] or 'no mesh axis'} but `y` over"
-        f" {split[1] or 'no mesh axis'}: row i of each is one pair. Place both alike, e.g."
-        f" jax.device_put((x, y), P({_arrays.spec_entry(split[0] or split[1])!r})).")
+  split = _batch.leading_rows({"`x`": x, "`y`": y})[1]  # (both split alike, else raises)
   if axis_name is None:
-    return None, split[0] or None
+    return None, split or None
   axes = _arrays.axis_names(axis_name)
-  if _arrays.axis_kind(axis_name, check=False) is None:  # manual axes, or none bound
-    if _arrays.axis_indices(axes) is None:
-      raise ValueError(
-          f"`axis_name={axis_name!r}` is not bound: call the loss inside `jax.shard_map`"
-          " over that axis, with each device's rows of `x` and `y`; or under plain"
-          " `jit` with the rows sharded over a mesh's axes (their type names them: drop"
-          " `axis_name`); or drop `axis_name` on one device.")
+  if _arrays.axis_kind(axis_name, caller="the loss") is None:  # manual axes
     if not all(set(axes) <= _arrays.array_type(v).varying for v in (x, y)):
       raise ValueError(
           f"`axis_name={axis_name!r}` is bound, but `x` and `y` are not typed as varying over"
@@ -469,12 +458,7 @@ def _devices(axis_name: Any, x: Any, y: Any) -> tuple[tuple[Any, ...] | None, An
           " over the devices (1/n of the truth). Use `jax.shard_map` with `check_vma=True`"
           f" (its default) and `in_specs=P({axis_name!r})` for the rows, or plain `jit`.")
     return axes, None
-  if split[0] and set(split[0]) != set(axes):
-    raise ValueError(
-        f"`axis_name={axis_name!r}` names mesh axes {axes} but the rows of `x` are sharded"
-        f" over {split[0]}. Name the axes the rows are split over (Explicit ones may be"
-        " dropped: the type names them).")
-  return None, axes
+  return None, _batch._data_axes(axis_name, split, (x, y), (0, 1))
 
 
 def _check_pair(x: Any, y: Any) -> tuple[jax.Array, jax.Array]:

@@ -80,37 +80,16 @@ def _lay_out_like_params(
 ) -> tuple[Any, Any]:
   """``(abstract_state, layout)``: a layout entry for each leaf of ``tx.init(params)``.
 
-  The leaves ``tx.init`` builds by mapping over the params are found with
-  ``optax.tree.map_params`` (which follows ``optax.masked`` and
-  ``optax.multi_transform`` into their masked states) and laid out by
-  :func:`_leaf_layout` from their param's entry of ``per_param``. Every other
-  leaf gets ``other``; ``optax.MaskedNode`` placeholders stay as they are.
-  ``per_param`` has the params' tree structure (:func:`_check_like_params`).
+  Each subtree of the state with the params' tree structure (``optax.MaskedNode``
+  where ``optax.masked`` and ``optax.multi_transform`` leave a param out) and an
+  array at each param's place is laid out by :func:`_leaf_layout` from the
+  params' entries of ``per_param``. Every other leaf gets ``other``;
+  ``optax.MaskedNode`` placeholders stay as they are. ``per_param`` has the
+  params' tree structure (:func:`_check_like_params`).
   """
   abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)),
                           params)
   state = jax.eval_shape(tx.init, abstract)
-  try:
-    layout = optax.tree.map_params(
-        lambda placeholder: jax.eval_shape(tx.init, placeholder),
-        lambda value, target, param: _leaf_layout(value, target, param, other), state,
-        per_param, abstract, transform_non_params=lambda _: other, is_leaf=_is_masked)
-  except (IndexError, KeyError, TypeError, ValueError, AttributeError):
-    # An init that reads the params' leaves (lbfgs, sm3) rejects optax's leafless
-    # placeholder: match the params' tree structure instead.
-    layout = _lay_out_by_structure(state, per_param, abstract, other)
-  return state, layout
-
-
-def _check_like_params(per_param: Any, params: Any, name: str) -> None:
-  if jax.tree.structure(per_param) != jax.tree.structure(params):
-    raise ValueError(
-        f"`{name}` must have the structure of `params` (one entry per param); got"
-        f" {jax.tree.structure(per_param)} for params {jax.tree.structure(params)}.")
-
-
-def _lay_out_by_structure(state: Any, per_param: Any, abstract: Any, other: Any) -> Any:
-  """The layout of ``state`` where its subtrees have the params' structure and shapes."""
   params_def = jax.tree.structure(abstract)
 
   def is_params_like(node: Any) -> bool:  # (params one array: every array leaf is)
@@ -126,7 +105,14 @@ def _lay_out_by_structure(state: Any, per_param: Any, abstract: Any, other: Any)
     return jax.tree.map(lambda v, t, p: _leaf_layout(v, t, p, other), node, per_param, abstract,
                         is_leaf=_is_masked)
 
-  return jax.tree.map(lay_out, state, is_leaf=is_params_like)
+  return state, jax.tree.map(lay_out, state, is_leaf=is_params_like)
+
+
+def _check_like_params(per_param: Any, params: Any, name: str) -> None:
+  if jax.tree.structure(per_param) != jax.tree.structure(params):
+    raise ValueError(
+        f"`{name}` must have the structure of `params` (one entry per param); got"
+        f" {jax.tree.structure(per_param)} for params {jax.tree.structure(params)}.")
 
 
 def _replicated_like(sharding: Sharding) -> Sharding:
@@ -159,14 +145,12 @@ def state_shardings(
   stay in the tree as they are. The state of :func:`~optax_accum.host_state`
   gets the same layouts in host memory (``memory_kind="pinned_host"``).
 
-  A leaf is params-shaped when ``tx.init`` builds it by mapping over the
-  params (found with ``optax.tree.map_params``) and it has its param's
-  shape. A leaf there that stacks copies of its param along leading axes
-  (L-BFGS's memory) gets the param's sharding after unsharded leading axes;
-  one of another shape (adafactor's factored rows and columns) is
-  replicated. For an ``init`` that rejects ``map_params``' placeholder (it
-  reads the params' leaves, as ``optax.lbfgs`` does), the subtrees with the
-  params' tree structure are used instead.
+  A leaf is params-shaped when it sits in a subtree of the state with the
+  params' tree structure (``optax.MaskedNode`` where a param is masked out)
+  and has its param's shape. A leaf there that stacks copies of its param
+  along leading axes (L-BFGS's memory) gets the param's sharding after
+  unsharded leading axes; one of another shape (adafactor's factored rows
+  and columns) is replicated.
 
   Args:
     tx: the transformation whose state is wanted, e.g. ``accumulate(k, adam)``.
