@@ -91,15 +91,21 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
   (small, shapes), (large, large_shapes) = (jax.make_jaxpr(
       lambda *v: checked(*leaves.rebuild(v)), return_shape=True)(*a) for a in (avals, doubled))
   flows = _row_trail.walk(large.jaxpr, small.jaxpr, [_row_trail.Flow(
-      frozenset(), "", None, p[0].idx == _batch.PARAMS and jnp.issubdtype(x.dtype, jnp.inexact))
-      for p, x in zip(leaves.paths, leaves.arrays, strict=True)], 2)
+      frozenset({_row_trail.BATCH} if p[0].idx in positions else ()), "", None,
+      p[0].idx == _batch.PARAMS and jnp.issubdtype(x.dtype, jnp.inexact))
+      for p, x in zip(leaves.paths, leaves.arrays, strict=True)], (2 * rows, rows), consts=[
+          _row_trail.count(c, d, 2) or _row_trail.Flow(frozenset(), "", None, False)
+          for c, d in zip(large.consts, small.consts, strict=True)])
   found, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   axes = []
   for (path, a), b, flow in zip(found, jax.tree.leaves(large_shapes), flows, strict=True):
     where = jax.tree_util.keystr(path) or "its root"
-    if flow.why:
+    axis = _rows_axis(a, b, rows, where)
+    why = flow.why or (None if flow.rows or axis is not None else "of no rows (a constant, or"
+                       " the params'), which each micro-batch would add again")
+    if why:
       raise ValueError(
-          f"`global_stats` is not a sum over rows: its statistic at {where} is {flow.why}."
+          f"`global_stats` is not a sum over rows: its statistic at {where} is {why}."
           " Return sums and counts, divide in the loss.")
     if flow.grad:
       raise ValueError(
@@ -107,7 +113,7 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
           " statistics are constants) would drop. Compute a differentiable term (the router"
           " probabilities) in the loss from its rows, counts in the statistics; or wrap it in"
           " `jax.lax.stop_gradient` to take it as a constant on purpose.")
-    axes.append(_rows_axis(a, b, rows, where))
+    axes.append(axis)
 
   def pool(out: Any) -> Any:
     return treedef.unflatten([x if axis is None else jnp.sum(x, axis)
@@ -132,9 +138,9 @@ def check_sums(whole: Any, parts: list[Any]) -> Any:
                if np.issubdtype(v.dtype, np.integer) else w)  # floats: float64, as they are
     if np.any(np.abs(v - total.astype(v.dtype)) > 1e-9 * np.abs(terms).sum(0)):
       raise ValueError(
-          f"`global_stats` is not a sum over rows: its {jax.tree_util.keystr(path)} on the"
-          " whole batch is not the sum of the micro-batches' that `microbatched` gives the"
-          " loss. Return sums and counts (not a mean or a max) and divide in the loss.")
+          f"`global_stats` is not a sum over rows: its {jax.tree_util.keystr(path) or 'root'}"
+          " on the whole batch is not the sum of the micro-batches' that `microbatched` gives"
+          " the loss. Return sums and counts (not a mean or a max) and divide in the loss.")
   return jax.tree.unflatten(jax.tree.structure(whole), out)
 
 

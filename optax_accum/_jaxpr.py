@@ -138,13 +138,17 @@ def inner(eqn: Any) -> list:
   return list(jax_core.jaxprs_in_params(p))
 
 
+def aligned(jaxpr: Any, other: Any) -> bool:
+  """Whether ``other`` holds ``jaxpr``'s equations in their order (its program on other shapes)."""
+  return other is not None and [e.primitive for e in jaxpr.eqns] == [
+      e.primitive for e in other.eqns]
+
+
 def twins(jaxpr: Any, other: Any) -> Iterator:
   """The equations of ``other`` (the program of ``jaxpr`` traced on other shapes), one for each
   of ``jaxpr``'s in turn; None for each where the two hold other equations (or ``other`` is
   None)."""
-  same = other is not None and [e.primitive for e in jaxpr.eqns] == [
-      e.primitive for e in other.eqns]
-  return iter(other.eqns if same else [None] * len(jaxpr.eqns))
+  return iter(other.eqns if aligned(jaxpr, other) else [None] * len(jaxpr.eqns))
 
 
 def map_jaxprs(params: Mapping[str, Any], f: Callable[[Any], Any]) -> dict[str, Any]:

@@ -235,7 +235,7 @@ def check_large_batch(
     on_micro, _, (seen, _) = _in_float64(fn, micro(0), own, b_nums, programs["fn"])
     # The whole batch's trace, beside the micro-batch's: refuses draws per row.
     on_whole, as_trained, (_, found) = _in_float64(fn, args, own, b_nums, programs["fn"], seen,
-                                                   k)
+                                                   (rows, rows // k))
     out = as_trained(args)
     _batch.check_no_batch_gradient(_batch.unpack(out, normalize, has_aux).grads, args, b_nums, rows)
     native = grads(out, "the whole batch")  # what training sees
@@ -260,7 +260,7 @@ def check_large_batch(
 
 def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                 b_nums: tuple[int, ...], programs: dict[Any, Any],
-                other: jax_core.Jaxpr | None = None, k: int = 1,
+                other: jax_core.Jaxpr | None = None, rows: tuple[int, int] = (1, 1),
                 ) -> tuple[Callable[..., Any], Callable[..., Any], tuple[Any, Trail]]:
   """``f``'s outputs on arguments shaped like ``args``: in float64 (``_float64.evaluate``), and
   in ``f``'s own dtypes (its trace compiled as it is: what training sees).
@@ -269,7 +269,8 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
   (``f``'s alone: no key names ``f``) keeps the float64 program of each and the trace's own,
   so a check called again on new batches compiles nothing (an eager ``microbatched``
   compiled its scan on every call). Returns them with ``f``'s trace and its walk
-  (:class:`Trail`) beside ``other``, the trace of a micro-batch (``1 / k`` of the rows),
+  (:class:`Trail`) beside ``other``, the trace of a micro-batch (``rows``: the batch's in
+  each),
   when given: raises where ``f`` draws random numbers per row from a key no batch
   argument feeds.
   """
@@ -284,7 +285,7 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     closed, shape = jax.make_jaxpr(traced, return_shape=True)(*inputs.arrays)
     trail = Trail()
     if other is not None:
-      walk(closed.jaxpr, other, [source(path, b_nums) for path in inputs.paths], k, trail)
+      walk(closed.jaxpr, other, [source(path, b_nums) for path in inputs.paths], rows, trail)
     programs[key] = (_float64.evaluate(closed), jax.jit(jax_core.jaxpr_as_fun(closed)),
                      jax.tree.structure(shape), (closed.jaxpr, trail))
   wide, own, out, traced = programs[key]

@@ -30,7 +30,8 @@ from jax.extend import source_info_util
 from optax_accum import _float64, _jaxpr
 
 _RANDOM = ("random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform")
-_BATCH, _CAPTURED = "a batch argument", "captured"
+BATCH = _BATCH = "a batch argument"  # the label of a batch argument's leaves
+_CAPTURED = "captured"
 _STAT = "a statistic of the batch"  # of the batch, and its shape does not follow the rows
 _SELECT = {"top_k": "axis", "sort": "dimension", "argmax": "axes", "argmin": "axes",
            "reduce_max": "axes", "reduce_min": "axes"}  # pick among the rows on these axes
@@ -43,6 +44,8 @@ _LINEAR = frozenset("""neg convert_element_type reshape broadcast_in_dim transpo
   expand_dims slice dynamic_slice concatenate stack split pad reduce_sum copy copy_p select_n
   gather sharding_constraint reshard mesh_cast stop_gradient reduce_precision real imag conj
   cumsum""".split())
+_MIXING = frozenset("""conv_general_dilated fft reduce_window reduce_window_sum reduce_window_max
+  reduce_window_min select_and_scatter_add select_and_gather_add""".split())  # rows in windows
 _ACROSS = {"sort": "dimension", "cumsum": "axis", "cumprod": "axis", "cummax": "axis",
            "cummin": "axis", "cumlogsumexp": "axis", "rev": "dimensions"}  # mix rows in place
 
@@ -115,28 +118,47 @@ def source(path: Any, b_nums: tuple[int, ...]) -> Flow:
 
 class _Walk(NamedTuple):
   twins: Iterator[Any]  # the equations of `small`, one beside each of `large`'s (or None)
-  ratio: int  # large's rows over small's: what a number the rows' count scales is multiplied by
+  rows: tuple[int, int]  # the batch's rows in large and in small
   trail: Trail | None
   in_loop: bool  # inside a loop whose trip count may follow the rows: its draws are per row
+  blind: str | None  # why a value of the batch computed without a twin is no sum over the rows
 
 
-def walk(large: jax_core.Jaxpr, small: jax_core.Jaxpr | None, flows: list[Flow], ratio: int,
-         trail: Trail | None = None, in_loop: bool = False) -> list[Flow]:
-  """The flows of ``large``'s outputs from its inputs' (``small``: the same program on
-  ``1 / ratio`` of the rows, or None: nothing follows the rows).
+def walk(large: jax_core.Jaxpr, small: jax_core.Jaxpr | None, flows: list[Flow],
+         rows: tuple[int, int], trail: Trail | None = None, *, consts: list[Flow] | None = None,
+         in_loop: bool = False, blind: str | None = None) -> list[Flow]:
+  """The flows of ``large``'s outputs from its inputs' (and its constants', ``consts``: else
+  captured); ``small`` is the same program on fewer rows (``rows``: the batch's in each), or
+  None: nothing follows the rows.
 
   A statistic must be linear in the rows: a sum over them (a ``reduce_sum``, a
   ``dot_general`` or a scatter-add over the rows: a count, a histogram) of values
-  computed row by row, and of such sums only what is linear in them (a sum of sums,
-  a cast, a product with a constant). Anything else made of a sum (a ratio, a
-  reciprocal, a ``sqrt``, a choice by it), a max or a sort over the rows, or a number
-  that the rows' count scales (a mean's divisor) carries its ``why``. Where the two
-  jaxprs differ in their equations (or a ``scan`` runs over the rows), ``large`` is
-  read alone: nothing is a statistic there and no ``why`` is looked for.
+  computed row by row (each row from that row alone: elementwise, or shaped so that
+  each row keeps its own entries), and of such sums only what is linear in them (a
+  sum of sums, a cast, a product with a constant). Anything else made of a sum (a
+  ratio, a reciprocal, a ``sqrt``, a choice by it), a max, a sort or a pairing of the
+  rows, or a number that the rows' count scales (a mean's divisor) carries its
+  ``why``. Where the two jaxprs differ in their equations (a Python loop over the
+  rows) or a ``scan`` runs over the rows, ``large`` is read alone, and a value of
+  the batch computed there carries ``blind``.
   """
-  captured = Flow(frozenset({_CAPTURED}), "", None, False)
-  return _jaxpr.interpret(_RULES, large, [captured] * len(large.constvars), flows,
-                          _Walk(_jaxpr.twins(large, small), ratio, trail, in_loop))
+  if small is not None and not _jaxpr.aligned(large, small):
+    blind = blind or ("computed by steps that change with the number of rows (a Python loop"
+                      " over them, unread: write it with array operations, `jax.vmap` per row)")
+  captured = [Flow(frozenset({_CAPTURED}), "", None, False)] * len(large.constvars)
+  return _jaxpr.interpret(_RULES, large, captured if consts is None else consts, flows,
+                          _Walk(_jaxpr.twins(large, small), rows, trail, in_loop, blind))
+
+
+def count(big: Any, small: Any, ratio: int) -> Flow | None:
+  """The flow of a number the rows' count scales (a literal or a constant that differs between
+  the traces): a count where it is ``ratio`` times the smaller, else a function of it (a mean's
+  divisor); None where the two are equal."""
+  if np.array_equal(big, small, equal_nan=True):
+    return None
+  if np.array_equal(big, ratio * np.asarray(small)):
+    return Flow(frozenset(), "sum", None, False)
+  return Flow(frozenset(), "", "a mean over the rows", False)
 
 
 def _join(flows: Sequence[Flow]) -> Flow:
@@ -154,17 +176,31 @@ def _marked(a: Any, b: Any, outs: list[Flow]) -> list[Flow]:
                                                                strict=True)]
 
 
+def _operands(ctx: _Walk, a: Any, b: Any, ins: list[Flow]) -> tuple[list[Flow], list[bool]]:
+  """``ins``, a number the rows' count scales made a count (:func:`count`) and a value whose
+  shape differs from its twin's following the rows; and which operands are such numbers."""
+  counts = [count(v.val, w.val, ctx.rows[0] // ctx.rows[1]) if isinstance(
+      v, jax_core.Literal) else None for v, w in zip(b.invars, a.invars, strict=True)]
+  return [c._replace(sources=f.sources) if c else f._replace(rows="rows") if not isinstance(
+      v, jax_core.Literal) and v.aval.shape != w.aval.shape else f  # (a batch argument's leaf)
+          for f, c, v, w in zip(ins, counts, b.invars, a.invars, strict=True)], [
+              c is not None for c in counts]
+
+
 def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   """A call, ``scan``, ``shard_map``, ``cond`` or ``while``: its jaxprs walked with their twins."""
-  a, name, trail = next(ctx.twins), b.primitive.name, ctx.trail
+  a, name, trail, blind = next(ctx.twins), b.primitive.name, ctx.trail, ctx.blind
   if a is not None and a.params.get("length") != b.params.get("length"):
-    a = None  # a scan over the rows: its body is read alone
+    a, blind = None, blind or ("computed in a loop over the rows (`scan`, `fori_loop`,"
+                               " `lax.map`: unread; write it with `jax.vmap` per row)")
   if trail is not None:
     trail.visit(a, b, ins, ctx.in_loop)  # sets trail.at for the inner jaxprs
+  if a is not None:
+    ins = _operands(ctx, a, b, ins)[0]
   in_loop = ctx.in_loop or name == "while" or (name == "scan" and a is None)
   others = iter(_jaxpr.inner(a)) if a is not None else itertools.repeat(None)
-  outs = _jaxpr.descend(b, ins, lambda j, x: walk(j, next(others), x, ctx.ratio, trail, in_loop),
-                        _join)
+  outs = _jaxpr.descend(b, ins, lambda j, x: walk(j, next(others), x, ctx.rows, trail,
+                                                  in_loop=in_loop, blind=blind), _join)
   if name == "cond" and (ins[0].rows or ins[0].why):  # chosen by the batch
     outs = [o._replace(why=o.why or ins[0].why or "a choice (`cond`) by the batch's values")
             for o in outs]
@@ -180,34 +216,37 @@ def _op(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   grad = joined.grad and name not in _CONSTANT
   grads = [grad and jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in b.outvars]
   if a is None:
-    return [joined._replace(grad=g) for g in grads]
-  count = [isinstance(v, jax_core.Literal) and not np.array_equal(v.val, w.val)
-           for v, w in zip(b.invars, a.invars, strict=True)]  # a number the rows' count scales
-  ins = [f._replace(rows="sum") if c else f._replace(rows="rows") if not isinstance(
-      v, jax_core.Literal) and v.aval.shape != w.aval.shape else f  # (a batch argument's leaf)
-         for f, c, v, w in zip(ins, count, b.invars, a.invars, strict=True)]
+    why = joined.why or (ctx.blind if _BATCH in joined.sources else None)
+    return [joined._replace(why=why, grad=g) for g in grads]
+  ins, counts = _operands(ctx, a, b, ins)
   follows = [v.aval.shape != w.aval.shape for v, w in zip(b.outvars, a.outvars, strict=True)]
-  rows, why = _not_a_sum(name, a, b, ins, count, any(follows), ctx.ratio)
+  rows, why = _not_a_sum(name, a, b, ins, counts, any(follows), ctx.rows)
   why = next((f.why for f in ins if f.why), None) or why
   return _marked(a, b, [Flow(joined.sources, "rows" if f else rows, why, g)
                         for f, g in zip(follows, grads, strict=True)])
 
 
-def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], count: list[bool],
-               follows: bool, ratio: int) -> tuple[str, str | None]:
+def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
+               follows: bool, rows: tuple[int, int]) -> tuple[str, str | None]:
   """What ``b`` makes of the rows (``a`` its twin): its results' ``rows`` where they do not
   follow them, and why they are no sum over the rows, if they are not."""
+  if name == "iota" and follows:
+    return "", "a position among the rows (`iota`, `arange`)"
   batch = {f.rows for f in ins} - {""}
   if not batch:
     return "", None
-  if (any(count) and name in ("div", "mul")) or any(
-      c and not np.array_equal(ratio * w.val, v.val) for c, v, w in zip(
-          count, b.invars, a.invars, strict=True)):
-    return "", "a mean over the rows"  # divided by the rows' count, or a function of it
+  if any(counts) and name in ("div", "mul"):
+    return "", "a mean over the rows"  # divided by the rows' count
   if follows:
     axes = np.atleast_1d(b.params.get(_ACROSS.get(name, ""), ())).tolist()
-    if any(b.invars[0].aval.shape[d] != a.invars[0].aval.shape[d] for d in axes):
+    if name in _MIXING or any(b.invars[0].aval.shape[d] != a.invars[0].aval.shape[d]
+                              for d in axes):
       return "", f"a `{name}` across the rows"
+    for v, w in zip(b.outvars, a.outvars, strict=True):  # each row's entries its own: t per row
+      grown = [(m, n) for m, n in zip(v.aval.shape, w.aval.shape, strict=True) if m != n]
+      if grown and (len(grown) > 1 or grown[0][0] % rows[0] or grown[0][0] * rows[1] != (
+          grown[0][1] * rows[0])):
+        return "", f"rows paired, shifted or cut (`{name}`: {w.aval.shape} -> {v.aval.shape})"
     return "", "a sum over the rows spread over them again" if "sum" in batch else None
   if batch == {"rows"}:  # values of the rows, reduced over them
     if name in _SUMS:
@@ -215,7 +254,8 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], count: list[bool],
     return "", f"{_MAXIMA[name]} over the rows" if name in _MAXIMA else f"`{name}` over the rows"
   if batch != {"sum"}:
     return "", "a value of a row combined with a sum over the rows"
-  summed = [bool(f.rows) for f in ins]
+  summed = [bool(f.rows) or (isinstance(v, jax_core.Literal) and not np.any(v.val))
+            for f, v in zip(ins, b.invars, strict=True)]  # a sum, or zero
   if name in ("add", "sub", "add_any"):
     return ("sum", None) if all(summed) else ("", "a sum plus a constant (each micro-batch's)")
   if name in ("mul", "dot_general"):
@@ -224,9 +264,14 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], count: list[bool],
     return "sum", None
   if name == "div":
     return "", "a ratio of sums over the rows" if all(summed) else "a reciprocal of a sum over them"
-  if name in _LINEAR and not (name == "select_n" and summed[0]):
+  if name == "convert_element_type" and b.params["new_dtype"] == np.bool_:
+    return "", "a sum cast to bool (whether it is nonzero)"
+  values = {"select_n": summed[1:], "concatenate": summed, "stack": summed, "pad": summed}.get(
+      name, summed[:1])  # the operands whose entries it holds (not a slice's index)
+  if name in _LINEAR and all(values) and not (name == "select_n" and ins[0].rows):
     return "sum", None
-  return "", f"`{name}` of a sum over the rows"
+  return "", f"`{name}` of a sum over the rows (beside a constant)" if name in (
+      "select_n", "concatenate", "stack", "pad") else f"`{name}` of a sum over the rows"
 
 
 _RULES = _jaxpr.Rules(dict.fromkeys((_jaxpr.CALL, "scan", "shard_map", "cond", "while"), _nested),

@@ -537,6 +537,35 @@ _STATISTICS = {
     "x.T @ m": (lambda x, m: x.T @ m, True),
     "mean over features": (lambda x, m: jnp.sum(jnp.mean(x, 1) * m), True),
     "per row": (lambda x, m: m, True),
+    # An adversarial review's (issue 74): traces that change with the rows, loops over them,
+    # rows paired or shifted, counts passed into calls, constants, a cast to bool; linear ones
+    # refused for a literal zero or a NaN.
+    "max beside a Python loop": (lambda x, m: jnp.max(x[:, 0]) + jnp.stack(
+        [m[i] for i in range(m.shape[0])]).sum(), False),
+    "max in a fori_loop": (lambda x, m: lax.fori_loop(
+        0, x.shape[0], lambda i, c: jnp.maximum(c, x[i, 0]), -jnp.inf), False),
+    "norm by a scan": (lambda x, m: jnp.sqrt(lax.scan(
+        lambda c, r: (c + r[0] ** 2, None), 0.0, x)[0]), False),
+    "pairs of rows": (lambda x, m: jnp.sum((x[:, 0] > 0)[:, None] == (x[:, 0] > 0)[None, :]),
+                      False),
+    "x @ x.T": (lambda x, m: jnp.sum(x @ x.T), False),
+    "diff": (lambda x, m: jnp.sum(jnp.abs(jnp.diff(x[:, 0]))), False),
+    "rows from the second": (lambda x, m: jnp.sum(x[1:, 0]), False),
+    "position weights": (lambda x, m: jnp.sum(x[:, 0] * jnp.arange(x.shape[0])), False),
+    "rows paired by a reshape": (lambda x, m: jnp.sum(jnp.max(x[:, 0].reshape(-1, 2), 1)), False),
+    "mean in a jit": (lambda x, m: jax.jit(lambda s, n: s / n)(jnp.sum(x[:, 0]), x.shape[0]),
+                      False),
+    "mean in a cond": (lambda x, m: lax.cond(True, lambda s, n: s / n, lambda s, n: s,
+                                             jnp.sum(x[:, 0]), x.shape[0]), False),
+    "mean by an array": (lambda x, m: jnp.sum(x[:, :2], 0) / np.full(2, x.shape[0], np.float32),
+                         False),
+    "a constant": (lambda x, m: jnp.float32(1.0), False),
+    "count beside a constant": (lambda x, m: jnp.stack([jnp.sum(m), jnp.float32(1.0)]), False),
+    "any, as a bool": (lambda x, m: jnp.sum(x[:, 0] > 0.5).astype(bool).astype(jnp.int32),
+                       False),
+    "Python sum": (lambda x, m: sum(jnp.sum(x[:, i] > 0) for i in range(3)), True),
+    "jnp.histogram": (lambda x, m: jnp.histogram(x[:, 0], bins=3, range=(-2, 2))[0], True),
+    "tokens flattened": (lambda x, m: jnp.sum(x.reshape(-1) > 0), True),
 }
 
 
