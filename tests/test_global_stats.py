@@ -542,6 +542,10 @@ _STATISTICS = {
     # refused for a literal zero or a NaN.
     "max beside a Python loop": (lambda x, m: jnp.max(x[:, 0]) + jnp.stack(
         [m[i] for i in range(m.shape[0])]).sum(), False),
+    "rows mixed by a Python loop, per row": (lambda x, m: jnp.stack(
+        [x[i, 0] * x[(i + 1) % x.shape[0], 0] for i in range(x.shape[0])]), False),
+    "rows mixed in a scan, per row": (lambda x, m: lax.scan(
+        lambda c, r: (r[0], r[0] * c), 0.0, x)[1], False),
     "max in a fori_loop": (lambda x, m: lax.fori_loop(
         0, x.shape[0], lambda i, c: jnp.maximum(c, x[i, 0]), -jnp.inf), False),
     "norm by a scan": (lambda x, m: jnp.sqrt(lax.scan(
