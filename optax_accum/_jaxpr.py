@@ -64,6 +64,11 @@ def kind(eqn: Any) -> str:
   return CALL if eqn.primitive.name in _CALLS else eqn.primitive.name
 
 
+def differentiated_by_rule(eqn: Any) -> bool:
+  """Whether ``eqn`` calls a function with its own derivative rule (``custom_jvp``/``vjp``)."""
+  return eqn.primitive.name in ("custom_jvp_call", "custom_vjp_call")
+
+
 def interpret(rules: Rules, jaxpr: Any, consts: Sequence, args: Sequence, ctx: Any = None) -> list:
   """The values of ``jaxpr``'s outputs, from its constants' and inputs', rule by rule.
 

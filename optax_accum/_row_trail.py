@@ -201,6 +201,10 @@ def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   others = iter(_jaxpr.inner(a)) if a is not None else itertools.repeat(None)
   outs = _jaxpr.descend(b, ins, lambda j, x: walk(j, next(others), x, ctx.rows, trail,
                                                   in_loop=in_loop, blind=blind), _join)
+  if _jaxpr.differentiated_by_rule(b):  # (a straight-through rounding): floats are reached
+    grad = any(f.grad for f in ins)
+    outs = [o._replace(grad=o.grad or (grad and jnp.issubdtype(v.aval.dtype, jnp.inexact)))
+            for o, v in zip(outs, b.outvars, strict=True)]
   if name == "cond" and (ins[0].rows or ins[0].why):  # chosen by the batch
     outs = [o._replace(why=o.why or ins[0].why or "a choice (`cond`) by the batch's values")
             for o in outs]

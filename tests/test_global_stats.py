@@ -234,11 +234,21 @@ def test_a_statistic_kept_per_row_is_pooled_over_its_rows() -> None:
   assert max_rel(grads, whole_batch(params, batch)[1]) < 1e-5
 
 
+@jax.custom_jvp
+def _straight_through(v: jax.Array) -> jax.Array:
+  return jnp.round(v)
+
+
+_straight_through.defjvp(lambda primals, tangents: (jnp.round(primals[0]), tangents[0]))
+
+
 @pytest.mark.parametrize(("bad", "error", "match"), [
     (lambda p, b: {"mask": b["mask"] > 0}, TypeError, r"\['mask'\] is an array of bool"),
     (lambda p, b: {"name": "experts"}, TypeError, r"\['name'\] is a str"),
     (lambda p, b: {"P": forward(p, b)[1][0][1].sum(0)}, ValueError,
      r"\['P'\] has a gradient.*stop_gradient"),
+    (lambda p, b: {"R": _straight_through(forward(p, b)[1][0][1]).sum(0)}, ValueError,
+     r"\['R'\] has a gradient.*stop_gradient"),  # (through its own rule: round has none)
     (lambda p, b: {"flat": b["mask"].reshape(-1)}, ValueError,
      r"\['flat'\] has shape \(24,\) on 8 rows and \(48,\) on 16: no one axis holds the rows"),
 ])
