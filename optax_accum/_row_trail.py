@@ -283,11 +283,13 @@ _RULES = _jaxpr.Rules(dict.fromkeys((_jaxpr.CALL, "scan", "shard_map", "cond", "
 
 
 def _check_key(labels: frozenset) -> None:
-  """Raises for random numbers per row unless their key comes from a batch argument."""
-  if _BATCH in labels:
+  """Raises for random numbers per row unless their key comes from a batch argument's rows."""
+  if _BATCH in labels and _STAT not in labels:
     return  # per-example keys, split with the batch: the same draws for each example
-  named = sorted(x for x in labels if x != _CAPTURED)
-  key = named[0] if named else "a key it captured" if labels else "a key it makes itself"
+  named = sorted(x for x in labels - {_BATCH, _STAT} if x != _CAPTURED)
+  key = ("a key the batch's values choose as a whole (one row's key, or one folded with a"
+         " statistic of the batch)" if _STAT in labels else named[0] if named else
+         "a key it captured" if labels else "a key it makes itself")
   raise ValueError(
       f"`fn` draws random numbers per row (a dropout mask) from {key}: the whole batch and"
       " each micro-batch draw other numbers for the same examples, which no accumulation"

@@ -566,12 +566,25 @@ def key_the_batch_chooses(p, x, y):  # the same key for every micro-batch whose 
   return jnp.mean(per_example(p, x * keep / 0.5, y))
 
 
+def key_folded_with_a_statistic(p, x, y):  # each micro-batch's count: its own draws
+  keep = jax.random.bernoulli(jax.random.fold_in(KEY, jnp.sum(x > 0)), 0.5, x.shape)
+  return jnp.mean(per_example(p, x * keep / 0.5, y))
+
+
+def one_row_s_key(p, x, y, keys):  # each micro-batch's first row's key for all its rows
+  keep = jax.random.bernoulli(keys[0], 0.5, x.shape)
+  return jnp.mean(per_example(p, x * keep / 0.5, y))
+
+
 @pytest.mark.parametrize(("loss", "said"), [(captured_key, "a key it captured"),
                                             (key_made_inside, "a key it makes itself"),
-                                            (key_the_batch_chooses, "a key it captured")])
+                                            (key_the_batch_chooses, "a key it captured"),
+                                            (key_folded_with_a_statistic, "as a whole"),
+                                            (one_row_s_key, "as a whole")])
 def test_randomness_from_no_argument_is_refused(loss, said):
+  keys = (jax.random.split(jax.random.key(1), B),) if loss is one_row_s_key else ()
   with pytest.raises(ValueError, match=f"{said}.*rng_argnums"):
-    checked(loss, PARAMS, X, Y)
+    checked(loss, PARAMS, X, Y, *keys)
 
 
 def test_a_captured_key_carried_through_a_scan_is_refused():
