@@ -25,7 +25,6 @@ import collections
 import importlib.metadata
 import sys
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import jax
@@ -290,25 +289,24 @@ def _plan(whole: Any, flat: Callable, avals: list, hosted: list, owners: list,
   blocks = {j for j, s in enumerate(sizes) if s > PIECE_BYTES and lead.get(j, 0) > 1
             and ndim[j] >= 3
             and _one_device([x for x, o in zip(leaves, owners, strict=True) if o == j])}
-  jaxpr, facts = whole, None
+  plan = None
   while blocks:
     cut = [a.update(shape=(1, *a.shape[1:])) if o in blocks and a.ndim and
            a.shape[0] == lead[o] else a for a, o in zip(avals, owners, strict=True)]
     try:
-      jaxpr = _inlined(jax.make_jaxpr(flat)(*cut))
-      facts = _facts(jaxpr, whole, hosted, owners, out_owners, blocks)
+      plan, kept, wide = _facts(_inlined(jax.make_jaxpr(flat)(*cut)), whole, hosted, owners,
+                                out_owners, blocks)
     except Exception:  # the update fails on a row, or is another program there: whole leaves
-      facts = SimpleNamespace(kept=set())
-    if facts.kept == blocks:
+      kept = set()
+    if kept == blocks:
       break
-    blocks, jaxpr, facts = facts.kept, whole, None
-  if facts is None or facts.whole_state:
-    jaxpr, facts = whole, _facts(whole, whole, hosted, owners, out_owners, set())
-  if facts.whole_state:  # a value of several leaves' whole state: no streaming
-    return _Plan(whole, whole, facts.once, {}, {}, dict.fromkeys(range(n), 0), facts.twin,
-                 [_Piece(tuple(range(n)))], 1)
-  return _Plan(jaxpr, whole, facts.once, facts.keep, facts.coupled, facts.last, facts.twin,
-               _pieces(sizes, blocks, budget), facts.passes)
+    blocks, plan = kept, None
+  if plan is None or wide:
+    plan, _, wide = _facts(whole, whole, hosted, owners, out_owners, set())
+  if wide:  # a value of several leaves' whole state: no streaming
+    return plan._replace(keep={}, coupled={}, last=dict.fromkeys(range(n), 0),
+                         pieces=[_Piece(tuple(range(n)))], passes=1)
+  return plan._replace(pieces=_pieces(sizes, blocks, budget))
 
 
 def _one_device(leaves: list) -> bool:
@@ -323,19 +321,20 @@ def _one_device(leaves: list) -> bool:
 
 
 def _facts(cut: Any, whole: Any, hosted: list, owners: list, out_owners: list,
-           blocks: set[int]) -> SimpleNamespace:
+           blocks: set[int]) -> tuple[_Plan, set[int], bool]:
   """A walk of the update traced on blocks of rows (``cut``; ``whole`` where no leaf is cut)
-  beside ``whole``: each value's :class:`_Known`, and where it is computed. ``kept``: the
-  leaves of ``blocks`` that compute each row from that row alone where they read the state
-  (the same equations as ``whole``, the rows the leading axis of every value that follows
-  them, of each output of the leaf too)."""
+  beside ``whole``: each value's :class:`_Known`, and where it is computed (the plan, its
+  pieces to come). Then the leaves of ``blocks`` that compute each row from that row alone
+  where they read the state (the same equations as ``whole``, the rows the leading axis of
+  every value that follows them, of each output of the leaf too); and whether a value of
+  several leaves reads their whole state."""
   if [v.aval for v in cut.jaxpr.constvars] != [v.aval for v in whole.jaxpr.constvars]:
     raise ValueError("the update holds other constants on a block of rows")
   twins = _jaxpr.twins(cut.jaxpr, whole.jaxpr)
-  facts = SimpleNamespace(kept=set(blocks), once=set(), keep={}, coupled={}, whole_state=False,
-                          twin=dict(zip([*cut.jaxpr.constvars, *cut.jaxpr.invars],
-                                        [*whole.jaxpr.constvars, *whole.jaxpr.invars],
-                                        strict=True)))
+  plan = _Plan(cut, whole, set(), {}, {}, {}, dict(zip(
+      [*cut.jaxpr.constvars, *cut.jaxpr.invars], [*whole.jaxpr.constvars, *whole.jaxpr.invars],
+      strict=True)), [], 0)
+  kept, wide = set(blocks), set()
 
   def learn(_: Any, eqn: Any, ins: list[_Known]) -> list[_Known]:
     twin = next(twins)
@@ -353,15 +352,17 @@ def _facts(cut: Any, whole: Any, hosted: list, owners: list, out_owners: list,
                                                           strict=True)]
     if (narrowed or any(moved)) and (any(moved) or reads) and (
         len(own) > 1 or not _keeps_rows(twin, eqn)):
-      facts.kept -= own or facts.kept  # (a value of no leaf that follows the rows: a zeros_like)
+      # (A value of no leaf that follows the rows, a zeros_like: none streams by rows.)
+      kept.difference_update(own or kept)
     if len(own) > 1 and reads:
-      facts.keep.update(dict.fromkeys(eqn.outvars, stage))
+      plan.keep.update(dict.fromkeys(eqn.outvars, stage))
       for x, v in zip(ins, eqn.invars, strict=True):
         if len(x.label) == 1 and x.reads:
-          facts.coupled[v] = (stage - 1, next(iter(x.label)))
-          facts.whole_state |= v.aval.ndim > 0
-    facts.twin.update(zip(eqn.outvars, twin.outvars, strict=True))
-    facts.once.update(v for v, m in zip(eqn.outvars, moved, strict=True) if (
+          plan.coupled[v] = (stage - 1, next(iter(x.label)))
+          if v.aval.ndim:  # (not a number: the leaf's whole state)
+            wide.add(v)
+    plan.twin.update(zip(eqn.outvars, twin.outvars, strict=True))
+    plan.once.update(v for v, m in zip(eqn.outvars, moved, strict=True) if (
         not own and not m) or (not reads and (len(own) > 1 or (narrowed and not m))))
     return [_Known(own, reads, stage, m) for m in moved]
 
@@ -369,15 +370,14 @@ def _facts(cut: Any, whole: Any, hosted: list, owners: list, out_owners: list,
           for v, w, o, h in zip(cut.jaxpr.invars, whole.in_avals, owners, hosted, strict=True)]
   outs = _jaxpr.interpret(_jaxpr.Rules({}, learn, lambda v: _Known()), cut.jaxpr,
                           [_Known()] * len(cut.jaxpr.constvars), args)
-  facts.kept &= {j for j in blocks if all(
+  kept &= {j for j in blocks if all(
       isinstance(v, jax_core.Literal) or v.aval.shape[:1] != w.shape[:1]
       for v, w, o in zip(cut.jaxpr.outvars, whole.out_avals, out_owners, strict=True) if o == j)}
-  facts.last = {}
   for x, o in zip(outs, out_owners, strict=True):
     if o is not None:
-      facts.last[o] = max(facts.last.get(o, 0), x.stage)
-  facts.passes = max([x.stage for x in outs], default=0) + 1  # (a norm of no leaf's: its pass)
-  return facts
+      plan.last[o] = max(plan.last.get(o, 0), x.stage)
+  passes = max([x.stage for x in outs], default=0) + 1  # (a norm of no leaf's: its pass)
+  return plan._replace(passes=passes), kept, bool(wide)
 
 
 # What computes each row of a block from that row alone: elementwise primitives, and a few
