@@ -167,3 +167,20 @@ def map_jaxprs(params: Mapping[str, Any], f: Callable[[Any], Any]) -> dict[str, 
     return f(v) if is_jaxpr(v) else v
 
   return {k: one(v) for k, v in params.items()}
+
+
+def pruned(jaxpr: Any, outs: Sequence, given: Any = ()) -> Any:
+  """``jaxpr`` cut down to computing ``outs`` (its outputs, in order): the equations they
+  need, back from them, not past a variable of ``given`` (a value known already). Its inputs:
+  those of ``jaxpr``'s inputs, then of ``given``, that ``outs`` read; its constants
+  ``jaxpr``'s. Dead code elimination, for a walk that binds only what ``outs`` need."""
+  found = {v for v in outs if not isinstance(v, jax_core.Literal)}
+  missing, eqns = {v for v in found if v not in given}, []  # (what an equation must compute)
+  for eqn in reversed(jaxpr.eqns):
+    if not missing.isdisjoint(eqn.outvars):
+      eqns.append(eqn)
+      ins = [v for v in eqn.invars if not isinstance(v, jax_core.Literal)]
+      found.update(ins)
+      missing.update(v for v in ins if v not in given)
+  invars = [v for v in dict.fromkeys([*jaxpr.invars, *given]) if v in found]
+  return jaxpr.replace(invars=invars, outvars=list(outs), eqns=eqns[::-1])

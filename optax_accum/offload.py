@@ -21,6 +21,7 @@ alone is computed on the whole leaf, as the device computes it.
 
 from __future__ import annotations
 
+import collections
 import importlib.metadata
 import sys
 from collections.abc import Callable
@@ -197,13 +198,23 @@ class _Plan(NamedTuple):
 
   jaxpr: Any  # the update traced on blocks (where a leaf is cut into blocks), else `whole`
   whole: Any  # the update traced on whole leaves: the same equations
-  label: dict  # var -> the param leaves it is computed from
-  reads: set  # the vars computed from the state (an input in host memory)
-  stage: dict  # var -> the pass that computes it
   once: set  # the vars computed once, from `whole`: of no leaf, or of several, or reduced rows
+  keep: dict  # var -> its pass: a value of several leaves that reads the state (between passes)
+  coupled: dict  # var -> (pass, leaf): a value of one leaf that the next pass's `keep` reads
+  last: dict  # leaf -> the pass that computes its outputs
+  twin: dict  # var of `jaxpr` -> the var of `whole` that is it on whole leaves
   pieces: list[_Piece]
-  passes: int  # 0 where a value of several leaves reads their whole state: no streaming
+  passes: int
   prefer: frozenset = frozenset()  # inputs a leaf streamed by rows writes its outputs into
+
+
+class _Known(NamedTuple):
+  """What the planner's walk knows of a value of the update."""
+
+  label: frozenset = frozenset()  # the param leaves it is computed from
+  reads: bool = False  # computed from the state (an input in host memory)
+  stage: int = 0  # the pass that computes it: one after the values of several leaves it reads
+  moved: bool = False  # its shape on a block of rows is not its shape on whole leaves
 
 
 def streamed(fn: Callable[..., Any], like: Any, args: tuple, in_host: Callable[[Any], Any],
@@ -278,37 +289,24 @@ def _plan(whole: Any, flat: Callable, avals: list, hosted: list, owners: list,
   blocks = {j for j, s in enumerate(sizes) if s > PIECE_BYTES and lead.get(j, 0) > 1
             and ndim[j] >= 3
             and _one_device([x for x, o in zip(leaves, owners, strict=True) if o == j])}
-  jaxpr = whole
+  plan = None
   while blocks:
     cut = [a.update(shape=(1, *a.shape[1:])) if o in blocks and a.ndim and
            a.shape[0] == lead[o] else a for a, o in zip(avals, owners, strict=True)]
     try:
-      jaxpr = _inlined(jax.make_jaxpr(flat)(*cut))
-      kept = _separable(whole, jaxpr, hosted, owners, out_owners, blocks)
-    except Exception:  # the update fails on a row: its leaves stream whole
+      plan, kept, wide = _facts(_inlined(jax.make_jaxpr(flat)(*cut)), whole, hosted, owners,
+                                out_owners, blocks)
+    except Exception:  # the update fails on a row, or is another program there: whole leaves
       kept = set()
     if kept == blocks:
       break
-    blocks, jaxpr = kept, whole
-  label, reads, stage = _labels(jaxpr, hosted, owners)
-  twin = dict(zip(_vars(jaxpr), _vars(whole), strict=True))
-  moved = lambda v: twin[v].aval.shape != v.aval.shape
-  once = set()
-  for eqn in jaxpr.jaxpr.eqns:
-    narrowed = any(not isinstance(i, jax_core.Literal) and moved(i) for i in eqn.invars)
-    for v in eqn.outvars:
-      if (not label[v] and not moved(v)) or (v not in reads and (
-          len(label[v]) > 1 or (narrowed and not moved(v)))):
-        once.add(v)
-  couples = [e for e in jaxpr.jaxpr.eqns if any(len(label[v]) > 1 and v in reads
-                                                 for v in e.outvars)]
-  if any(not isinstance(i, jax_core.Literal) and len(label[i]) == 1 and i in reads and i.aval.ndim
-         for e in couples for i in e.invars):  # a value of several leaves' whole state
-    return _Plan(whole, whole, *_labels(whole, hosted, owners), set(),
-                 [_Piece(tuple(range(len(sizes))))], 0)
-  last = max([stage[v] for v, o in zip(jaxpr.jaxpr.outvars, out_owners, strict=True)
-              if not isinstance(v, jax_core.Literal) and o is not None], default=0)
-  return _Plan(jaxpr, whole, label, reads, stage, once, _pieces(sizes, blocks, budget), last + 1)
+    blocks, plan = kept, None
+  if plan is None or wide:
+    plan, _, wide = _facts(whole, whole, hosted, owners, out_owners, set())
+  if wide:  # a value of several leaves' whole state: no streaming
+    return plan._replace(keep={}, coupled={}, last=dict.fromkeys(range(n), 0),
+                         pieces=[_Piece(tuple(range(n)))], passes=1)
+  return plan._replace(pieces=_pieces(sizes, blocks, budget))
 
 
 def _one_device(leaves: list) -> bool:
@@ -322,60 +320,64 @@ def _one_device(leaves: list) -> bool:
   return jax.device_count() == 1 or all(map(one, leaves))
 
 
-def _vars(closed: Any) -> list:
-  """Every variable of a jaxpr, in order: constants, inputs, each equation's outputs."""
-  j = closed.jaxpr
-  return [*j.constvars, *j.invars, *(v for e in j.eqns for v in e.outvars)]
+def _facts(cut: Any, whole: Any, hosted: list, owners: list, out_owners: list,
+           blocks: set[int]) -> tuple[_Plan, set[int], bool]:
+  """A walk of the update traced on blocks of rows (``cut``; ``whole`` where no leaf is cut)
+  beside ``whole``: each value's :class:`_Known`, and where it is computed (the plan, its
+  pieces to come). Then the leaves of ``blocks`` that compute each row from that row alone
+  where they read the state (the same equations as ``whole``, the rows the leading axis of
+  every value that follows them, of each output of the leaf too); and whether a value of
+  several leaves reads their whole state."""
+  if [v.aval for v in cut.jaxpr.constvars] != [v.aval for v in whole.jaxpr.constvars]:
+    raise ValueError("the update holds other constants on a block of rows")
+  twins = _jaxpr.twins(cut.jaxpr, whole.jaxpr)
+  plan = _Plan(cut, whole, set(), {}, {}, {}, dict(zip(
+      [*cut.jaxpr.constvars, *cut.jaxpr.invars], [*whole.jaxpr.constvars, *whole.jaxpr.invars],
+      strict=True)), [], 0)
+  kept, wide = set(blocks), set()
 
-
-def _labels(closed: Any, hosted: list, owners: list) -> tuple[dict, set, dict]:
-  """Each variable's owners (the param leaves it is computed from), which read the state,
-  and the pass each is computed in: one after the values of several leaves it reads."""
-  j = closed.jaxpr
-  label = {v: frozenset() for v in j.constvars}
-  label.update({v: frozenset() if o is None else frozenset([o])
-                for v, o in zip(j.invars, owners, strict=True)})
-  reads = {v for v, h in zip(j.invars, hosted, strict=True) if h}
-  stage = dict.fromkeys(label, 0)
-  for eqn in j.eqns:
-    ins = [v for v in eqn.invars if not isinstance(v, jax_core.Literal)]
+  def learn(_: Any, eqn: Any, ins: list[_Known]) -> list[_Known]:
+    twin = next(twins)
+    if twin is None:
+      raise ValueError("the update is another program on a block of rows")
     # A leaf's value scaled by a number of several leaves (a global norm's) is still the
     # leaf's: that number is computed between passes.
-    own = frozenset().union(*(label[v] for v in ins if len(label[v]) < 2 or v.aval.size > 1))
-    own = own or frozenset().union(*(label[v] for v in ins))
-    s = max([stage[v] + (len(own) > 1 and len(label[v]) == 1 and v in reads) for v in ins],
-            default=0)
-    for v in eqn.outvars:
-      label[v], stage[v] = own, s
-      if any(v in reads for v in ins):
-        reads.add(v)
-  return label, reads, stage
+    own = frozenset().union(*(x.label for x, v in zip(ins, eqn.invars, strict=True)
+                              if len(x.label) < 2 or v.aval.size > 1))
+    own = own or frozenset().union(*(x.label for x in ins))
+    reads, narrowed = any(x.reads for x in ins), any(x.moved for x in ins)
+    stage = max([x.stage + (len(own) > 1 and len(x.label) == 1 and x.reads) for x in ins],
+                default=0)
+    moved = [v.aval.shape != w.aval.shape for v, w in zip(eqn.outvars, twin.outvars,
+                                                          strict=True)]
+    if (narrowed or any(moved)) and (any(moved) or reads) and (
+        len(own) > 1 or not _keeps_rows(twin, eqn)):
+      # (A value of no leaf that follows the rows, a zeros_like: none streams by rows.)
+      kept.difference_update(own or kept)
+    if len(own) > 1 and reads:
+      plan.keep.update(dict.fromkeys(eqn.outvars, stage))
+      for x, v in zip(ins, eqn.invars, strict=True):
+        if len(x.label) == 1 and x.reads:
+          plan.coupled[v] = (stage - 1, next(iter(x.label)))
+          if v.aval.ndim:  # (not a number: the leaf's whole state)
+            wide.add(v)
+    plan.twin.update(zip(eqn.outvars, twin.outvars, strict=True))
+    plan.once.update(v for v, m in zip(eqn.outvars, moved, strict=True) if (
+        not own and not m) or (not reads and (len(own) > 1 or (narrowed and not m))))
+    return [_Known(own, reads, stage, m) for m in moved]
 
-
-def _separable(whole: Any, cut: Any, hosted: list, owners: list, out_owners: list,
-               blocks: set[int]) -> set[int]:
-  """The leaves of ``blocks`` whose update, traced on one row (``cut``), computes each row
-  from that row alone where it reads the state: the same equations as ``whole``, the rows
-  the leading axis of every value that follows them, of each output of the leaf too."""
-  if [e.primitive for e in whole.jaxpr.eqns] != [e.primitive for e in cut.jaxpr.eqns] or (
-      [v.aval for v in whole.jaxpr.constvars] != [v.aval for v in cut.jaxpr.constvars]):
-    return set()
-  label, reads, _ = _labels(cut, hosted, owners)
-  kept = {j for j in blocks if all(
-      isinstance(v, jax_core.Literal) or v.aval.shape[:1] != w.aval.shape[:1]
-      for v, w, o in zip(cut.jaxpr.outvars, whole.jaxpr.outvars, out_owners, strict=True)
-      if o == j)}
-  for a, b in zip(whole.jaxpr.eqns, cut.jaxpr.eqns, strict=True):
-    moved_in = [not isinstance(v, jax_core.Literal) and v.aval.shape != w.aval.shape
-                for v, w in zip(b.invars, a.invars, strict=True)]
-    moved_out = [v.aval.shape != w.aval.shape for v, w in zip(b.outvars, a.outvars, strict=True)]
-    if not any(moved_in + moved_out):
-      continue
-    here = frozenset().union(*(label[v] for v in b.outvars))
-    if (any(moved_out) or any(v in reads for v in b.outvars)) and (
-        len(here) > 1 or not _keeps_rows(a, b)):
-      kept -= here or kept  # (a value of no leaf that follows the rows: a zeros_like)
-  return kept
+  args = [_Known(frozenset() if o is None else frozenset([o]), h, 0, v.aval.shape != w.shape)
+          for v, w, o, h in zip(cut.jaxpr.invars, whole.in_avals, owners, hosted, strict=True)]
+  outs = _jaxpr.interpret(_jaxpr.Rules({}, learn, lambda v: _Known()), cut.jaxpr,
+                          [_Known()] * len(cut.jaxpr.constvars), args)
+  kept &= {j for j in blocks if all(
+      isinstance(v, jax_core.Literal) or v.aval.shape[:1] != w.shape[:1]
+      for v, w, o in zip(cut.jaxpr.outvars, whole.out_avals, out_owners, strict=True) if o == j)}
+  for x, o in zip(outs, out_owners, strict=True):
+    if o is not None:
+      plan.last[o] = max(plan.last.get(o, 0), x.stage)
+  passes = max([x.stage for x in outs], default=0) + 1  # (a norm of no leaf's: its pass)
+  return plan._replace(passes=passes), kept, bool(wide)
 
 
 # What computes each row of a block from that row alone: elementwise primitives, and a few
@@ -441,7 +443,7 @@ def _inlined(closed: Any) -> Any:
     callee = _jaxpr.callee(eqn)
     return _jaxpr.interpret(rules, callee.jaxpr, callee.consts, ins)
 
-  rules = _jaxpr.Rules({_jaxpr.CALL: call}, lambda _, eqn, ins: _bind(eqn, ins), lambda v: v.val)
+  rules = _BIND._replace(table={_jaxpr.CALL: call})
   return jax.make_jaxpr(lambda *a: _jaxpr.interpret(rules, closed.jaxpr, closed.consts, a))(
       *closed.in_avals)
 
@@ -458,18 +460,8 @@ def _bind(eqn: Any, ins: list) -> list:
   return out if eqn.primitive.multiple_results else [out]
 
 
-def _passes(plan: _Plan, out_owners: list) -> tuple[dict, list]:
-  """The pass that computes each leaf's outputs, and per pass the values of one leaf that
-  the next pass's values of several leaves read."""
-  jaxpr, last = plan.jaxpr.jaxpr, {}
-  for v, o in zip(jaxpr.outvars, out_owners, strict=True):
-    if o is not None and not isinstance(v, jax_core.Literal):
-      last[o] = max(last.get(o, 0), plan.stage[v])
-  return last, [[i for e in jaxpr.eqns if any(plan.stage[o] == p + 1 and len(plan.label[o]) > 1
-                                              for o in e.outvars)
-                 for i in e.invars if not isinstance(i, jax_core.Literal)
-                 and len(plan.label[i]) == 1 and i in plan.reads]
-                for p in range(max(plan.passes, 1))]
+# A walk that binds each equation again: its results computed from its operands' values.
+_BIND = _jaxpr.Rules({}, lambda _, eqn, ins: _bind(eqn, ins), lambda v: v.val)
 
 
 def _varying(aval: Any) -> frozenset:
@@ -483,127 +475,90 @@ def _run(plan: _Plan, leaves: list, hosted: list, owners: list, out_owners: list
   """The update's outputs: values of no leaf or several once, each piece's in a chain of
   pieces (its state in once the last piece's new state is out), pass by pass."""
   host, device = jax.memory.Space.Host, jax.memory.Space.Device
-  jaxpr, whole = plan.jaxpr.jaxpr, plan.whole.jaxpr
-  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-  whole_producer = {v: e for e in whole.eqns for v in e.outvars}
-  twin = dict(zip(_vars(plan.jaxpr), _vars(plan.whole), strict=True))
-  whole_env = dict(zip(whole.constvars, plan.whole.consts, strict=True))
-  whole_env.update((v, jax.device_put(x, device) if h else x)
-                   for v, x, h in zip(whole.invars, leaves, hosted, strict=True) if not h)
-
-  def whole_value(w: Any) -> Any:  # computed once, on whole leaves
-    if isinstance(w, jax_core.Literal):
-      return w.val
-    if w not in whole_env:
-      if w in whole.invars:  # a value of the state read whole (a count)
-        whole_env[w] = jax.device_put(leaves[whole.invars.index(w)], device)
-      else:
-        e = whole_producer[w]
-        whole_env.update(zip(e.outvars, _bind(e, [whole_value(i) for i in e.invars]),
-                             strict=True))
-    return whole_env[w]
-
-  shared: dict = {}  # values of several leaves that read the state, and what they read
-
-  def value(v: Any, local: dict) -> Any:
-    if isinstance(v, jax_core.Literal):
-      return v.val
-    for env in (local, shared):
-      if v in env:
-        return env[v]
-    if v in plan.once or v not in producer:
-      return whole_value(twin[v])
-    e = producer[v]
-    out = _bind(e, [value(i, local) for i in e.invars])
-    (shared if len(plan.label[v]) > 1 else local).update(zip(e.outvars, out, strict=True))
-    return value(v, local)
-
-  def needs(targets: list, inputs: dict) -> tuple[list, list]:
-    """The piece's inputs and the values of no leaf or several that ``targets`` read."""
-    seen, stack, found, outside = set(), list(targets), [], []
-    while stack:
-      v = stack.pop()
-      if isinstance(v, jax_core.Literal) or v in seen:
-        continue
-      seen.add(v)
-      if v in inputs:
-        found.append(v)
-      elif v in shared or v in plan.once or v not in producer:
-        outside.append(v)
-      else:
-        stack += producer[v].invars
-    return found, outside
-
-  last, coupled_in = _passes(plan, out_owners)
+  cut, consts, owner = plan.jaxpr.jaxpr, plan.whole.consts, dict(zip(plan.jaxpr.jaxpr.invars,
+                                                                     owners, strict=True))
+  passed = {v: x for v, x, h in zip(cut.invars, leaves, hosted, strict=True) if h}
+  # Computed once, on whole leaves: the values `once` names that the outputs read, the inputs
+  # of no leaf, and the outputs of no leaf that no pass computes (the state passed through
+  # stays where it is).
+  reach = _jaxpr.pruned(cut, cut.outvars, plan.once).invars
+  wanted = [v for v in reach if owner.get(v) is None] + [
+      v for v, o in zip(cut.outvars, out_owners, strict=True) if o is None and not isinstance(
+          v, jax_core.Literal) and v not in plan.keep and v not in passed]
+  whole = _jaxpr.pruned(plan.whole.jaxpr, [plan.twin[v] for v in wanted])
+  inputs = dict(zip(plan.whole.jaxpr.invars, leaves, strict=True))
+  known = dict(zip(wanted, _jaxpr.interpret(_BIND, whole, consts, [
+      jax.device_put(inputs[w], device) if jax.typeof(inputs[w]).memory_space == host
+      else inputs[w] for w in whole.invars]), strict=True))
+  outs_of, coupled_of = collections.defaultdict(list), collections.defaultdict(list)
+  for i, o in enumerate(out_owners):  # (pass, leaf) -> what a piece computes of the leaf then
+    if o is not None:
+      outs_of[plan.last[o], o].append(i)
+  for v, (q, j) in plan.coupled.items():
+    coupled_of[q, j].append(v)
   parts: dict[int, Any] = {}
-  for p in range(max(plan.passes, 1)):
+  for p in range(plan.passes):
+    # The values of several leaves that read the state, from the last pass's values.
+    between = _jaxpr.pruned(cut, [v for v, s in plan.keep.items() if s == p], known)
+    known.update(zip(between.outvars, _jaxpr.interpret(_BIND, between, consts, [
+        known[v] for v in between.invars]), strict=True))
     previous: list = []
     for piece in plan.pieces:
-      mine = set(piece.leaves)
-      outs = [i for i, (v, o) in enumerate(zip(jaxpr.outvars, out_owners, strict=True))
-              if o in mine and (plan.passes == 0 or last[o] == p)]
-      targets = [jaxpr.outvars[i] for i in outs] + [
-          i for i in coupled_in[p] if next(iter(plan.label[i])) in mine]
-      inputs = {v: x for v, x, o in zip(jaxpr.invars, leaves, owners, strict=True) if o in mine}
-      if not targets:
+      outs = sorted(i for j in piece.leaves for i in outs_of[p, j])
+      coupled = [v for j in piece.leaves for v in coupled_of[p, j]]
+      if not outs and not coupled:
         continue
-      found, outside = needs([t for t in targets if not isinstance(t, jax_core.Literal)], inputs)
+      sub = _jaxpr.pruned(cut, [cut.outvars[i] for i in outs] + coupled, known)
+      found = {v: inputs[plan.twin[v]] for v in sub.invars if owner.get(v) in piece.leaves}
       # The piece's state comes in once the last piece's new state is back in host memory
       # (an order, not a value: no gradient flows from one piece to the next).
-      state = [v for v in found if jax.typeof(inputs[v]).memory_space == host]
-      moved, _ = lax.optimization_barrier(([inputs[v] for v in state],
+      state = [v for v in found if v in passed]
+      moved, _ = lax.optimization_barrier(([found[v] for v in state],
                                            lax.stop_gradient(previous)))
-      ins = {**{v: inputs[v] for v in found}, **dict(zip(state, moved, strict=True))}
-      outer = {v: value(v, {}) for v in outside}  # (computed here, outside any scan)
-      sent = []
+      found.update(zip(state, moved, strict=True))
       if piece.by_rows:
-        new = _by_rows(outs, ins, outer, jaxpr, twin, value, to_host, plan.prefer)
+        new = _by_rows(plan, sub, outs, found, known, to_host)
       else:
-        local = {v: jax.device_put(x, device) if jax.typeof(x).memory_space == host else x
-                 for v, x in ins.items()}
-        local.update(outer)
-        new = [value(jaxpr.outvars[i], local) for i in outs]
-        new = [jax.device_put(x, host) if to_host[i] else x for i, x in zip(outs, new,
-                                                                             strict=True)]
-      for i, x in zip(outs, new, strict=True):
-        parts[i] = x
-        if to_host[i]:
-          sent.append(x)
-      for v in targets[len(outs):]:  # (no leaf streamed by rows reads a value of several)
-        shared[v] = value(v, local)
-      previous = sent or previous
+        args = collections.ChainMap({v: jax.device_put(found[v], device) for v in state}, found,
+                                    known)
+        values = _jaxpr.interpret(_BIND, sub, consts, [args[v] for v in sub.invars])
+        known.update(zip(coupled, values[len(outs):], strict=True))
+        new = [jax.device_put(x, host) if to_host[i] else x for i, x in zip(outs, values,
+                                                                              strict=False)]
+      parts.update(zip(outs, new, strict=True))
+      previous = [x for i, x in zip(outs, new, strict=True) if to_host[i]] or previous
   result = []
-  for i, v in enumerate(jaxpr.outvars):
+  for i, v in enumerate(cut.outvars):
     if i in parts:
       result.append(parts[i])
     elif isinstance(v, jax_core.Literal):
       result.append(v.val)
-    elif v in jaxpr.invars and hosted[jaxpr.invars.index(v)]:
-      result.append(leaves[jaxpr.invars.index(v)])  # the state passed through
+    elif v in passed:
+      result.append(passed[v])  # the state passed through
     else:
-      x = whole_value(twin[v])
-      result.append(jax.device_put(x, host) if to_host[i] else x)
+      result.append(jax.device_put(known[v], host) if to_host[i] else known[v])
   return result
 
 
-def _by_rows(outs: list[int], ins: dict, outer: dict, jaxpr: Any, twin: dict,
-             value: Callable, to_host: list[bool], prefer: set) -> list:
-  """A leaf's outputs ``outs``, a ``lax.scan`` over its rows: each row's state comes to the
-  device, is computed there and goes back (the scan's outputs, in host memory). Each output on
-  the device is written row by row, in place, into an input it fits (the params the row
-  updates, the buffer that holds the updates), else into zeros."""
+def _by_rows(plan: _Plan, sub: Any, outs: list[int], ins: dict, known: dict,
+             to_host: list[bool]) -> list:
+  """A leaf's outputs ``outs`` (``sub``'s first), a ``lax.scan`` over its rows: each row's
+  state comes to the device, is computed there and goes back (the scan's outputs, in host
+  memory). Each output on the device is written row by row, in place, into an input it fits
+  (the params the row updates, the buffer that holds the updates), else into zeros."""
   host, device = jax.memory.Space.Host, jax.memory.Space.Device
-  rows = [v for v in ins if v.aval.shape != twin[v].aval.shape]  # (1, ...) of (R, ...)
-  fixed = {**{v: ins[v] for v in ins if v not in rows}, **outer}
+  whole = dict(zip(plan.jaxpr.jaxpr.invars, plan.whole.in_avals, strict=True))
+  rows = [v for v in ins if v.aval.shape != whole[v].shape]  # (1, ...) of (R, ...)
+  fixed = collections.ChainMap({v: x for v, x in ins.items() if v not in rows}, known)
   kept = [i for i in outs if not to_host[i]]
   carried, free = [], [v for v in rows if jax.typeof(ins[v]).memory_space != host]
-  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  depths = dict(zip(outs, _depths(sub, free), strict=False))  # (then `coupled`: none)
   for i in kept:
-    aval, depth = twin[jaxpr.outvars[i]].aval, _depths(jaxpr.outvars[i], producer)
+    aval, depth = plan.whole.out_avals[i], depths[i]
     # In place into the input nearest the output (the params of `p + u`), the later on a tie
     # (the buffer, after the params); then the gradients (`host_state` alone: optax's own).
-    fits = [v for v in free if (twin[v].aval.shape, twin[v].aval.dtype) == (aval.shape, aval.dtype)]
-    into = min(fits, key=lambda v: (v not in prefer, depth.get(v, len(depth)), -free.index(v)),
+    fits = [v for v in free if (whole[v].shape, whole[v].dtype) == (aval.shape, aval.dtype)]
+    into = min(fits, key=lambda v: (v not in plan.prefer, depth.get(v, np.inf), -free.index(v)),
                default=None)
     if into is not None:
       free.remove(into)
@@ -612,34 +567,35 @@ def _by_rows(outs: list[int], ins: dict, outer: dict, jaxpr: Any, twin: dict,
 
   def body(buffers: list, xs: tuple) -> tuple[list, list]:
     r, xs = xs
-    local = dict(fixed)
-    local.update((v, (jax.device_put(x, device) if jax.typeof(x).memory_space == host else x)[
-        None]) for v, x in zip(streamed, xs, strict=True))
-    local.update((v, lax.dynamic_index_in_dim(b, r)) for v, b in zip(carried, buffers,
-                                                                        strict=True) if v)
-    new = {i: value(jaxpr.outvars[i], local)[0] for i in outs}
+    args = fixed.new_child({v: (jax.device_put(x, device) if jax.typeof(
+        x).memory_space == host else x)[None] for v, x in zip(streamed, xs, strict=True)})
+    args.update((v, lax.dynamic_index_in_dim(b, r)) for v, b in zip(carried, buffers,
+                                                                       strict=True) if v)
+    values = _jaxpr.interpret(_BIND, sub, plan.whole.consts, [args[v] for v in sub.invars])
+    new = {i: x[0] for i, x in zip(outs, values, strict=False)}
     return ([lax.dynamic_update_index_in_dim(b, new[i], r, 0) for i, b in zip(
         kept, buffers, strict=True)], [jax.device_put(new[i], host) for i in outs if to_host[i]])
 
-  n = twin[rows[0]].aval.shape[0]
-  start = [ins[v] if v is not None else jnp.zeros(twin[jaxpr.outvars[i]].aval.shape,
-                                                  twin[jaxpr.outvars[i]].aval.dtype)
+  start = [ins[v] if v is not None else jnp.zeros(plan.whole.out_avals[i].shape,
+                                                  plan.whole.out_avals[i].dtype)
            for i, v in zip(kept, carried, strict=True)]
-  buffers, states = lax.scan(body, start, (jnp.arange(n), [ins[v] for v in streamed]))
+  buffers, states = lax.scan(body, start, (jnp.arange(whole[rows[0]].shape[0]),
+                                           [ins[v] for v in streamed]))
   done = dict(zip(kept, buffers, strict=True)) | dict(zip(
       [i for i in outs if to_host[i]], states, strict=True))
   return [done[i] for i in outs]
 
 
-def _depths(out: Any, producer: dict) -> dict:
-  """How many equations each variable is from ``out``, through the equations that compute it."""
-  depth, frontier = {out: 0}, [out]
-  while frontier:
-    nxt = []
-    for v in frontier:
-      for i in producer[v].invars if v in producer else ():
-        if not isinstance(i, jax_core.Literal) and i not in depth:
-          depth[i] = depth[v] + 1
-          nxt.append(i)
-    frontier = nxt
-  return depth
+def _depths(jaxpr: Any, inputs: list) -> list[dict]:
+  """For each output of ``jaxpr``, how many equations each of ``inputs`` is from it (along
+  the shortest path), where it is computed from it."""
+  def step(_: Any, eqn: Any, ins: list[dict]) -> list[dict]:
+    near: dict = {}
+    for d in ins:
+      for v, n in d.items():
+        near[v] = min(near.get(v, n + 1), n + 1)
+    return [near] * len(eqn.outvars)
+
+  return _jaxpr.interpret(_jaxpr.Rules({}, step, lambda v: {}), jaxpr,
+                          [{}] * len(jaxpr.constvars),
+                          [{v: 0} if v in inputs else {} for v in jaxpr.invars])
