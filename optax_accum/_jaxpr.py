@@ -4,7 +4,10 @@ Three walks read a jaxpr equation by equation: ``_float64`` evaluates it with
 its floating values in float64, ``_row_trail`` follows the batch's rows (where
 each value comes from, whether it is linear in the rows, whether a gradient
 reaches it: for ``global_stats`` and the check), and ``offload`` inlines the
-calls of the update it streams. Each is a :class:`Rules`, a rule per
+calls of the update it streams, labels each value with the leaves it is
+computed from (beside the update traced on a block of rows: :func:`twins`)
+and binds, per piece, the part its outputs need (:func:`pruned`). Each is a
+:class:`Rules`, a rule per
 primitive and one for the rest, which :func:`interpret` runs. What JAX keeps
 inside an equation is read here alone: which primitives are calls (``CALL``,
 by every name JAX gives them), where an equation keeps its jaxprs
