@@ -433,7 +433,15 @@ def test_fp8_params_accumulate_in_float32():
   chex.assert_trees_all_equal(updates, jax.tree.map(jnp.negative, mean))
   assert int(state.noise_stats.num_windows) == 1 and np.isfinite(state.noise_stats.signal)
   _, mb_grads = jax.jit(oa.microbatched(jax.value_and_grad(loss), 4))(params, x)
-  chex.assert_trees_all_equal(mb_grads, mean)
+  # XLA may keep a value wider than its type inside a program (excess precision: the TPU v5e
+  # compiler keeps each micro-batch's fp8 gradient in float32 in the loop), then the mean rounds
+  # once: the float32 mean of the exact float32 gradients, cast to fp8.
+  wide = [jax.grad(loss)(jax.tree.map(lambda p: p.astype(jnp.float32), params), x[i::4])
+          for i in range(4)]
+  once = jax.tree.map(lambda s, p: jnp.asarray(s / 4).astype(p.dtype), f32_sum(wide), params)
+  assert any(all(np.array_equal(np.float32(a), np.float32(b)) for a, b in zip(
+      jax.tree.leaves(mb_grads), jax.tree.leaves(ref), strict=True)) for ref in (mean, once)), (
+      mb_grads, mean, once)
   # float32 gradients of fp8 params: float32 updates (the wider dtype), as for bf16 params.
   tx = oa.accumulate(1, optax.sgd(1.0))
   wide = jax.tree.map(lambda g: g.astype(jnp.float32), grads[0])
