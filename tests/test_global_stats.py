@@ -556,6 +556,9 @@ _STATISTICS = {
         [x[i, 0] * x[(i + 1) % x.shape[0], 0] for i in range(x.shape[0])]), False),
     "rows mixed in a scan, per row": (lambda x, m: lax.scan(
         lambda c, r: (r[0], r[0] * c), 0.0, x)[1], False),
+    "a count added as often as the max says": (lambda x, m: lax.while_loop(
+        lambda c: c[1] < 4 * jnp.max(x[:, 0]), lambda c: (c[0] + jnp.sum(m), c[1] + 1.0),
+        (0.0, 0.0))[0], False),
     "max in a fori_loop": (lambda x, m: lax.fori_loop(
         0, x.shape[0], lambda i, c: jnp.maximum(c, x[i, 0]), -jnp.inf), False),
     "norm by a scan": (lambda x, m: jnp.sqrt(lax.scan(
