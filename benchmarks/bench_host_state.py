@@ -235,7 +235,7 @@ def tpu(quick, layers):
   (``layers``: the bisection's bounds, the device state's, then host_state's)."""
   d, ram = 128 if quick else 4096, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   rates = [child(quick, "rate", int(stacked), d, leaves, 0) for leaves, stacked in (
-      ((4, False), (4, True), (16, False)) if quick else
+      ((4, False), (4, True)) if quick else
       ((16, False), (16, True), (64, False), (64, True)))]
   # host_state's host RAM: the state (8 B/param) beside the runtime's base; bounded at 0.85.
   by_ram = int((0.85 * ram - 16 * 2**30 * (not quick)) / (10 * d * d))
