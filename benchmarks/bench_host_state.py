@@ -136,12 +136,6 @@ def real_run(layers, d, host, limit, run_it, dev=None):
           "loss": float(loss), "state kinds": sorted(kinds)}
 
 
-def rss():
-  """This process's resident host memory now, in bytes."""
-  with open("/proc/self/statm") as f:
-    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def child(quick, *argv):
   """``--child`` in a process of its own (one holds the chip at a time): its JSON."""
   command = [sys.executable, __file__, "--child", *map(str, argv), *["--quick"] * quick]
@@ -159,7 +153,7 @@ def in_child(quick, what, host, d, lo, hi):
     return update_rate(quick, lo, d, host)
   limit = 8 << 20 if quick else jax.devices()[0].memory_stats()["bytes_limit"]
   jax.block_until_ready(jnp.zeros(8) + 1)  # the runtime up: its host RAM is the base
-  base = rss()
+  base = harness.rss()
   if what == "bisect":
     if not real_run(lo, d, host, limit, False):  # (below the bounds: from none)
       lo, hi = 0, lo - 1

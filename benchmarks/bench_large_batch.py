@@ -35,19 +35,13 @@ ROWS, D_IN = 64, 256
 KS = (2, 8)
 
 
-def rss() -> int:
-  """The process's resident set, bytes (Linux)."""
-  with open("/proc/self/statm") as f:
-    return int(f.read().split()[1]) * 4096
-
-
 def peak_rss_during(run: Callable[[], Any]) -> tuple[Any, int]:
   """``run()``'s result and the peak resident set above the level before it."""
-  start, peak, done = rss(), [0], threading.Event()
+  start, peak, done = harness.rss(), [0], threading.Event()
 
   def sample() -> None:
     while not done.is_set():
-      peak[0] = max(peak[0], rss())
+      peak[0] = max(peak[0], harness.rss())
       time.sleep(0.005)
 
   thread = threading.Thread(target=sample, daemon=True)
@@ -57,7 +51,7 @@ def peak_rss_during(run: Callable[[], Any]) -> tuple[Any, int]:
   finally:
     done.set()
     thread.join()
-  return out, max(peak[0], rss()) - start
+  return out, max(peak[0], harness.rss()) - start
 
 
 def mlp(params_target: float) -> tuple[dict[str, jax.Array], int]:
