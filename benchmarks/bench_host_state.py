@@ -185,7 +185,7 @@ def update_rate(quick, leaves, d, stacked):
   where it fits: bit for bit."""
   shape = [(leaves, d, d)] if stacked else [(d, d)] * leaves
   n, dev = leaves * d * d, one_device()
-  rows = {}
+  rows, trained = {}, None  # trained: the params the state on the device trained
   for where in ("device", HOST):
     tx = oa.host_state(optax.adam(1e-3)) if where == HOST else optax.adam(1e-3)
     step = jax.jit(harness.protocol_step(tx), donate_argnums=(0, 1))
@@ -212,13 +212,12 @@ def update_rate(quick, leaves, d, stacked):
     rows[where] = {"ms": round(ms, 2), "ns/param": round(ms * 1e6 / n, 3),
                    "temps MB": round(compiled.memory_analysis().temp_size_in_bytes / 1e6, 1),
                    "checksum": [float(jnp.sum(p[..., :8, :8])) for p in params]}
-    rows[where]["params"] = params if where == "device" else None
-    if where == HOST and "params" in rows.get("device", {}):
+    if where == "device":
+      trained = params
+    elif trained is not None:  # host_state's, bit for bit
       rows[where]["bit for bit"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(
-          params, rows["device"]["params"], strict=True))
+          params, trained, strict=True))
     del params, grads, state
-  rows.get("device", {}).pop("params", None)
-  rows[HOST].pop("params", None)
   gbps = 16 * n / (rows[HOST]["ms"] * 1e-3) / 1e9  # mu and nu in and out
   tree = f"one ({leaves}, {d}, {d}) leaf" if stacked else f"{leaves} leaves of {d} x {d}"
   return {"tree": tree, "params": n, **rows, "link GB/s": round(gbps, 1)}
