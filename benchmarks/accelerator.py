@@ -62,10 +62,12 @@ def compile_fit(fn: Callable[..., Any], args: Any, donate: tuple[int, ...] = ())
           "temp": compiled.memory_analysis().temp_size_in_bytes}
 
 
-def accumulation(limit: int, rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
+def accumulation(limit: int, rounds: int, windows: int,
+                 log: Callable[[str], None]) -> dict[str, Any]:
   """The train steps at the largest power-of-two size whose most demanding program fits, and
   at 1/16 and 1/256 of it: one program at a time (its carry freed before the next is built)
-  with the copy (its 3P floor) in the same rounds, so that only its state is resident."""
+  with the copy (its 3P floor) in the same rounds, so that only its state is resident; at
+  most ``windows`` windows a round."""
   budget, programs, probed = HEADROOM * limit, ba.make_programs("adam"), {}
   copy = ba.CopyTimer(min(2**30, limit // 32) // 4 * 4)
 
@@ -92,7 +94,8 @@ def accumulation(limit: int, rounds: int, log: Callable[[str], None]) -> dict[st
       params, grads = ba.make_tree(size), ba.make_tree(size, fill=1e-3)
       for p in programs:
         timers.append(ba.compile_program(p, params, grads, probed[size][p.key]["compiled"]))
-        copies[p.key] = ba.run_rounds(timers[-1:], copy, rounds, max(2, min(32, 2**26 // size)))
+        copies[p.key] = ba.run_rounds(timers[-1:], copy, rounds,
+                                      max(2, min(windows, 2**26 // size)))
         timers[-1].carry = []  # frees its params and state
     except Exception as e:
       sizing.append(f"{ba.size_label(size)} params: out of memory at run time"
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   ap = harness.parser(__doc__)
   ap.set_defaults(out=None)  # benchmarks/results, or a temp dir with --cpu-smoke
   ap.add_argument("--cpu-smoke", "--quick", dest="smoke", action="store_true", help="tiny sizes"
-                  " within --memory-gib (default 1/64), 2 rounds: checks the script")
+                  " within --memory-gib (default 1/64), 2 rounds of 2 windows: checks the script")
   ap.add_argument("--memory-gib", type=float, help="in place of the device's bytes_limit")
   args = ap.parse_args(argv)
   if args.smoke:  # checks the script, not its numbers: XLA:CPU compiles twice as fast unoptimized
@@ -209,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)
 
   log(f"{jax.devices()[0].device_kind}: {gib(limit)} GiB; matmul precision {precision}")
-  result = {**accumulation(limit, 2 if args.smoke else 15, log), "precision": precision}
+  rounds, windows = (2, 2) if args.smoke else (15, 32)
+  result = {**accumulation(limit, rounds, windows, log), "precision": precision}
   result["meta"].update(argv=sys.argv[1:] if argv is None else argv, smoke=args.smoke,
                         memory_limit=limit)
   out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ optimizer, ``optax.MultiSteps`` and the 3P floor; per program, temporaries and
 conditionals; per-call time on a tiny model; the tracked rows at 4M, adam.
 
   python benchmarks/bench_accumulate.py --rounds 41      # 1M, 4M, 16M; sgd, adam
-  python benchmarks/bench_accumulate.py --quick          # 256K, 3 rounds (smoke)
+  python benchmarks/bench_accumulate.py --quick          # 256K, 3 rounds of 2 windows (smoke)
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def result(sizes: Sequence[int], opts: Sequence[str], rounds: int, copy: CopyTim
 
 def main(argv: list[str] | None = None) -> None:
   """Runs the benchmark and writes the reports."""
-  ap = harness.parser(__doc__, quick="256K params, 3 rounds: a smoke run")
+  ap = harness.parser(__doc__, quick="256K params, 3 rounds of 2 windows: a smoke run")
   ap.add_argument("--rounds", type=int, default=None,
                   help="interleaved rounds per size and optimizer (default 15; --quick 3)")
   args = ap.parse_args(argv)
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     for opt in OPTIMIZERS:
       params, grads = make_tree(size), make_tree(size, fill=1e-3)
       timers = [compile_program(p, params, grads) for p in make_programs(opt)]
-      copy_samples = run_rounds(timers, copy, rounds, windows_for(size))
+      copy_samples = run_rounds(timers, copy, rounds, 2 if args.quick else windows_for(size))
       records += summarize(timers, {t.program.key: copy_samples for t in timers},
                            copy.bytes_moved, size, opt)
       print(f"{size_label(size):>5s} {opt:4s}: timed", flush=True)

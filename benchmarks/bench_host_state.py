@@ -136,12 +136,6 @@ def real_run(layers, d, host, limit, run_it, dev=None):
           "loss": float(loss), "state kinds": sorted(kinds)}
 
 
-def rss():
-  """This process's resident host memory now, in bytes."""
-  with open("/proc/self/statm") as f:
-    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def child(quick, *argv):
   """``--child`` in a process of its own (one holds the chip at a time): its JSON."""
   command = [sys.executable, __file__, "--child", *map(str, argv), *["--quick"] * quick]
@@ -159,7 +153,7 @@ def in_child(quick, what, host, d, lo, hi):
     return update_rate(quick, lo, d, host)
   limit = 8 << 20 if quick else jax.devices()[0].memory_stats()["bytes_limit"]
   jax.block_until_ready(jnp.zeros(8) + 1)  # the runtime up: its host RAM is the base
-  base = rss()
+  base = harness.rss()
   if what == "bisect":
     if not real_run(lo, d, host, limit, False):  # (below the bounds: from none)
       lo, hi = 0, lo - 1
@@ -191,7 +185,7 @@ def update_rate(quick, leaves, d, stacked):
   where it fits: bit for bit."""
   shape = [(leaves, d, d)] if stacked else [(d, d)] * leaves
   n, dev = leaves * d * d, one_device()
-  rows = {}
+  rows, trained = {}, None  # trained: the params the state on the device trained
   for where in ("device", HOST):
     tx = oa.host_state(optax.adam(1e-3)) if where == HOST else optax.adam(1e-3)
     step = jax.jit(harness.protocol_step(tx), donate_argnums=(0, 1))
@@ -218,13 +212,12 @@ def update_rate(quick, leaves, d, stacked):
     rows[where] = {"ms": round(ms, 2), "ns/param": round(ms * 1e6 / n, 3),
                    "temps MB": round(compiled.memory_analysis().temp_size_in_bytes / 1e6, 1),
                    "checksum": [float(jnp.sum(p[..., :8, :8])) for p in params]}
-    rows[where]["params"] = params if where == "device" else None
-    if where == HOST and "params" in rows.get("device", {}):
+    if where == "device":
+      trained = params
+    elif trained is not None:  # host_state's, bit for bit
       rows[where]["bit for bit"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(
-          params, rows["device"]["params"], strict=True))
+          params, trained, strict=True))
     del params, grads, state
-  rows.get("device", {}).pop("params", None)
-  rows[HOST].pop("params", None)
   gbps = 16 * n / (rows[HOST]["ms"] * 1e-3) / 1e9  # mu and nu in and out
   tree = f"one ({leaves}, {d}, {d}) leaf" if stacked else f"{leaves} leaves of {d} x {d}"
   return {"tree": tree, "params": n, **rows, "link GB/s": round(gbps, 1)}
@@ -235,7 +228,7 @@ def tpu(quick, layers):
   (``layers``: the bisection's bounds, the device state's, then host_state's)."""
   d, ram = 128 if quick else 4096, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   rates = [child(quick, "rate", int(stacked), d, leaves, 0) for leaves, stacked in (
-      ((4, False), (4, True), (16, False)) if quick else
+      ((4, False), (4, True)) if quick else
       ((16, False), (16, True), (64, False), (64, True)))]
   # host_state's host RAM: the state (8 B/param) beside the runtime's base; bounded at 0.85.
   by_ram = int((0.85 * ram - 16 * 2**30 * (not quick)) / (10 * d * d))

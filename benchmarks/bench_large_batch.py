@@ -7,7 +7,6 @@ above its level before the check, the process's peak; the time against one gradi
   python benchmarks/bench_large_batch.py                 # 1e7 params: results/large_batch.*
   python benchmarks/bench_large_batch.py --params 1e8    # results/large_batch_1e08.*
   python benchmarks/bench_large_batch.py --quick --out /tmp/x
-  python benchmarks/bench_large_batch.py --decoder   # a bf16 decoder on any device: verdict, time
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
-import bench_microbatched as bm
 import harness
 import jax
 import jax.numpy as jnp
@@ -35,19 +33,13 @@ ROWS, D_IN = 64, 256
 KS = (2, 8)
 
 
-def rss() -> int:
-  """The process's resident set, bytes (Linux)."""
-  with open("/proc/self/statm") as f:
-    return int(f.read().split()[1]) * 4096
-
-
 def peak_rss_during(run: Callable[[], Any]) -> tuple[Any, int]:
   """``run()``'s result and the peak resident set above the level before it."""
-  start, peak, done = rss(), [0], threading.Event()
+  start, peak, done = harness.rss(), [0], threading.Event()
 
   def sample() -> None:
     while not done.is_set():
-      peak[0] = max(peak[0], rss())
+      peak[0] = max(peak[0], harness.rss())
       time.sleep(0.005)
 
   thread = threading.Thread(target=sample, daemon=True)
@@ -57,7 +49,7 @@ def peak_rss_during(run: Callable[[], Any]) -> tuple[Any, int]:
   finally:
     done.set()
     thread.join()
-  return out, max(peak[0], rss()) - start
+  return out, max(peak[0], harness.rss()) - start
 
 
 def mlp(params_target: float) -> tuple[dict[str, jax.Array], int]:
@@ -102,21 +94,6 @@ def measure_one(params_target: float, k: int) -> dict[str, Any]:
           "rss_above_bytes": above, "rss_bytes_per_param": above / n_params,
           "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
           "max_relative_error": report.max_relative_error, "tolerance": report.tolerance}
-
-
-def decoder(vocab: int = 1024, d: int = 256, seq: int = 64, batch: int = 32, k: int = 4) -> None:
-  """``bench_microbatched.py``'s decoder, one block of 4 heads, f32 params computed in bf16,
-  on the default device: the check's verdict and its wall time end to end, its compilations
-  included."""
-  params = bm.init_params(jax.random.key(0), vocab=vocab, d_model=d, layers=1, seq=seq)
-  fn = bm.grad_fn({"k": 1, "impl": "full", "remat": False, "bf16": True}, 4, batch)
-  tokens = {"tokens": jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab)}
-  t0 = time.perf_counter()
-  report = check_large_batch(jax.jit(fn), k)(params, tokens)
-  seconds = time.perf_counter() - t0
-  print(report)
-  print(f"decoder (vocab {vocab}, d {d}, seq {seq}, batch {batch}, k = {k}) on"
-        f" {jax.devices()[0].platform}: {report.cause} in {seconds:.1f} s end to end")
 
 
 def measure(params_target: float) -> dict[str, Any]:
@@ -176,11 +153,7 @@ def plot(result: dict[str, Any]) -> Any:
 def main() -> None:
   ap = harness.parser(__doc__, quick="1e5 params (checks the script)", params=1e7)
   ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one k
-  ap.add_argument("--decoder", action="store_true", help="time the check of a bf16 decoder")
   args = ap.parse_args()
-  if args.decoder:
-    decoder()
-    return
   if args.one:
     print(json.dumps(measure_one(args.params, args.one)))
     return

@@ -71,7 +71,7 @@ def mid_step_times(n: int, rounds: int) -> dict[str, Any]:
     tx = oa.accumulate(1 << 30, optax.adam(1e-3), accumulator_dtype=dt)  # never emits
     timers[name] = ba.compile_program(ba.Program(name, 1 << 30, harness.fast_step(tx), tx.init),
                                       params, grads)
-  secs = harness.interleaved({name: t.call for name, t in timers.items()}, rounds)
+  secs = harness.interleaved({name: lambda t=t: t.timed(1) for name, t in timers.items()}, rounds)
   return {"median_ms": {k: 1e3 * harness.median(v) for k, v in secs.items()},
           "bf16_over_f32": harness.paired_ratio(secs["bf16 buffer"], secs["f32 buffer"])}
 

@@ -69,6 +69,12 @@ def table(head: str, align: str, rows: Iterable[Sequence[Any]]) -> list[str]:
           *("| " + " | ".join(map(str, r)) + " |" for r in rows)]
 
 
+def rss() -> int:
+  """This process's resident host memory now, in bytes (Linux)."""
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def mib(n_bytes: float) -> str:
   return f"{n_bytes / 2**20:.2f}"
 
