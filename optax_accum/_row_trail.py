@@ -146,8 +146,13 @@ def walk(large: jax_core.Jaxpr, small: jax_core.Jaxpr | None, flows: list[Flow],
     blind = blind or ("computed by steps that change with the number of rows (a Python loop"
                       " over them, unread: write it with array operations, `jax.vmap` per row)")
   captured = [Flow(frozenset({_CAPTURED}), "", None, False)] * len(large.constvars)
-  return _jaxpr.interpret(_RULES, large, captured if consts is None else consts, flows,
+  outs = _jaxpr.interpret(_RULES, large, captured if consts is None else consts, flows,
                           _Walk(_jaxpr.twins(large, small), rows, trail, in_loop, blind))
+  if small is None:
+    return outs
+  return [count(v.val, w.val, rows[0] // rows[1]) or f if isinstance(v, jax_core.Literal) and (
+      isinstance(w, jax_core.Literal)) else f  # (an output that is the rows' count itself)
+          for f, v, w in zip(outs, large.outvars, small.outvars, strict=True)]
 
 
 def count(big: Any, small: Any, ratio: int) -> Flow | None:
