@@ -49,9 +49,16 @@ def wide(dtype: Any) -> Any:
   return np.dtype(np.float64) if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
-def narrow(p: Any) -> bool:
-  """Whether ``reduce_precision``'s parameters ``p`` name a format of 8 bits or fewer."""
-  return p["exponent_bits"] + p["mantissa_bits"] + 1 <= 8
+def quantiser(eqn: Any) -> str | None:
+  """The float format of 8 bits or fewer (fp8, fp4) that ``eqn`` rounds to (a cast, a
+  ``reduce_precision``), else None: what the shadow keeps a rounding and the check names."""
+  p, name = eqn.params, eqn.primitive.name
+  if name == "convert_element_type" and jnp.issubdtype(p["new_dtype"], jnp.floating) and (
+      np.dtype(p["new_dtype"]).itemsize == 1):
+    return str(np.dtype(p["new_dtype"]))
+  if name == "reduce_precision" and p["exponent_bits"] + p["mantissa_bits"] + 1 <= 8:
+    return f"e{p['exponent_bits']}m{p['mantissa_bits']} (fp8)"
+  return None
 
 
 def _up(x: Any) -> Any:
@@ -159,14 +166,13 @@ def _param(key: str, value: Any) -> Any:
 
 def _reduce_precision(_: Any, eqn: Any, ins: list[Any]) -> list[Any]:
   """To 8 bits or fewer (fp8): a quantiser, as a cast is; wider: not in the shadow."""
-  return _bound(_, eqn, ins) if narrow(eqn.params) else ins
+  return _bound(_, eqn, ins) if quantiser(eqn) else ins
 
 
 def _convert(_: Any, eqn: Any, ins: list[Any]) -> list[Any]:
   """A cast; to an 8-bit float (fp8, fp4): a quantiser, rounded, then widened."""
-  new = eqn.params["new_dtype"]
-  if jnp.issubdtype(new, jnp.floating) and np.dtype(new).itemsize == 1:
-    return [_up(lax.convert_element_type(ins[0], new))]
+  if quantiser(eqn):
+    return [_up(lax.convert_element_type(ins[0], eqn.params["new_dtype"]))]
   return _bound(_, eqn, ins)
 
 

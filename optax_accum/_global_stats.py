@@ -94,7 +94,7 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
       frozenset({_row_trail.BATCH} if p[0].idx in positions else ()), "", None,
       p[0].idx == _batch.PARAMS and jnp.issubdtype(x.dtype, jnp.inexact))
       for p, x in zip(leaves.paths, leaves.arrays, strict=True)], (2 * rows, rows), consts=[
-          _row_trail.count(c, d, 2) or _row_trail.Flow(frozenset(), "", None, False)
+          _row_trail.count(c, d, 2) or _row_trail.NONE
           for c, d in zip(large.consts, small.consts, strict=True)])
   found, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   axes = []

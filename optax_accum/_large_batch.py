@@ -270,8 +270,7 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
   so a check called again on new batches compiles nothing (an eager ``microbatched``
   compiled its scan on every call). Returns them with ``f``'s trace and its walk
   (:class:`Trail`) beside ``other``, the trace of a micro-batch (``rows``: the batch's in
-  each),
-  when given: raises where ``f`` draws random numbers per row from a key no batch
+  each), when given: raises where ``f`` draws random numbers per row from a key no batch
   argument feeds.
   """
   inputs = _arrays.ArrayLeaves.of((args, kwargs))

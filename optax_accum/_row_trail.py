@@ -30,7 +30,7 @@ from jax.extend import source_info_util
 from optax_accum import _float64, _jaxpr
 
 _RANDOM = ("random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform")
-BATCH = _BATCH = "a batch argument"  # the label of a batch argument's leaves
+BATCH = "a batch argument"  # the label of a batch argument's leaves
 _CAPTURED = "captured"
 _STAT = "a statistic of the batch"  # of the batch, and its shape does not follow the rows
 _SELECT = {"top_k": "axis", "sort": "dimension", "argmax": "axes", "argmin": "axes",
@@ -59,7 +59,7 @@ class Flow(NamedTuple):
   grad: bool  # a float that a float param reaches through floats
 
 
-_NONE = Flow(frozenset(), "", None, False)  # a literal's
+NONE = Flow(frozenset(), "", None, False)  # a literal's, a constant's
 
 
 class Trail:
@@ -89,19 +89,16 @@ class Trail:
     if name in _RANDOM and (in_loop or a is None or shapes(a) != shapes(b)):
       _check_key(first)  # a draw per row
     axes = np.atleast_1d(p.get(_SELECT.get(name, ""), ())).tolist()
-    among_rows = a is not None and _BATCH in first and any(
+    among_rows = a is not None and BATCH in first and any(
         b.invars[0].aval.shape[x] != a.invars[0].aval.shape[x] for x in axes)
     self.divided |= name == "div" and _STAT in ins[1].sources
     if among_rows or (_STAT in first and name in ("cond", "select_n")):
       self.selections.append(f"`{name}` at {where}")
     # A cast to fp8 rounds; one to an integer or a bool (a count, a guard) is exact there.
-    narrow = name == "convert_element_type" and np.dtype(p["new_dtype"]).itemsize == 1 and (
-        jnp.issubdtype(p["new_dtype"], jnp.floating))
-    if name == "reduce_precision" and _float64.narrow(p):
-      narrow, p = True, {"new_dtype": f"e{p['exponent_bits']}m{p['mantissa_bits']} (fp8)"}
-    if _STAT in first and (name == "round" or narrow):  # summed: the value is a statistic
+    fp8 = _float64.quantiser(b)
+    if _STAT in first and (name == "round" or fp8):  # summed: the value is a statistic
       summed = a is not None and a.invars[0].aval.shape == b.invars[0].aval.shape  # (a weight's)
-      self.roundings.append((summed, f"`{name}` to {p.get('new_dtype', 'integers')} at {where}"))
+      self.roundings.append((summed, f"`{name}` to {fp8 or 'integers'} at {where}"))
 
 
 def source(path: Any, b_nums: tuple[int, ...]) -> Flow:
@@ -110,7 +107,7 @@ def source(path: Any, b_nums: tuple[int, ...]) -> Flow:
   at = jax.tree_util.keystr(tuple(rest[1:]))
   if where.idx == 0:  # positional
     i = rest[0].idx
-    label = _BATCH if i in b_nums else f"argument {i}{at}"
+    label = BATCH if i in b_nums else f"argument {i}{at}"
   else:
     label = f"keyword `{rest[0].key}`{at}"
   return Flow(frozenset({label}), "", None, False)
@@ -176,7 +173,7 @@ def _marked(a: Any, b: Any, outs: list[Flow]) -> list[Flow]:
   """``outs``, a value of the batch whose shape does not follow the rows marked a statistic."""
   if a is None:
     return outs
-  return [o._replace(sources=o.sources | {_STAT}) if _BATCH in o.sources and (
+  return [o._replace(sources=o.sources | {_STAT}) if BATCH in o.sources and (
       v.aval.shape == w.aval.shape) else o for o, v, w in zip(outs, b.outvars, a.outvars,
                                                                strict=True)]
 
@@ -225,7 +222,7 @@ def _op(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   grad = joined.grad and name not in _CONSTANT
   grads = [grad and jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in b.outvars]
   if a is None:
-    why = joined.why or (ctx.blind if _BATCH in joined.sources else None)
+    why = joined.why or (ctx.blind if BATCH in joined.sources else None)
     return [joined._replace(why=why, grad=g) for g in grads]
   ins, counts = _operands(ctx, a, b, ins)
   follows = [v.aval.shape != w.aval.shape for v, w in zip(b.outvars, a.outvars, strict=True)]
@@ -284,14 +281,14 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
 
 
 _RULES = _jaxpr.Rules(dict.fromkeys((_jaxpr.CALL, "scan", "shard_map", "cond", "while"), _nested),
-                      _op, lambda v: _NONE)
+                      _op, lambda v: NONE)
 
 
 def _check_key(labels: frozenset) -> None:
   """Raises for random numbers per row unless their key comes from a batch argument's rows."""
-  if _BATCH in labels and _STAT not in labels:
+  if BATCH in labels and _STAT not in labels:
     return  # per-example keys, split with the batch: the same draws for each example
-  named = sorted(x for x in labels - {_BATCH, _STAT} if x != _CAPTURED)
+  named = sorted(x for x in labels - {BATCH, _STAT} if x != _CAPTURED)
   key = ("a key the batch's values choose as a whole (one row's key, or one folded with a"
          " statistic of the batch)" if _STAT in labels else named[0] if named else
          "a key it captured" if labels else "a key it makes itself")
