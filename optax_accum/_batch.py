@@ -76,7 +76,7 @@ def of(args: Sequence[Any], batch_argnums: tuple[int, ...], rng_argnums: tuple[i
 
   ``batch_argnums`` and ``rng_argnums`` come from ``_validation.check_argnums``.
   The axes are those the batch leaves' types show, or those ``axis_name``
-  names (see :func:`_data_axes`; ``in_step``: the two in-step wrappers, which
+  names (see :func:`data_axes`; ``in_step``: the two in-step wrappers, which
   refuse a split they cannot see). Call it inside the inputs' mesh
   (``_arrays.mesh_context``) when ``axis_name`` is given.
   """
@@ -94,7 +94,7 @@ def of(args: Sequence[Any], batch_argnums: tuple[int, ...], rng_argnums: tuple[i
         f"`batch_argnums` {positions} and `rng_argnums` {keys} must not overlap: an argument"
         " is either split, the batch, or folded per micro-batch, a key.")
   rows, split, mesh = leading_rows({f"argument {i}": args[i] for i in positions})
-  axes = _data_axes(axis_name, split, args, positions, in_step)
+  axes = data_axes(axis_name, split, args, positions, in_step)
   devices = _arrays.device_count(axes, mesh if split else None)
   if rows % devices:
     raise ValueError(
@@ -163,7 +163,7 @@ def leading_rows(batches: dict[str, Any]) -> tuple[int, tuple[Any, ...], Any]:
   return size, axes, mesh
 
 
-def _data_axes(axis_name: Any, split: tuple[Any, ...], args: Sequence[Any],
+def data_axes(axis_name: Any, split: tuple[Any, ...], args: Sequence[Any],
               positions: tuple[int, ...], in_step: bool = False) -> tuple[Any, ...]:
   """The mesh axes to run per device over, given ``split``, those the batch's type shows.
 

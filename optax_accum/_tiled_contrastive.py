@@ -458,7 +458,7 @@ def _devices(axis_name: Any, x: Any, y: Any) -> tuple[tuple[Any, ...] | None, An
           " over the devices (1/n of the truth). Use `jax.shard_map` with `check_vma=True`"
           f" (its default) and `in_specs=P({axis_name!r})` for the rows, or plain `jit`.")
     return axes, None
-  return None, _batch._data_axes(axis_name, split, (x, y), (0, 1))
+  return None, _batch.data_axes(axis_name, split, (x, y), (0, 1))
 
 
 def _check_pair(x: Any, y: Any) -> tuple[jax.Array, jax.Array]:
