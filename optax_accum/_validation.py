@@ -230,9 +230,6 @@ def check_schedule_at_zero(schedule: Callable[[jax.Array], Any]) -> None:
 
 def check_flag(value: Any, name: str) -> bool:
   """Returns ``value`` as a Python bool if it is a bool (numpy's too), else raises."""
-  if isinstance(value, Flush):  # read by a window of ours
-    value.taken = True
-    return True
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"`{name}` must be a bool; got {value!r}.")
   return bool(value)
@@ -324,6 +321,15 @@ class Flush:
 
   def __bool__(self) -> bool:
     return True
+
+
+def check_flush(value: Any) -> bool:
+  """``update``'s ``flush``, read by a window of ours: :func:`check_flag`'s bool, and a
+  :class:`Flush` flag marked ``taken``."""
+  if isinstance(value, Flush):
+    value.taken = True
+    return True
+  return check_flag(value, "flush")
 
 
 def check_flushed(flag: Flush) -> None:

@@ -272,7 +272,7 @@ def accumulate(
           "`state` must be the AccumulateState returned by this transform's"
           f" `init`; got {type(state).__name__}."
       )
-    flushing = _validation.check_flag(flush, "flush")
+    flushing = _validation.check_flush(flush)
     # The chain form has no optimizer inside to apply: `update_and_apply` applies the
     # updates it returns.
     apply = _validation.check_flag(apply, "apply") and config.inner is not None

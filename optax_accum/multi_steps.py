@@ -138,7 +138,7 @@ class MultiSteps:
       ``(updates, state)``: zeros on mid-steps, the inner optimizer's updates
       on the emitting step.
     """
-    flush, apply = _validation.check_flag(flush, "flush"), _validation.check_flag(apply, "apply")
+    flush, apply = _validation.check_flush(flush), _validation.check_flag(apply, "apply")
     _validation.check_keywords(extra_args, self._strict_kwargs, "MultiSteps.update",
                                ("apply", "flush"))
     # (No `axis_name`: one device's layout, and the checks need no mesh.)
