@@ -92,7 +92,8 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
       lambda *v: checked(*leaves.rebuild(v)), return_shape=True)(*a) for a in (avals, doubled))
   flows = _row_trail.walk(large.jaxpr, small.jaxpr, [_row_trail.Flow(
       frozenset({_row_trail.BATCH} if p[0].idx in positions else ()), "", None,
-      p[0].idx == _batch.PARAMS and jnp.issubdtype(x.dtype, jnp.inexact))
+      p[0].idx == _batch.PARAMS and jnp.issubdtype(x.dtype, jnp.inexact),
+      not jnp.issubdtype(x.dtype, jnp.inexact))
       for p, x in zip(leaves.paths, leaves.arrays, strict=True)], (2 * rows, rows), consts=[
           _row_trail.count(c, d, 2) or _row_trail.NONE
           for c, d in zip(large.consts, small.consts, strict=True)])

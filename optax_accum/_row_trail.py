@@ -35,7 +35,8 @@ _CAPTURED = "captured"
 _STAT = "a statistic of the batch"  # of the batch, and its shape does not follow the rows
 _SELECT = {"top_k": "axis", "sort": "dimension", "argmax": "axes", "argmin": "axes",
            "reduce_max": "axes", "reduce_min": "axes"}  # pick among the rows on these axes
-_CONSTANT = ("stop_gradient", "floor", "ceil", "round", "sign")  # no gradient flows through
+_ROUNDED = ("floor", "ceil", "round", "sign")  # whole numbers
+_CONSTANT = ("stop_gradient", *_ROUNDED)  # no gradient flows through
 _MAXIMA = {"reduce_max": "a max", "reduce_min": "a min", "argmax": "an argmax",
            "argmin": "an argmin"}
 _SUMS = ("reduce_sum", "dot_general", "scatter-add", "scatter_add")  # a sum over what they reduce
@@ -44,6 +45,7 @@ _LINEAR = frozenset("""neg convert_element_type reshape broadcast_in_dim transpo
   expand_dims slice dynamic_slice concatenate stack split pad reduce_sum copy copy_p select_n
   gather sharding_constraint reshard mesh_cast stop_gradient reduce_precision real imag conj
   cumsum""".split())
+_EXACT = _LINEAR | {"add", "sub", "mul", "add_any", "max", "min", "abs", "dot_general"}  # of wholes
 _MIXING = frozenset("""conv_general_dilated fft reduce_window reduce_window_sum reduce_window_max
   reduce_window_min select_and_scatter_add select_and_gather_add""".split())  # rows in windows
 _ACROSS = {"sort": "dimension", "cumsum": "axis", "cumprod": "axis", "cummax": "axis",
@@ -57,9 +59,10 @@ class Flow(NamedTuple):
   rows: str  # "": of no rows (the params, a constant); "rows": follows them; "sum": a sum over them
   why: str | None  # what makes it no sum over the rows: a max over them, a ratio of sums
   grad: bool  # a float that a float param reaches through floats
+  whole: bool = False  # whole numbers (of integers, bools, rounding): a cast to int is exact
 
 
-NONE = Flow(frozenset(), "", None, False)  # a literal's, a constant's
+NONE = Flow(frozenset(), "", None, False)  # a constant's
 
 
 class Trail:
@@ -159,14 +162,15 @@ def count(big: Any, small: Any, ratio: int) -> Flow | None:
   if np.array_equal(big, small, equal_nan=True):
     return None
   if np.array_equal(big, ratio * np.asarray(small)):
-    return Flow(frozenset(), "sum", None, False)
+    return Flow(frozenset(), "sum", None, False, True)
   return Flow(frozenset(), "", "a mean over the rows", False)
 
 
 def _join(flows: Sequence[Flow]) -> Flow:
   return Flow(frozenset().union(*(f.sources for f in flows)), max((f.rows for f in flows),
                                                                     default=""),
-              next((f.why for f in flows if f.why), None), any(f.grad for f in flows))
+              next((f.why for f in flows if f.why), None), any(f.grad for f in flows),
+              all(f.whole for f in flows))
 
 
 def _marked(a: Any, b: Any, outs: list[Flow]) -> list[Flow]:
@@ -221,15 +225,17 @@ def _op(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
     ctx.trail.visit(a, b, ins, ctx.in_loop)
   grad = joined.grad and name not in _CONSTANT
   grads = [grad and jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in b.outvars]
+  wholes = [not jnp.issubdtype(v.aval.dtype, jnp.inexact) or name in _ROUNDED or (
+      name in _EXACT and joined.whole) for v in b.outvars]
   if a is None:
     why = joined.why or (ctx.blind if BATCH in joined.sources else None)
-    return [joined._replace(why=why, grad=g) for g in grads]
+    return [joined._replace(why=why, grad=g, whole=w) for g, w in zip(grads, wholes, strict=True)]
   ins, counts = _operands(ctx, a, b, ins)
   follows = [v.aval.shape != w.aval.shape for v, w in zip(b.outvars, a.outvars, strict=True)]
   rows, why = _not_a_sum(name, a, b, ins, counts, any(follows), ctx.rows)
   why = next((f.why for f in ins if f.why), None) or why
-  return _marked(a, b, [Flow(joined.sources, "rows" if f else rows, why, g)
-                        for f, g in zip(follows, grads, strict=True)])
+  return _marked(a, b, [Flow(joined.sources, "rows" if f else rows, why, g, w)
+                        for f, g, w in zip(follows, grads, wholes, strict=True)])
 
 
 def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
@@ -272,6 +278,9 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
     return "", "a ratio of sums over the rows" if all(summed) else "a reciprocal of a sum over them"
   if name == "convert_element_type" and b.params["new_dtype"] == np.bool_:
     return "", "a sum cast to bool (whether it is nonzero)"
+  if name == "convert_element_type" and not (
+      ins[0].whole or jnp.issubdtype(b.params["new_dtype"], jnp.inexact)):
+    return "", "a sum of fractions cut to an integer (`astype`: sum integers, or keep floats)"
   values = {"select_n": summed[1:], "concatenate": summed, "stack": summed, "pad": summed}.get(
       name, summed[:1])  # the operands whose entries it holds (not a slice's index)
   if name in _LINEAR and all(values) and not (name == "select_n" and ins[0].rows):
@@ -281,7 +290,7 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
 
 
 _RULES = _jaxpr.Rules(dict.fromkeys((_jaxpr.CALL, "scan", "shard_map", "cond", "while"), _nested),
-                      _op, lambda v: NONE)
+                      _op, lambda v: NONE._replace(whole=bool(np.all(np.round(v.val) == v.val))))
 
 
 def _check_key(labels: frozenset) -> None:

@@ -584,6 +584,9 @@ _STATISTICS = {
     "jnp.histogram": (lambda x, m: jnp.histogram(x[:, 0], bins=3, range=(-2, 2))[0], True),
     "tokens flattened": (lambda x, m: jnp.sum(x.reshape(-1) > 0), True),
     "the rows' count itself": (lambda x, m: jnp.array(x.shape[0]), True),
+    "fractions summed, cut to int": (lambda x, m: jnp.sum(x[:, 0] ** 2).astype(jnp.int32), False),
+    "a one-hot count in floats, cast to int": (lambda x, m: jnp.sum(jax.nn.one_hot(
+        (x[:, 0] > 0).astype(jnp.int32), 2) * (m > 0)[:, None], 0).astype(jnp.int32), True),
 }
 
 
