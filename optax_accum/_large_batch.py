@@ -232,10 +232,12 @@ def check_large_batch(
                                                                    for j in range(k)])}
       own = {**kwargs, "stats": jax.tree.map(lambda n, w: w if jnp.issubdtype(
           w.dtype, jnp.integer) else jnp.asarray(n), pooled(*args), wide["stats"])}
-    on_micro, _, (seen, _) = _in_float64(fn, micro(0), own, b_nums, programs["fn"])
-    # The whole batch's trace, beside the micro-batch's: refuses draws per row.
-    on_whole, as_trained, (_, found) = _in_float64(fn, args, own, b_nums, programs["fn"], seen,
-                                                   (rows, rows // k))
+    on_micro, _, seen = _in_float64(fn, micro(0), own, b_nums, programs["fn"])
+    on_whole, as_trained, traced = _in_float64(fn, args, own, b_nums, programs["fn"])
+    found = Trail()  # the whole batch's trace, beside the micro-batch's: refuses draws per row
+    if k > 1:  # (one micro-batch is the whole batch)
+      walk(traced, seen, [source(p, b_nums) for p in _arrays.ArrayLeaves.of((args, own)).paths],
+           (rows, rows // k), found)
     out = as_trained(args)
     _batch.check_no_batch_gradient(_batch.unpack(out, normalize, has_aux).grads, args, b_nums, rows)
     native = grads(out, "the whole batch")  # what training sees
@@ -260,18 +262,14 @@ def check_large_batch(
 
 def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                 b_nums: tuple[int, ...], programs: dict[Any, Any],
-                other: jax_core.Jaxpr | None = None, rows: tuple[int, int] = (1, 1),
-                ) -> tuple[Callable[..., Any], Callable[..., Any], tuple[Any, Trail]]:
+                ) -> tuple[Callable[..., Any], Callable[..., Any], jax_core.Jaxpr]:
   """``f``'s outputs on arguments shaped like ``args``: in float64 (``_float64.evaluate``), and
   in ``f``'s own dtypes (its trace compiled as it is: what training sees).
 
   ``f`` is traced on ``args`` as they are, once per types of its arguments: ``programs``
   (``f``'s alone: no key names ``f``) keeps the float64 program of each and the trace's own,
   so a check called again on new batches compiles nothing (an eager ``microbatched``
-  compiled its scan on every call). Returns them with ``f``'s trace and its walk
-  (:class:`Trail`) beside ``other``, the trace of a micro-batch (``rows``: the batch's in
-  each), when given: raises where ``f`` draws random numbers per row from a key no batch
-  argument feeds.
+  compiled its scan on every call). Returns them with ``f``'s trace.
   """
   inputs = _arrays.ArrayLeaves.of((args, kwargs))
   static = tuple(x for x in inputs.leaves if not isinstance(x, (jax.Array, np.ndarray)))
@@ -282,11 +280,8 @@ def _in_float64(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
       return f(*a, **kw)
 
     closed, shape = jax.make_jaxpr(traced, return_shape=True)(*inputs.arrays)
-    trail = Trail()
-    if other is not None:
-      walk(closed.jaxpr, other, [source(path, b_nums) for path in inputs.paths], rows, trail)
     programs[key] = (_float64.evaluate(closed), jax.jit(jax_core.jaxpr_as_fun(closed)),
-                     jax.tree.structure(shape), (closed.jaxpr, trail))
+                     jax.tree.structure(shape), closed.jaxpr)
   wide, own, out, traced = programs[key]
   on = lambda run: lambda new, kw=kwargs: jax.tree.unflatten(
       out, run(*_arrays.ArrayLeaves.of((new, kw)).arrays))

@@ -249,8 +249,8 @@ _straight_through.defjvp(lambda primals, tangents: (jnp.round(primals[0]), tange
      r"\['P'\] has a gradient.*stop_gradient"),
     (lambda p, b: {"R": _straight_through(forward(p, b)[1][0][1]).sum(0)}, ValueError,
      r"\['R'\] has a gradient.*stop_gradient"),  # (through its own rule: round has none)
-    (lambda p, b: {"flat": b["mask"].reshape(-1)}, ValueError,
-     r"\['flat'\] has shape \(24,\) on 8 rows and \(48,\) on 16: no one axis holds the rows"),
+    (lambda p, b: {"pairs": b["mask"].reshape(-1, 2 * T)}, ValueError,
+     r"\['pairs'\] is rows paired, shifted or cut"),  # (two rows to an entry of the first axis)
 ])
 def test_bad_statistics_raise_naming_the_leaf_and_the_fix(bad: Any, error: type,
                                                           match: str) -> None:
@@ -583,6 +583,7 @@ _STATISTICS = {
     "Python sum": (lambda x, m: sum(jnp.sum(x[:, i] > 0) for i in range(3)), True),
     "jnp.histogram": (lambda x, m: jnp.histogram(x[:, 0], bins=3, range=(-2, 2))[0], True),
     "tokens flattened": (lambda x, m: jnp.sum(x.reshape(-1) > 0), True),
+    "per token, flattened": (lambda x, m: (x > 0).reshape(-1).astype(jnp.int32), True),
     "the rows' count itself": (lambda x, m: jnp.array(x.shape[0]), True),
     "fractions summed, cut to int": (lambda x, m: jnp.sum(x[:, 0] ** 2).astype(jnp.int32), False),
     "a one-hot count in floats, cast to int": (lambda x, m: jnp.sum(jax.nn.one_hot(
@@ -597,7 +598,7 @@ def test_a_statistic_is_linear_in_the_rows_or_refused(name: str) -> None:
   is not: ratios, reciprocals, norms, a sort, a max inside a ``cond``, a constant added."""
   stat, linear = _STATISTICS[name]
   x64, m64 = np.asarray(_X, np.float64), np.asarray(_M, np.float64)
-  pool = lambda s, rows: np.sum(s, 0) if np.ndim(s) and np.shape(s)[0] == rows else s
+  pool = lambda s, rows: np.sum(s, 0) if np.ndim(s) and np.shape(s)[0] % rows == 0 else s
   with jax.enable_x64(True):
     whole = pool(np.asarray(stat(jnp.asarray(x64), jnp.asarray(m64))), 16)
     parts = sum(pool(np.asarray(stat(jnp.asarray(x64[i::4]), jnp.asarray(m64[i::4]))), 4)
