@@ -173,6 +173,16 @@ def _join(flows: Sequence[Flow]) -> Flow:
               all(f.whole for f in flows))
 
 
+def _either(flows: Sequence[Flow]) -> Flow:
+  """One value of several that a ``cond`` (its branches) or a ``while`` (its carry and body)
+  chooses among: no sum over the rows where one of them is a sum and another a constant."""
+  joined = _join(flows)
+  if joined.rows == "sum" and any(not f.rows for f in flows):
+    return joined._replace(why=joined.why or "a sum over the rows or a constant, as a `cond` or"
+                           " a loop chooses")
+  return joined
+
+
 def _marked(a: Any, b: Any, outs: list[Flow]) -> list[Flow]:
   """``outs``, a value of the batch whose shape does not follow the rows marked a statistic."""
   if a is None:
@@ -206,11 +216,15 @@ def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   in_loop = ctx.in_loop or name == "while" or (name == "scan" and a is None)
   others = iter(_jaxpr.inner(a)) if a is not None else itertools.repeat(None)
   outs = _jaxpr.descend(b, ins, lambda j, x: walk(j, next(others), x, ctx.rows, trail,
-                                                  in_loop=in_loop, blind=blind), _join)
+                                                  in_loop=in_loop, blind=blind), _either)
   if _jaxpr.differentiated_by_rule(b):  # (a straight-through rounding): floats are reached
     grad = any(f.grad for f in ins)
     outs = [o._replace(grad=o.grad or (grad and jnp.issubdtype(v.aval.dtype, jnp.inexact)))
             for o, v in zip(outs, b.outvars, strict=True)]
+  c, n = b.params.get("num_consts", 0), b.params.get("num_carry", 0)  # a scan's, walked once
+  if any(o.rows == "sum" != f.rows for o, f in zip(outs[:n], ins[c:c + n], strict=True)):
+    outs = [o._replace(why=o.why or "a loop's carry made a sum: the next step gets a sum, as"
+                       " no step before it did") for o in outs]
   if name == "cond" and (ins[0].rows or ins[0].why):  # chosen by the batch
     outs = [o._replace(why=o.why or ins[0].why or "a choice (`cond`) by the batch's values")
             for o in outs]

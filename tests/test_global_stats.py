@@ -537,6 +537,13 @@ _STATISTICS = {
     "std": (lambda x, m: jnp.std(x, 0), False),
     "median": (lambda x, m: jnp.median(x[:, 0]), False),
     "max in a cond": (lambda x, m: lax.cond(True, lambda: jnp.max(x[:, 0]), lambda: 0.0), False),
+    "a count or a constant, by a cond": (lambda x, m: lax.cond(
+        False, lambda: jnp.sum(m), lambda: jnp.ones((), m.dtype)), False),
+    "a count squared by a scan's carry": (lambda x, m: lax.scan(
+        lambda c, _: (c * jnp.sum(m), c * jnp.sum(m)), jnp.ones((), m.dtype), None, length=2)[1],
+        False),
+    "a count carried by a scan from a count": (lambda x, m: lax.scan(
+        lambda c, _: (c + jnp.sum(m), None), jnp.sum(m), None, length=2)[0], True),
     "count plus one": (lambda x, m: jnp.sum(m) + 1.0, False),
     "centred": (lambda x, m: jnp.sum((x[:, 0] - jnp.sum(x[:, 0])) ** 2), False),
     "cumsum": (lambda x, m: jnp.sum(jnp.cumsum(x[:, 0])), False),
