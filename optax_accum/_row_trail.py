@@ -222,9 +222,9 @@ def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
     outs = [o._replace(grad=o.grad or (grad and jnp.issubdtype(v.aval.dtype, jnp.inexact)))
             for o, v in zip(outs, b.outvars, strict=True)]
   c, n = b.params.get("num_consts", 0), b.params.get("num_carry", 0)  # a scan's, walked once
-  if any(o.rows == "sum" != f.rows for o, f in zip(outs[:n], ins[c:c + n], strict=True)):
-    outs = [o._replace(why=o.why or "a loop's carry made a sum: the next step gets a sum, as"
-                       " no step before it did") for o in outs]
+  if any(o.rows != f.rows for o, f in zip(outs[:n], ins[c:c + n], strict=True)):
+    outs = [o._replace(why=o.why or "a loop's carry made a sum, or a sum made a constant: the"
+                       " next step gets what no step before it did") for o in outs]
   if name == "cond" and (ins[0].rows or ins[0].why):  # chosen by the batch
     outs = [o._replace(why=o.why or ins[0].why or "a choice (`cond`) by the batch's values")
             for o in outs]

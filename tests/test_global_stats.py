@@ -542,6 +542,8 @@ _STATISTICS = {
     "a count squared by a scan's carry": (lambda x, m: lax.scan(
         lambda c, _: (c * jnp.sum(m), c * jnp.sum(m)), jnp.ones((), m.dtype), None, length=2)[1],
         False),
+    "a count, then a constant, from a scan": (lambda x, m: lax.scan(
+        lambda c, _: (jnp.ones((), m.dtype), c), jnp.sum(m), None, length=2)[1], False),
     "a count carried by a scan from a count": (lambda x, m: lax.scan(
         lambda c, _: (c + jnp.sum(m), None), jnp.sum(m), None, length=2)[0], True),
     "count plus one": (lambda x, m: jnp.sum(m) + 1.0, False),
