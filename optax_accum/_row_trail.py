@@ -294,7 +294,8 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
     return "", "a sum cast to bool (whether it is nonzero)"
   if name == "convert_element_type" and not (
       ins[0].whole or jnp.issubdtype(b.params["new_dtype"], jnp.inexact)):
-    return "", "a sum of fractions cut to an integer (`astype`: sum integers, or keep floats)"
+    return "", ("a float sum cut to an integer (`astype`), which may drop a fraction per"
+                " micro-batch: sum integers (`m.astype(jnp.int32).sum()`), or keep floats")
   values = {"select_n": summed[1:], "concatenate": summed, "stack": summed, "pad": summed}.get(
       name, summed[:1])  # the operands whose entries it holds (not a slice's index)
   if name in _LINEAR and all(values) and not (name == "select_n" and ins[0].rows):
