@@ -9,7 +9,7 @@ the streamed update alone (separate leaves, one stacked leaf; bit for bit agains
 the device where it fits); the largest MLP in a scan that trains two windows with a finite loss,
 f32 adam, k = 4, the state on the device and with ``host_state``, bisected by compiling, each
 try run; host_state at the device's largest size (the window's time, host RAM);
-``host_state_tpu.{md,json,png}`` in ``--out``."""
+``host_state_tpu.{md,json}`` in ``--out``."""
 
 import argparse
 import functools
@@ -280,21 +280,6 @@ def tpu_markdown(t):
       f" layers in 0.85 of {t['ram'] / 2**30:.1f} GiB."]
 
 
-def plot(r):
-  """Device bytes per parameter of each step, the state on the device against in pinned_host."""
-  fig, ax = harness.pyplot().subplots(figsize=(7, 3.2), dpi=120)
-  steps = [x for x in r["memory"] if x["state"] == "device"]
-  for i, (label, state) in enumerate((("state on the device", "device"), (f"host: {FORM}", HOST))):
-    values = [x[FORM] for x in r["memory"] if x["state"] == state]  # in steps' order
-    ax.bar([j + 0.2 * (i - 1.5) for j in range(len(steps))], values, 0.2, label=label)
-  ax.set_xticks(range(len(steps)), [f"{s['step']}, {s['params']}".replace(", ", "\n")
-                                    for s in steps], fontsize=7)
-  ax.set_ylabel("device bytes / parameter")
-  ax.set_title(f"adam's state in host memory: {r['compiler']}", fontsize=9)
-  ax.legend(fontsize=7)
-  return fig
-
-
 def main():
   ap = harness.parser(__doc__, quick="small sizes (checks the script)", layers=[8, 64, 32, 128])
   ap.add_argument("--tpu", action="store_true", help="also the real run on the chip (--quick: CPU)")
@@ -309,7 +294,7 @@ def main():
   r = {"command": " ".join(["python benchmarks/bench_host_state.py", *sys.argv[1:]]),
        "machine": harness.machine(), "memory": memory(args.quick, dev),
        "compiler": f"XLA on {jax.devices()[0].device_kind}", **real}
-  harness.write(args.out, "host_state_" + ("tpu" if args.tpu else "cpu"), r, markdown(r), plot)
+  harness.write(args.out, "host_state_" + ("tpu" if args.tpu else "cpu"), r, markdown(r))
 
 
 if __name__ == "__main__":
