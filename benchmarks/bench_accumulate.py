@@ -3,7 +3,7 @@
 Train steps (params and state donated, k = 4; NOTES.md says how they are timed):
 ``oa.accumulate``, ``oa.update_and_apply`` and ``oa.MultiSteps`` against the plain
 optimizer, ``optax.MultiSteps`` and the 3P floor; per program, temporaries and
-conditionals; per-call time on a tiny model; the tracked rows at 4M, adam.
+conditionals; the tracked rows at 4M, adam.
 
   python benchmarks/bench_accumulate.py --rounds 41      # 1M, 4M, 16M; sgd, adam
   python benchmarks/bench_accumulate.py --quick          # 256K, 3 rounds of 2 windows (smoke)
@@ -31,7 +31,6 @@ from optax_accum.debug import conditionals
 Tree = Any
 LEAVES = 8
 K_WINDOW = 4
-TINY_PARAMS = LEAVES * 128
 FLOOR_PASSES = 3  # acc += g: read g, read acc, write acc
 SIZES, OPTIMIZERS = (2**20, 2**22, 2**24), {"sgd": optax.sgd, "adam": optax.adam}
 PROGRAMS: dict[str, str] = {
@@ -173,8 +172,8 @@ class CopyTimer:
     self.samples.append((self.timed(self.CALLS + 1) - one) / self.CALLS)
 
 
-def run_rounds(timers: Sequence[Timer], copy: CopyTimer, rounds: int, windows: int,
-               seed: int = 0) -> list[float]:
+def run_rounds(timers: Sequence[Timer], copy: CopyTimer, rounds: int,
+               windows: int) -> list[float]:
   """One warm-up window per program, then ``harness.interleaved`` rounds of every
   program (``windows`` windows) and the copy; returns the copy's time per round."""
   for t in timers:
@@ -183,7 +182,7 @@ def run_rounds(timers: Sequence[Timer], copy: CopyTimer, rounds: int, windows: i
   start = len(copy.samples)
   runs = [*timers, copy]  # keyed by position: a Timer is not hashable
   harness.interleaved({i: functools.partial(t.run_round, windows) for i, t in enumerate(runs)},
-                      rounds, seed=seed, warmup=0)
+                      rounds, warmup=0)
   return copy.samples[start:]
 
 
@@ -215,16 +214,6 @@ def summarize(timers: Sequence[Timer], copies: Mapping[str, Sequence[float]], co
   return out
 
 
-def host_overhead(opt_name: str, rounds: int, windows: int) -> list[dict[str, Any]]:
-  """Per-call time of each program on a tiny model, where dispatch dominates."""
-  params, grads = make_tree(TINY_PARAMS), make_tree(TINY_PARAMS, fill=1e-3)
-  timers = [compile_program(p, params, grads) for p in make_programs(opt_name)]
-  run_rounds(timers, CopyTimer(2**12), rounds, windows, seed=1)
-  return [{"optimizer": opt_name, "program": t.program.key,
-           **{f"{phase}_call_s": harness.median(s) for phase, s in t.samples.items()}}
-          for t in timers]
-
-
 def tracked(records: Sequence[dict[str, Any]], size: int,
             limits: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
   """The tracked rows from the records at ``size``, adam; ``limits`` replace ``TRACKED``'s."""
@@ -238,12 +227,12 @@ def tracked(records: Sequence[dict[str, Any]], size: int,
   return out
 
 
-def _x(v: float | None, spec: str = "{:.2f}x", scale: float = 1) -> str:
-  return "-" if v is None else spec.format(v * scale)
+def _x(v: float | None, spec: str = "{:.2f}x") -> str:
+  return "-" if v is None else spec.format(v)
 
 
 def sections(result: dict[str, Any], limits: str = "") -> list[str]:
-  """Bandwidth, one table per size and optimizer, per-call time, tracked rows."""
+  """Bandwidth, one table per size and optimizer, tracked rows."""
   meta, bw = result["meta"], result["bandwidth"]
   lines = [f"Copy bandwidth ({bw['copy_bytes'] // 2 // 2**20} MiB into a donated buffer, read +"
            f" write): **{bw['copy_GBps']:.1f} GB/s**; the 3P floor is 3 x parameter bytes over"
@@ -258,16 +247,6 @@ def sections(result: dict[str, Any], limits: str = "") -> list[str]:
                     [[r["label"], f"{r['time_s'] * 1e3:.3f}", _x(r["ratio_floor"]),
                       _x(r["ratio_plain"]), _x(r["ratio_optax_multisteps"]),
                       _x(r["temps_ratio"]), _x(r["conditionals"], "{}")] for r in recs]), ""]
-  lines += ["## Per-call time on a tiny model", "",
-            f"{TINY_PARAMS} f32 params in {LEAVES} leaves, calls dispatched back to back: the"
-            " host's time per call dominates.",
-            ""]
-  for opt in meta["optimizers"]:
-    lines += [f"### {opt}", "", *harness.table(
-        "program | mid / step us per call | emit us per call", "lrr",
-        [[PROGRAMS[h["program"]], _x(h.get("mid_call_s", h.get("step_call_s")), "{:.1f}", 1e6),
-          _x(h.get("emit_call_s"), "{:.1f}", 1e6)]
-         for h in result["host_overhead"] if h["optimizer"] == opt]), ""]
   heading = f"## Tracked rows ({size_label(result['tracked_size'])} params, adam{limits})"
   return [*lines, heading, "", *harness.table("tracked row | measured | limit |", "lrrc", [
       [b["name"], _x(b["value"], "{:.3f}x"), _x(b["limit"], "{}x"),
@@ -317,15 +296,14 @@ def windows_for(size: int) -> int:
 def result(sizes: Sequence[int], opts: Sequence[str], rounds: int, copy: CopyTimer,
            records: list[dict[str, Any]], tracked_size: int,
            limits: Mapping[str, float] | None = None) -> dict[str, Any]:
-  """The records, the copy bandwidth, the per-call time on a tiny model and the tracked rows
-  (``limits``: :func:`tracked`'s) in a result with its meta (the caller adds argv and wall_s)."""
+  """The records, the copy bandwidth and the tracked rows (``limits``: :func:`tracked`'s) in a
+  result with its meta (the caller adds argv and wall_s)."""
   copy_s = harness.median(copy.samples)
   return {"meta": {"sizes": list(sizes), "optimizers": list(opts), "rounds": rounds,
                    "leaves": LEAVES, "k": K_WINDOW, **harness.machine()},
           "bandwidth": {"copy_bytes": copy.bytes_moved, "copy_time_s": copy_s,
                         "copy_GBps": copy.bytes_moved / copy_s / 1e9},
           "records": records, "tracked_size": tracked_size,
-          "host_overhead": [h for opt in opts for h in host_overhead(opt, rounds, windows=16)],
           "tracked": tracked(records, tracked_size, limits) if "adam" in opts else []}
 
 

@@ -4,23 +4,17 @@ the tiled losses (``contrastive.clip_loss``, ``siglip_loss``) against the dense 
 Two towers (an MLP over tokens, mean-pooled, normalised), CLIP's and SigLIP's losses:
 per k, ``harness.compare`` against the whole batch; by batch, what stays whole-batch.
 The tiled losses (``--tiled``, or after the above): the temporaries and step time of
-``value_and_grad`` of the loss alone, dense and tiled; with ``--h200`` (the venv of
-``gpu_hlo.py --setup``) the temporaries from XLA's H200 compiler, deviceless::
+``value_and_grad`` of the loss alone, dense and tiled::
 
   python benchmarks/bench_contrastive.py                   # ~15 minutes on 2 CPU cores
   python benchmarks/bench_contrastive.py --quick --out /tmp/contrastive   # smoke
   python benchmarks/bench_contrastive.py --tiled           # results/contrastive_tiled.*
-  /tmp/gpuvenv/bin/python benchmarks/bench_contrastive.py --tiled --h200   # ..._tiled_h200.*
 """
 
 from __future__ import annotations
 
 import os
 import sys
-
-if "--h200" in sys.argv:  # gpu_hlo hides the GPU runtime before jax is imported (deviceless)
-  import gpu_hlo
-
 from typing import Any
 
 import harness
@@ -103,22 +97,20 @@ TILED = {"CLIP": (dense_clip, contrastive.clip_loss, (0.07,)),
          "SigLIP": (dense_siglip, contrastive.siglip_loss, (0.1, -10.0))}
 
 
-def tiled_losses(a: Any, sharding: Any = None) -> list[dict[str, Any]]:
-  """Per loss and batch: compiled temporaries, dense and tiled; unless ``sharding`` (a
-  deviceless target), their step times and the tiled's difference from the dense."""
+def tiled_losses(a: Any) -> list[dict[str, Any]]:
+  """Per loss and batch: compiled temporaries, dense and tiled, their step times and the
+  tiled's difference from the dense."""
   rows = []
   for name, (dense, tiled, scalars) in TILED.items():
     argnums = tuple(range(2 + len(scalars)))
     for batch in a.sizes:
-      shapes = [jax.ShapeDtypeStruct((batch, a.dim), jnp.float32, sharding=sharding)] * 2 + [
-          jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding)] * len(scalars)
+      shapes = [jax.ShapeDtypeStruct((batch, a.dim), jnp.float32)] * 2 + [
+          jax.ShapeDtypeStruct((), jnp.float32)] * len(scalars)
       compiled = {k: jax.jit(jax.value_and_grad(f, argnums=argnums)).lower(*shapes).compile()
                   for k, f in (("dense", dense), ("tiled", tiled))}
       row = {"loss": name, "batch": batch, **{f"{k}_temp_bytes": int(
           c.memory_analysis().temp_size_in_bytes) for k, c in compiled.items()}}
       rows.append(row)
-      if sharding is not None:
-        continue
       kx, ky = jax.random.split(jax.random.key(2))  # unit rows, y near x
       x = jax.random.normal(kx, (batch, a.dim))
       unit = lambda v: v / jnp.linalg.norm(v, axis=1, keepdims=True)
@@ -158,26 +150,21 @@ def tiled_checks(rows: list[dict[str, Any]]) -> list[str]:
 
 def tiled_markdown(r: dict[str, Any]) -> str:
   s, rows = r["setup"], r["rows"]
-  timed = "tiled_s" in rows[0]
   def cells(x: dict[str, Any]) -> list[Any]:
-    out = [x["loss"], f"{x['batch']:,}", harness.mib(x["dense_temp_bytes"]),
-           harness.mib(x["tiled_temp_bytes"]),
-           f"{x['tiled_temp_bytes'] / x['dense_temp_bytes']:.4f}x"]
-    if timed:
-      out += [f"{x['dense_s']:.2f}" if "dense_s" in x else "not run (compiled only)",
-              f"{x['tiled_s']:.2f}", f"{x['time_ratio']:.2f}x" if "time_ratio" in x else "-",
-              f"{x['grad_rel_diff']:.1e}" if "grad_rel_diff" in x else "-"]
-    return out
-  head = "loss | B | dense temporaries (MiB) | tiled (MiB) | tiled / dense"
-  if timed:
-    head += " | dense step (s) | tiled step (s) | tiled / dense time | max rel. grad diff"
+    return [x["loss"], f"{x['batch']:,}", harness.mib(x["dense_temp_bytes"]),
+            harness.mib(x["tiled_temp_bytes"]),
+            f"{x['tiled_temp_bytes'] / x['dense_temp_bytes']:.4f}x",
+            f"{x['dense_s']:.2f}" if "dense_s" in x else "not run (compiled only)",
+            f"{x['tiled_s']:.2f}", f"{x['time_ratio']:.2f}x" if "time_ratio" in x else "-",
+            f"{x['grad_rel_diff']:.1e}" if "grad_rel_diff" in x else "-"]
+  head = ("loss | B | dense temporaries (MiB) | tiled (MiB) | tiled / dense | dense step (s) |"
+          " tiled step (s) | tiled / dense time | max rel. grad diff")
   return "\n".join([
       f"`python benchmarks/bench_contrastive.py {' '.join(s['argv'])}`: `value_and_grad` of the"
       f" loss alone, [B, {s['dim']}] float32 embeddings, default tiles; {s['where']}, jax"
-      f" {s['jax']}, {s['date']}" + (f"; step: the median of {s['rounds']} rounds, the ratio"
-                                     " the median of same-round ratios" if timed else "") + ".",
-      "", *harness.table(head, "lrrrr" + "rrrr" * timed, [cells(x) for x in rows]), "",
-      *tiled_checks(rows)])
+      f" {s['jax']}, {s['date']}; step: the median of {s['rounds']} rounds, the ratio the median"
+      " of same-round ratios.", "", *harness.table(head, "lrrrrrrrr", [cells(x) for x in rows]),
+      "", *tiled_checks(rows)])
 
 
 def tiled_plot(r: dict[str, Any]) -> Any:
@@ -195,14 +182,9 @@ def tiled_plot(r: dict[str, Any]) -> Any:
 
 
 def main_tiled(a: Any, argv: list[str] | None) -> dict[str, Any]:
-  sharding, where = None, f"XLA:CPU ({os.cpu_count()} cores)"
-  if a.h200:
-    sharding, info = gpu_hlo.target(None)
-    where = info["title"]
   result = {"setup": {**vars(a), "argv": list(argv or []), "out": None, **harness.machine(),
-                      "where": where}, "rows": tiled_losses(a, sharding)}
-  stem = "contrastive_tiled" + "_h200" * a.h200
-  harness.write(a.out, stem, result, tiled_markdown(result), None if a.h200 else tiled_plot)
+                      "where": f"XLA:CPU ({os.cpu_count()} cores)"}, "rows": tiled_losses(a)}
+  harness.write(a.out, "contrastive_tiled", result, tiled_markdown(result), tiled_plot)
   return result
 
 
@@ -214,13 +196,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       layers=4, seq=16, d_in=32, emb=64, batch=256, micro=32, rounds=5, iters=2,
       ks=[1, 2, 4, 8, 16], sizes=[4096, 16384, 32768], dim=256, max_dense_gib=8.0)
   ap.add_argument("--tiled", action="store_true", help="the tiled losses only")
-  ap.add_argument("--h200", action="store_true",
-                  help="with --tiled: temporaries from the H200 compiler, deviceless")
   a = ap.parse_args(argv)
   if a.quick:
     a.width, a.layers, a.seq, a.batch, a.ks, a.rounds = 16, 1, 4, 32, [1, 2, 4], 2
     a.sizes, a.dim = [256, 1024, 2048], 32
-  if a.tiled or a.h200:
+  if a.tiled:
     return main_tiled(a, argv)
   params, losses = init(a), {}
   batch = jax.random.normal(jax.random.key(1), (a.batch, 2, a.seq, a.d_in))

@@ -9,7 +9,7 @@ the streamed update alone (separate leaves, one stacked leaf; bit for bit agains
 the device where it fits); the largest MLP in a scan that trains two windows with a finite loss,
 f32 adam, k = 4, the state on the device and with ``host_state``, bisected by compiling, each
 try run; host_state at the device's largest size (the window's time, host RAM);
-``host_state_tpu.{md,json,png}`` in ``--out``."""
+``host_state_tpu.{md,json}`` in ``--out``."""
 
 import argparse
 import functools
@@ -20,10 +20,6 @@ import subprocess
 import sys
 import time
 
-if "--tpu-deviceless" in sys.argv:  # the TPU v5e compiler without a chip (libtpu, deviceless)
-  os.environ.update(TPU_SKIP_MDS_QUERY="1", TPU_ACCELERATOR_TYPE="v5litepod-4",
-                    TPU_WORKER_HOSTNAMES="localhost", TPU_WORKER_ID="0", JAX_PLATFORMS="cpu")
-  import gpu_hlo
 import harness
 import jax
 import jax.numpy as jnp
@@ -36,12 +32,11 @@ import optax_accum as oa
 K, HOST, FORM = 4, "pinned_host", "one program"
 
 
-def args_of(params, batch, dev, on_host, across, concrete):
-  """``(params, state, batch)`` on ``dev``; arrays where memory kinds type (not abstract ones)."""
+def args_of(params, batch, dev, on_host, across):
+  """``(params, state, batch)`` on ``dev``: arrays, where memory kinds type (not abstract ones)."""
   state = jax.eval_shape(oa.accumulate(K, optax.adam(1e-3)).init, params)
   inner = oa.offload.HostState(state.inner_opt_state) if on_host else state.inner_opt_state
-  put = lambda t, s: jax.tree.map(lambda x: jax.device_put(jnp.zeros(x.shape, x.dtype), s) if (
-      concrete) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t)
+  put = lambda t, s: jax.tree.map(lambda x: jax.device_put(jnp.zeros(x.shape, x.dtype), s), t)
   inner = put(inner, oa.offload.in_host_memory(dev) if on_host else dev)
   return put(params, dev), put(state, dev)._replace(inner_opt_state=inner) if across else (
       inner), put(batch, dev)
@@ -53,18 +48,18 @@ def device_bytes(m, host):
       m.temp_size_in_bytes)
 
 
-def forms(row, step, params, batch, dev, abstract):
+def forms(row, step, params, batch, dev):
   """``row`` with the device bytes per parameter of ``step``'s one program (jitted, params and
   state donated)."""
   on_host, across = row["state"] == HOST, row["step"] != "MLP, in-step"
-  args = args_of(params, batch, dev, on_host, across, not abstract)
+  args = args_of(params, batch, dev, on_host, across)
   n = sum(x.size for x in jax.tree.leaves(params))
   host = 8 * n * (row["params"] == "float32" or 0.5) if on_host else 0  # adam's mu and nu
   m = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile().memory_analysis()
   return {**row, FORM: round(device_bytes(m, host) / n, 2), "host bytes": host / n}
 
 
-def memory(quick, dev, abstract):
+def memory(quick, dev):
   n, d, rows = 1 << (16 if quick else 26), 256 if quick else 2048, []
   mlp = {f"w{i}": jax.ShapeDtypeStruct((d, d), jnp.float32) for i in range(4)}
   loss = lambda p, x: jnp.mean(functools.reduce(lambda h, w: jnp.tanh(h @ w), p.values(), x)**2)
@@ -78,10 +73,10 @@ def memory(quick, dev, abstract):
     for dt, leaves in (("float32", 4), ("bfloat16", 4), ("float32", 16)):  # n in 1-D leaves
       params = {f"w{i}": jax.ShapeDtypeStruct((n // leaves,), dt) for i in range(leaves)}
       rows.append(forms({"step": f"update, {leaves} leaves", "params": dt, "state": state},
-                        update, params, params, dev, abstract))
+                        update, params, params, dev))
     rows.append(forms({"step": "MLP, in-step", "params": "float32", "state": state},
                       functools.partial(in_step, opt), mlp,
-                      jax.ShapeDtypeStruct((8 * d, d), jnp.float32), dev, abstract))
+                      jax.ShapeDtypeStruct((8 * d, d), jnp.float32), dev))
     # Across steps: the real run's step (`real_run`), (layers, d, d) in a lax.scan.
     layers, width = (2, 128) if quick else (8, 4096)
     held = real_run(layers, width, state == HOST, float("inf"), False, dev)["device bytes"]
@@ -115,9 +110,10 @@ def real_run(layers, d, host, limit, run_it, dev=None):
                        jax.eval_shape(tx.init, params), oa.sharding.state_shardings(tx, params))
   x = jax.ShapeDtypeStruct((4 * K, d), jnp.float32, sharding=dev)
   try:
-    held = device_bytes(step.lower(params, state, x).compile().memory_analysis(), 8 * n * host)
+    step = step.lower(params, state, x).compile()  # runs as compiled (a jit call compiles again)
   except Exception:  # over the chip's memory: the compiler refuses it
     return None
+  held = device_bytes(step.memory_analysis(), 8 * n * host)
   if held > limit or not run_it:
     return None if held > limit else {"device bytes": held}
   p = jax.random.normal(jax.random.key(0), (layers, d, d)) / d**0.5
@@ -285,24 +281,8 @@ def tpu_markdown(t):
       f" layers in 0.85 of {t['ram'] / 2**30:.1f} GiB."]
 
 
-def plot(r):
-  """Device bytes per parameter of each step, the state on the device against in pinned_host."""
-  fig, ax = harness.pyplot().subplots(figsize=(7, 3.2), dpi=120)
-  steps = [x for x in r["memory"] if x["state"] == "device"]
-  for i, (label, state) in enumerate((("state on the device", "device"), (f"host: {FORM}", HOST))):
-    values = [x[FORM] for x in r["memory"] if x["state"] == state]  # in steps' order
-    ax.bar([j + 0.2 * (i - 1.5) for j in range(len(steps))], values, 0.2, label=label)
-  ax.set_xticks(range(len(steps)), [f"{s['step']}, {s['params']}".replace(", ", "\n")
-                                    for s in steps], fontsize=7)
-  ax.set_ylabel("device bytes / parameter")
-  ax.set_title(f"adam's state in host memory: {r['compiler']}", fontsize=9)
-  ax.legend(fontsize=7)
-  return fig
-
-
 def main():
   ap = harness.parser(__doc__, quick="small sizes (checks the script)", layers=[8, 64, 32, 128])
-  ap.add_argument("--tpu-deviceless", action="store_true", help="the TPU v5e compiler, no chip")
   ap.add_argument("--tpu", action="store_true", help="also the real run on the chip (--quick: CPU)")
   ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # `child`'s process
   args = ap.parse_args()
@@ -311,14 +291,11 @@ def main():
     print(json.dumps(in_child(args.quick, what, host == 1, d, lo, hi)))
     return
   real = {"tpu": tpu(args.quick, args.layers)} if args.tpu else {}  # before this process
-  dev = gpu_hlo.target("v5e:2x2")[0] if args.tpu_deviceless else (  # holds the chip
-      one_device())
+  dev = one_device()  # holds the chip
   r = {"command": " ".join(["python benchmarks/bench_host_state.py", *sys.argv[1:]]),
-       "machine": harness.machine(), "memory": memory(args.quick, dev, args.tpu_deviceless),
-       "compiler": "the TPU v5e compiler (deviceless)" if args.tpu_deviceless else (
-           f"XLA on {jax.devices()[0].device_kind}"), **real}
-  stem = "tpu_deviceless" if args.tpu_deviceless else "tpu" if args.tpu else "cpu"
-  harness.write(args.out, "host_state_" + stem, r, markdown(r), plot)
+       "machine": harness.machine(), "memory": memory(args.quick, dev),
+       "compiler": f"XLA on {jax.devices()[0].device_kind}", **real}
+  harness.write(args.out, "host_state_" + ("tpu" if args.tpu else "cpu"), r, markdown(r))
 
 
 if __name__ == "__main__":

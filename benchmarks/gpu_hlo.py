@@ -1,4 +1,4 @@
-"""Deviceless compile check: what XLA's H200 compiler (or libtpu) makes of each train step.
+"""Deviceless compile check: what XLA's H200 compiler makes of each train step.
 
 The CUDA PJRT plugin compiles for a topology described by a target config (the
 device's properties as text): a CPU machine sees the optimized HLO an H200 would run.
@@ -15,11 +15,8 @@ Setup (a separate venv; ``--setup`` prints it)::
 Run::
 
   /tmp/gpuvenv/bin/python benchmarks/gpu_hlo.py                  # results/gpu_hlo.{json,md}
-  /tmp/tpuvenv/bin/python benchmarks/gpu_hlo.py --tpu v5e:2x2    # results/tpu_hlo.{json,md}
 
-The TPU venv: ``pip install "jax[tpu]" optax==0.2.8`` (Python 3.12) and this
-repository with ``--no-deps -e .``. Without a compiler for the target the
-script exits with status 2.
+Without a compiler for the target the script exits with status 2.
 """
 
 from __future__ import annotations
@@ -71,30 +68,25 @@ TEMPS_LIMIT = 0.05
 XLA_DISTRIBUTIONS = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt")
 
 
-def target(tpu: str | None) -> tuple[NamedSharding, dict[str, str]]:
-  """A replicated sharding on one deviceless H200 (or TPU chip), and what it is."""
+def target() -> tuple[NamedSharding, str]:
+  """A replicated sharding on one deviceless H200, and what it is."""
   from jax.experimental import topologies
 
   try:
-    if tpu:
-      topo = topologies.get_topology_desc(topology_name=tpu, platform="tpu")
-    else:
-      topo = topologies.get_topology_desc(platform="cuda", target_config=H200_TEXT,
-                                          topology="1x1x1")
+    topo = topologies.get_topology_desc(platform="cuda", target_config=H200_TEXT,
+                                        topology="1x1x1")
   except Exception as e:  # no plugin, or one that cannot compile deviceless
     print(f"Cannot build the deviceless topology: {type(e).__name__}: {e}\nSetup:\n{SETUP}",
           file=sys.stderr)
     raise SystemExit(2) from e
   device = topo.devices[0]
-  if not tpu and (device.platform != "gpu" or "H200" not in device.device_kind):
+  if device.platform != "gpu" or "H200" not in device.device_kind:
     raise SystemExit(f"Expected a deviceless NVIDIA H200; got {device.device_kind}.")
   if any(d.platform in ("gpu", "tpu") for d in jax.devices()):
     raise SystemExit(f"An accelerator runtime is visible ({jax.devices()}); this is deviceless.")
-  compiler = (f"libtpu {_version('libtpu')}, topology `{tpu}`, one chip" if tpu
-              else ", ".join(f"{d} {_version(d)}" for d in XLA_DISTRIBUTIONS))
-  info = {"kind": "TPU" if tpu else "H200", "stem": "tpu_hlo" if tpu else "gpu_hlo",
-          "title": f"{device.device_kind} (deviceless: {compiler})"}
-  return NamedSharding(jax.sharding.Mesh(np.array(topo.devices[:1]), ("d",)), P()), info
+  compiler = ", ".join(f"{d} {_version(d)}" for d in XLA_DISTRIBUTIONS)
+  title = f"{device.device_kind} (deviceless: {compiler})"
+  return NamedSharding(jax.sharding.Mesh(np.array(topo.devices[:1]), ("d",)), P()), title
 
 
 def _version(dist: str) -> str | None:
@@ -179,9 +171,9 @@ def table(rows: list[dict[str, Any]], expect: bool) -> list[str]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-  meta, tgt = result["meta"], result["target"]
+  meta = result["meta"]
   return "\n".join([
-      f"# Deviceless {tgt['kind']} compile check", "",
+      "# Deviceless H200 compile check", "",
       f"`{meta['command']}` (Python {meta['python']}), {meta['date']};"
       f" optax_accum {meta['commit']}."
       " Train steps `step(params, state, grads) -> (params, state)`, params and state donated,"
@@ -189,7 +181,7 @@ def markdown(result: dict[str, Any]) -> str:
       " one compiled program per row (mid and emitting steps are its two runtime paths)."
       " Counted with `optax_accum.debug`; bytes held: `planning.compiled_peak_bytes` over the"
       " parameter count.", "",
-      f"## {tgt['title']}", "", *table(result["accelerator"], expect=True), "",
+      f"## {result['target']}", "", *table(result["accelerator"], expect=True), "",
       f"## CPU (same process: jaxlib {meta['versions']['jaxlib']})", "",
       *table(result["cpu"], expect=False), "",
       "0 conditionals: XLA turned the window's `lax.cond` into selects, and the inner"
@@ -200,26 +192,24 @@ def main(argv: list[str] | None = None) -> None:
   """Writes the results; exits with status 1 where an H200 program misses what it expects."""
   ap = harness.parser(__doc__)
   ap.add_argument("--setup", action="store_true", help="print the venv setup and exit")
-  ap.add_argument("--tpu", metavar="TOPOLOGY", default=None,
-                  help="compile for one chip of this deviceless TPU topology (e.g. v5e:2x2)")
   args = ap.parse_args(argv)
   if args.setup:
     print(SETUP)
     return
-  sharding, tgt = target(args.tpu)
+  sharding, title = target()
   n = 4 * 2**20  # in LEAVES equal leaves
   meta = harness.machine()
   result = {
       "meta": {"command": " ".join(["python benchmarks/gpu_hlo.py", *(argv or sys.argv[1:])]),
                "python": sys.version.split()[0], "date": meta["date"], "commit": _commit(),
                "params": n, "k": K_WINDOW,
-               "versions": {d: _version(d) for d in (*XLA_DISTRIBUTIONS, "libtpu", "optax")}},
-      "target": tgt,
+               "versions": {d: _version(d) for d in (*XLA_DISTRIBUTIONS, "optax")}},
+      "target": title,
       "accelerator": compile_all(n, K_WINDOW, sharding),
       "cpu": compile_all(n, K_WINDOW, None),
   }
-  harness.write(args.out, tgt["stem"], result, markdown(result))
-  if tgt["kind"] == "H200" and not all(r.get("met", True) for r in result["accelerator"]):
+  harness.write(args.out, "gpu_hlo", result, markdown(result))
+  if not all(r.get("met", True) for r in result["accelerator"]):
     raise SystemExit(1)
 
 
