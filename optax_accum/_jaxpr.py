@@ -134,6 +134,16 @@ def descend(eqn: Any, ins: list, walk: Callable[..., list], join: Callable[..., 
   return [every] * len(eqn.outvars)
 
 
+def scan_carry(eqn: Any) -> tuple[int, int]:
+  """How many of a ``scan``'s operands are constants, and how many then its carry (which its
+  first results are): ``num_consts``, ``num_carry`` before JAX 0.12, ``ft_in``'s groups from it."""
+  p = eqn.params
+  if "num_carry" in p:
+    return p["num_consts"], p["num_carry"]
+  consts, carry, _ = p["ft_in"].unpack()
+  return len(consts), len(carry)
+
+
 def inner(eqn: Any) -> list:
   """``eqn``'s (open) jaxprs, in the order :func:`descend` walks them."""
   p, k = eqn.params, kind(eqn)

@@ -221,7 +221,7 @@ def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
     grad = any(f.grad for f in ins)
     outs = [o._replace(grad=o.grad or (grad and jnp.issubdtype(v.aval.dtype, jnp.inexact)))
             for o, v in zip(outs, b.outvars, strict=True)]
-  c, n = b.params.get("num_consts", 0), b.params.get("num_carry", 0)  # a scan's, walked once
+  c, n = _jaxpr.scan_carry(b) if name == "scan" else (0, 0)  # its body was walked once
   if any(o.rows != f.rows for o, f in zip(outs[:n], ins[c:c + n], strict=True)):
     outs = [o._replace(why=o.why or "a loop's carry made a sum, or a sum made a constant: the"
                        " next step gets what no step before it did") for o in outs]
