@@ -222,12 +222,6 @@ def check_schedule_value(value: Any, step: Any) -> jax.Array:
   return jnp.maximum(jnp.asarray(value).astype(jnp.int32), 1)
 
 
-def check_schedule_at_zero(schedule: Callable[[jax.Array], Any]) -> None:
-  """Evaluates a ``k`` schedule at step 0 (an array, as the window gives it): a schedule that
-  fails there, or gives no positive integer, fails where ``accumulate`` is built."""
-  check_schedule_value(schedule(jnp.zeros([], jnp.int32)), 0)
-
-
 def check_flag(value: Any, name: str) -> bool:
   """Returns ``value`` as a Python bool if it is a bool (numpy's too), else raises."""
   if not isinstance(value, (bool, np.bool_)):

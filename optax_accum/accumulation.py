@@ -230,7 +230,9 @@ def accumulate(
   strict_kwargs = optimizer is not None and not isinstance(
       optimizer, optax.GradientTransformationExtraArgs)
   if not isinstance(k, (int, noise_lib.AdaptiveK)):
-    _validation.check_schedule_at_zero(k)
+    # A schedule evaluated at step 0 (an array, as the window gives it): one that fails there,
+    # or gives no positive integer, fails where `accumulate` is built.
+    _validation.check_schedule_value(k(jnp.zeros([], jnp.int32)), 0)
 
   def init_fn(params: optax.Params) -> AccumulateState:
     """An empty window and the inner optimizer's initial state."""

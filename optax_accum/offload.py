@@ -451,7 +451,7 @@ def _inlined(closed: Any) -> Any:
 def _bind(eqn: Any, ins: list) -> list:
   """``eqn`` bound to ``ins``. In ``shard_map`` a jaxpr traced from types leaves a value that
   does not vary over the manual axes unmarked: it is marked as varying where the others are."""
-  vmas = [_varying(jax.typeof(x)) for x in ins]
+  vmas = [_arrays.array_type(x).varying for x in ins]
   every = frozenset().union(*vmas)
   if every and eqn.primitive.name in _ELEMENTWISE:
     ins = [lax.pcast(x, tuple(every - v), to="varying") if every - v else x
@@ -462,12 +462,6 @@ def _bind(eqn: Any, ins: list) -> list:
 
 # A walk that binds each equation again: its results computed from its operands' values.
 _BIND = _jaxpr.Rules({}, lambda _, eqn, ins: _bind(eqn, ins), lambda v: v.val)
-
-
-def _varying(aval: Any) -> frozenset:
-  """The manual axes ``aval`` varies over (JAX 0.10.2 names them in ``manual_axis_type``)."""
-  axes = getattr(aval, "manual_axis_type", None)
-  return axes.varying if axes is not None else frozenset(getattr(aval, "vma", ()))
 
 
 def _run(plan: _Plan, leaves: list, hosted: list, owners: list, out_owners: list,
