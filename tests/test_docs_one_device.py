@@ -46,8 +46,10 @@ def run_page(path: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def one_device_run() -> subprocess.CompletedProcess[str]:
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
+  from tests._reference import session_xla_flags  # (not in the subprocess: __main__ below)
+
+  # The session's compiler flags but the forced device count (half the CPU time).
+  env = {**os.environ, "XLA_FLAGS": session_xla_flags(), "JAX_PLATFORMS": "cpu"}
   return subprocess.run([sys.executable, __file__, *PAGES], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
 
