@@ -149,18 +149,28 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def session_xla_flags() -> str:
+  """This session's ``XLA_FLAGS`` less the forced host device count: for a process that
+  sets its own device count, or runs on the platform's own devices, and compiles as the
+  session does (tests/conftest.py's flags: XLA:CPU compiles the suite's small programs at
+  half the CPU time or less)."""
+  return " ".join(flag for flag in os.environ.get("XLA_FLAGS", "").split()
+                  if not flag.startswith("--xla_force_host_platform_device_count="))
+
+
 def multiprocess_env() -> dict[str, str]:
   """The environment of an example started as one of several processes (gloo collectives).
 
-  This process's, less ``XLA_FLAGS`` (the script sets its own) and less the session's
-  compilation cache (conftest.py): on jax 0.12.1 (not 0.12.0.1, not 0.10.2) two processes
-  hang in the first all-reduce of a program with two all-reduces that both load from a
-  persistent compilation cache (the repro: docs/development/index.md). Their programs
-  compile every time instead."""
+  This process's, with ``XLA_FLAGS`` less the device count (:func:`session_xla_flags`: the
+  script sets its own count) and less the session's compilation cache (conftest.py): on jax
+  0.12.1 (not 0.12.0.1, not 0.10.2) two processes hang in the first all-reduce of a program
+  with two all-reduces that both load from a persistent compilation cache (the repro:
+  docs/development/index.md). Their programs compile every time instead."""
   dropped = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR",
              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
-  return {k: v for k, v in os.environ.items() if k not in dropped}
+  env = {k: v for k, v in os.environ.items() if k not in dropped}
+  return {**env, "XLA_FLAGS": session_xla_flags()}
 
 
 # -- the default backend's float32 accuracy -------------------------------------------------
