@@ -45,6 +45,8 @@ _LINEAR = frozenset("""neg convert_element_type reshape broadcast_in_dim transpo
   expand_dims slice dynamic_slice concatenate stack split pad reduce_sum copy copy_p select_n
   gather sharding_constraint reshard mesh_cast stop_gradient reduce_precision real imag conj
   cumsum""".split())
+_SHAPED = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy", "copy_p",
+           "convert_element_type")  # the same values, laid out anew
 _EXACT = _LINEAR | {"add", "sub", "mul", "add_any", "max", "min", "abs", "dot_general"}  # of wholes
 _MIXING = frozenset("""conv_general_dilated fft reduce_window reduce_window_sum reduce_window_max
   reduce_window_min select_and_scatter_add select_and_gather_add""".split())  # rows in windows
@@ -60,6 +62,7 @@ class Flow(NamedTuple):
   why: str | None  # what makes it no sum over the rows: a max over them, a ratio of sums
   grad: bool  # a float that a float param reaches through floats
   whole: bool = False  # whole numbers (of integers, bools, rounding): a cast to int is exact
+  zero: bool = False  # zeros (a literal 0, `jnp.zeros`): a sum over no rows
 
 
 NONE = Flow(frozenset(), "", None, False)  # a constant's
@@ -170,7 +173,7 @@ def _join(flows: Sequence[Flow]) -> Flow:
   return Flow(frozenset().union(*(f.sources for f in flows)), max((f.rows for f in flows),
                                                                     default=""),
               next((f.why for f in flows if f.why), None), any(f.grad for f in flows),
-              all(f.whole for f in flows))
+              all(f.whole for f in flows), all(f.zero for f in flows))
 
 
 def _either(flows: Sequence[Flow]) -> Flow:
@@ -248,7 +251,8 @@ def _op(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   follows = [v.aval.shape != w.aval.shape for v, w in zip(b.outvars, a.outvars, strict=True)]
   rows, why = _not_a_sum(name, a, b, ins, counts, any(follows), ctx.rows)
   why = next((f.why for f in ins if f.why), None) or why
-  return _marked(a, b, [Flow(joined.sources, "rows" if f else rows, why, g, w)
+  zero = name in _SHAPED and joined.zero
+  return _marked(a, b, [Flow(joined.sources, "rows" if f else rows, why, g, w, zero)
                         for f, g, w in zip(follows, grads, wholes, strict=True)])
 
 
@@ -280,8 +284,7 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
     return "", f"{_MAXIMA[name]} over the rows" if name in _MAXIMA else f"`{name}` over the rows"
   if batch != {"sum"}:
     return "", "a value of a row combined with a sum over the rows"
-  summed = [bool(f.rows) or (isinstance(v, jax_core.Literal) and not np.any(v.val))
-            for f, v in zip(ins, b.invars, strict=True)]  # a sum, or zero
+  summed = [bool(f.rows) or f.zero for f in ins]  # a sum, or zero
   if name in ("add", "sub", "add_any"):
     return ("sum", None) if all(summed) else ("", "a sum plus a constant (each micro-batch's)")
   if name in ("mul", "dot_general"):
@@ -305,7 +308,8 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
 
 
 _RULES = _jaxpr.Rules(dict.fromkeys((_jaxpr.CALL, "scan", "shard_map", "cond", "while"), _nested),
-                      _op, lambda v: NONE._replace(whole=bool(np.all(np.round(v.val) == v.val))))
+                      _op, lambda v: NONE._replace(whole=bool(np.all(np.round(v.val) == v.val)),
+                                                   zero=not np.any(v.val)))
 
 
 def _check_key(labels: frozenset) -> None:

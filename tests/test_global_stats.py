@@ -592,6 +592,10 @@ _STATISTICS = {
     "Python sum": (lambda x, m: sum(jnp.sum(x[:, i] > 0) for i in range(3)), True),
     "jnp.histogram": (lambda x, m: jnp.histogram(x[:, 0], bins=3, range=(-2, 2))[0], True),
     "tokens flattened": (lambda x, m: jnp.sum(x.reshape(-1) > 0), True),
+    "counts added to jnp.zeros": (lambda x, m: jnp.zeros(2) + jnp.stack(
+        [jnp.sum(m), jnp.sum(x[:, 0] > 0)]), True),
+    "a count, or zeros, by a where": (lambda x, m: jnp.where(x.shape[1] > 3, jnp.sum(
+        x > 0, 0), jnp.zeros(6, jnp.int32)), True),
     "per token, flattened": (lambda x, m: (x > 0).reshape(-1).astype(jnp.int32), True),
     "the rows' count itself": (lambda x, m: jnp.array(x.shape[0]), True),
     "fractions summed, cut to int": (lambda x, m: jnp.sum(x[:, 0] ** 2).astype(jnp.int32), False),
