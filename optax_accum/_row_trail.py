@@ -217,15 +217,24 @@ def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   if a is not None:
     ins = _operands(ctx, a, b, ins)[0]
   in_loop = ctx.in_loop or name == "while" or (name == "scan" and a is None)
-  others = iter(_jaxpr.inner(a)) if a is not None else itertools.repeat(None)
-  outs = _jaxpr.descend(b, ins, lambda j, x: walk(j, next(others), x, ctx.rows, trail,
-                                                  in_loop=in_loop, blind=blind), _either)
+
+  def inside(ins: list[Flow], trail: Trail | None) -> list[Flow]:
+    others = iter(_jaxpr.inner(a)) if a is not None else itertools.repeat(None)
+    return _jaxpr.descend(b, ins, lambda j, x: walk(j, next(others), x, ctx.rows, trail,
+                                                    in_loop=in_loop, blind=blind), _either)
+
+  outs = inside(ins, trail)
   if _jaxpr.differentiated_by_rule(b):  # (a straight-through rounding): floats are reached
     grad = any(f.grad for f in ins)
     outs = [o._replace(grad=o.grad or (grad and jnp.issubdtype(v.aval.dtype, jnp.inexact)))
             for o, v in zip(outs, b.outvars, strict=True)]
   c, n = _jaxpr.scan_carry(b) if name == "scan" else (0, 0)  # its body was walked once
-  if any(o.rows != f.rows for o, f in zip(outs[:n], ins[c:c + n], strict=True)):
+  carry = ins[c:c + n]
+  if any(o.rows != f.rows for o, f in zip(outs[:n], carry, strict=True)) and all(
+      f.zero or o.rows == f.rows for o, f in zip(outs[:n], carry, strict=True)):
+    carry = [_join([o, f]) for o, f in zip(outs[:n], carry, strict=True)]  # zeros made sums:
+    outs = inside(ins[:c] + carry + ins[c + n:], None)  # the body again, on sums
+  if any(o.rows != f.rows for o, f in zip(outs[:n], carry, strict=True)):
     outs = [o._replace(why=o.why or "a loop's carry made a sum, or a sum made a constant: the"
                        " next step gets what no step before it did") for o in outs]
   if name == "cond" and (ins[0].rows or ins[0].why):  # chosen by the batch

@@ -544,6 +544,11 @@ _STATISTICS = {
         False),
     "a count, then a constant, from a scan": (lambda x, m: lax.scan(
         lambda c, _: (jnp.ones((), m.dtype), c), jnp.sum(m), None, length=2)[1], False),
+    "counts added up by a scan from zeros": (lambda x, m: lax.scan(
+        lambda c, w: (c + jnp.sum(x * w, 0), None), jnp.zeros(6), jnp.eye(2, 6))[0], True),
+    "a count squared by a scan from zeros": (lambda x, m: lax.scan(
+        lambda c, _: (jnp.sqrt(c) * jnp.sum(m) + jnp.sum(m), None), jnp.zeros((), m.dtype), None,
+        length=3)[0], False),
     "a count carried by a scan from a count": (lambda x, m: lax.scan(
         lambda c, _: (c + jnp.sum(m), None), jnp.sum(m), None, length=2)[0], True),
     "count plus one": (lambda x, m: jnp.sum(m) + 1.0, False),
