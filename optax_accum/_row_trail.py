@@ -253,14 +253,15 @@ def _op(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   grads = [grad and jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in b.outvars]
   wholes = [not jnp.issubdtype(v.aval.dtype, jnp.inexact) or name in _ROUNDED or (
       name in _EXACT and joined.whole) for v in b.outvars]
+  zero = name in _SHAPED and joined.zero
   if a is None:
     why = joined.why or (ctx.blind if BATCH in joined.sources else None)
-    return [joined._replace(why=why, grad=g, whole=w) for g, w in zip(grads, wholes, strict=True)]
+    return [joined._replace(why=why, grad=g, whole=w, zero=zero)
+            for g, w in zip(grads, wholes, strict=True)]
   ins, counts = _operands(ctx, a, b, ins)
   follows = [v.aval.shape != w.aval.shape for v, w in zip(b.outvars, a.outvars, strict=True)]
   rows, why = _not_a_sum(name, a, b, ins, counts, any(follows), ctx.rows)
   why = next((f.why for f in ins if f.why), None) or why
-  zero = name in _SHAPED and joined.zero
   return _marked(a, b, [Flow(joined.sources, "rows" if f else rows, why, g, w, zero)
                         for f, g, w in zip(follows, grads, wholes, strict=True)])
 
