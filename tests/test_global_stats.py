@@ -249,6 +249,8 @@ _straight_through.defjvp(lambda primals, tangents: (jnp.round(primals[0]), tange
      r"\['P'\] has a gradient.*stop_gradient"),
     (lambda p, b: {"R": _straight_through(forward(p, b)[1][0][1]).sum(0)}, ValueError,
      r"\['R'\] has a gradient.*stop_gradient"),  # (through its own rule: round has none)
+    (lambda p, b: {"square": jnp.ones((b["mask"].shape[0],) * 2)}, ValueError,
+     r"\['square'\] has shape \(8, 8\) on 8 rows and \(16, 16\) on 16: no one axis holds the rows"),
     (lambda p, b: {"pairs": b["mask"].reshape(-1, 2 * T)}, ValueError,
      r"\['pairs'\] is rows paired, shifted or cut"),  # (two rows to an entry of the first axis)
 ])
