@@ -101,7 +101,7 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
   axes = []
   for (path, a), b, flow in zip(found, jax.tree.leaves(large_shapes), flows, strict=True):
     where = jax.tree_util.keystr(path) or "its root"
-    axis = None if flow.why else _rows_axis(a, b, rows, where)
+    axis = _rows_axis(a, b)
     why = flow.why or (None if flow.rows or axis is not None else "of no rows (a constant, or"
                        " the params'), which each micro-batch would add again")
     if why:
@@ -145,16 +145,10 @@ def check_sums(whole: Any, parts: list[Any]) -> Any:
   return jax.tree.unflatten(jax.tree.structure(whole), out)
 
 
-def _rows_axis(a: Any, b: Any, rows: int, where: str) -> int | None:
-  """The axis of a statistic that holds the rows (``a`` on ``rows``, ``b`` on twice as many):
-  the one that grew, by t entries a row (a constant laid along the rows passes no walk's rule)."""
-  grown = [i for i, (m, n) in enumerate(zip(a.shape, b.shape, strict=True)) if m != n]
-  if not grown or (len(grown) == 1 and a.shape[grown[0]] % rows == 0 and (
-      b.shape[grown[0]] == 2 * a.shape[grown[0]])):
-    return grown[0] if grown else None
-  raise ValueError(
-      f"`global_stats`'s statistic at {where} has shape {a.shape} on {rows} rows and {b.shape}"
-      f" on {2 * rows}: no one axis holds the rows, t entries a row. Sum it over the rows.")
+def _rows_axis(a: Any, b: Any) -> int | None:
+  """The axis of a statistic that holds the rows (``a`` on fewer rows, ``b`` on more): the one
+  that grew (the walk refuses a statistic whose rows are not t entries along one axis)."""
+  return next((i for i, (m, n) in enumerate(zip(a.shape, b.shape, strict=True)) if m != n), None)
 
 
 # ------------------------------------------------------- across steps: accumulate

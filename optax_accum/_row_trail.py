@@ -50,6 +50,8 @@ _SHAPED = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
 _EXACT = _LINEAR | {"add", "sub", "mul", "add_any", "max", "min", "abs", "dot_general"}  # of wholes
 _MIXING = frozenset("""conv_general_dilated fft reduce_window reduce_window_sum reduce_window_max
   reduce_window_min select_and_scatter_add select_and_gather_add""".split())  # rows in windows
+_WRITES = {**dict.fromkeys(("scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max"),
+                           2), "dynamic_update_slice": 1}  # the operand of what they write
 _ACROSS = {"sort": "dimension", "cumsum": "axis", "cumprod": "axis", "cummax": "axis",
            "cummin": "axis", "cumlogsumexp": "axis", "rev": "dimensions"}  # mix rows in place
 
@@ -140,10 +142,11 @@ def walk(large: jax_core.Jaxpr, small: jax_core.Jaxpr | None, flows: list[Flow],
   each row keeps its own entries), and of such sums only what is linear in them (a
   sum of sums, a cast, a product with a constant). Anything else made of a sum (a
   ratio, a reciprocal, a ``sqrt``, a choice by it), a max, a sort or a pairing of the
-  rows, or a number that the rows' count scales (a mean's divisor) carries its
-  ``why``. Where the two jaxprs differ in their equations (a Python loop over the
-  rows) or a ``scan`` runs over the rows, ``large`` is read alone, and a value of
-  the batch computed there carries ``blind``.
+  rows, a number that the rows' count scales (a mean's divisor or power) or a
+  constant laid along the rows other than evenly (an ``arange``, a write to fixed
+  rows) carries its ``why``. Where the two jaxprs differ in their equations (a
+  Python loop over the rows) or a ``scan`` runs over the rows, ``large`` is read
+  alone, and each value computed there carries ``blind``.
   """
   if small is not None and not _jaxpr.aligned(large, small):
     blind = blind or ("computed by steps that change with the number of rows (a Python loop"
@@ -255,7 +258,7 @@ def _op(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
       name in _EXACT and joined.whole) for v in b.outvars]
   zero = name in _SHAPED and joined.zero
   if a is None:
-    why = joined.why or (ctx.blind if BATCH in joined.sources else None)
+    why = joined.why or ctx.blind  # (a constant too: it may follow the rows' count)
     return [joined._replace(why=why, grad=g, whole=w, zero=zero)
             for g, w in zip(grads, wholes, strict=True)]
   ins, counts = _operands(ctx, a, b, ins)
@@ -270,11 +273,15 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
                follows: bool, rows: tuple[int, int]) -> tuple[str, str | None]:
   """What ``b`` makes of the rows (``a`` its twin): its results' ``rows`` where they do not
   follow them, and why they are no sum over the rows, if they are not."""
-  if name == "iota" and follows:
-    return "", "a position among the rows (`iota`, `arange`)"
   batch = {f.rows for f in ins} - {""}
-  if not batch:
-    return "", None
+  # Values of no row laid along the rows: evenly by a broadcast, else by position among them.
+  by_position = name in _WRITES and ins[_WRITES[name]].rows != "rows" if batch else (
+      name != "broadcast_in_dim")
+  if follows and by_position:
+    return "", f"a position among the rows (`{name}` by their count: `arange`, `.at[i].set`)"
+  if not batch and not follows:  # a constant; by their count where its params differ (`0.9 ** n`)
+    return "", None if all(isinstance(v, (jax_core.Jaxpr, jax_core.ClosedJaxpr)) or str(v) == str(
+        a.params[k]) for k, v in b.params.items()) else f"a function of the rows' count (`{name}`)"
   if any(counts) and name in ("div", "mul"):
     return "", "a mean over the rows"  # divided by the rows' count
   if follows:

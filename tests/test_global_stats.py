@@ -250,7 +250,7 @@ _straight_through.defjvp(lambda primals, tangents: (jnp.round(primals[0]), tange
     (lambda p, b: {"R": _straight_through(forward(p, b)[1][0][1]).sum(0)}, ValueError,
      r"\['R'\] has a gradient.*stop_gradient"),  # (through its own rule: round has none)
     (lambda p, b: {"square": jnp.ones((b["mask"].shape[0],) * 2)}, ValueError,
-     r"\['square'\] has shape \(8, 8\) on 8 rows and \(16, 16\) on 16: no one axis holds the rows"),
+     r"\['square'\] is rows paired, shifted or cut \(`broadcast_in_dim`: \(8, 8\) -> \(16, 16\)"),
     (lambda p, b: {"pairs": b["mask"].reshape(-1, 2 * T)}, ValueError,
      r"\['pairs'\] is rows paired, shifted or cut"),  # (two rows to an entry of the first axis)
 ])
@@ -611,6 +611,24 @@ _STATISTICS = {
     "fractions summed, cut to int": (lambda x, m: jnp.sum(x[:, 0] ** 2).astype(jnp.int32), False),
     "a one-hot count in floats, cast to int": (lambda x, m: jnp.sum(jax.nn.one_hot(
         (x[:, 0] > 0).astype(jnp.int32), 2) * (m > 0)[:, None], 0).astype(jnp.int32), True),
+    # Constants laid along the rows: evenly (a broadcast), or by their count (an adversary's).
+    "weights, broadcast": (lambda x, m: jnp.full(x.shape[0], 2.0) @ m, True),
+    "ones per row, beside the mask": (lambda x, m: jnp.ones((x.shape[0], 3)) * m[:, None], True),
+    "ones, rows by rows": (lambda x, m: jnp.ones((x.shape[0],) * 2) @ m, False),
+    "ones, a row more": (lambda x, m: jnp.sum(jnp.ones(x.shape[0] + 1)) + jnp.sum(m), False),
+    "row 0, by .at[0].set": (lambda x, m: jnp.zeros(x.shape[0]).at[0].set(1.0) @ x[:, 0], False),
+    "row 0, by a pad": (lambda x, m: jnp.pad(jnp.ones(1), (0, x.shape[0] - 1)) @ x[:, 0], False),
+    "row 0, by dynamic_update_slice": (lambda x, m: lax.dynamic_update_slice(
+        jnp.zeros(x.shape[0]), jnp.ones(1), (0,)) @ x[:, 0], False),
+    "decay weights, by a fori_loop": (lambda x, m: lax.fori_loop(
+        0, x.shape[0], lambda i, w: w.at[i].set(0.9 ** i), jnp.ones(x.shape[0])) @ m, False),
+    "a power, by a loop over the rows": (lambda x, m: lax.fori_loop(
+        0, x.shape[0], lambda i, c: c * 0.9, 1.0) * jnp.sum(m), False),
+    "a power of the rows' count": (lambda x, m: jnp.float32(0.9) ** x.shape[0] * jnp.sum(m),
+                                   False),
+    "an entry at the rows' count": (lambda x, m: jnp.arange(99.0)[x.shape[0]] * jnp.sum(m), False),
+    "positions, by a Python loop": (lambda x, m: jnp.stack(
+        [jnp.float32(1.0) * i for i in range(x.shape[0])]) @ m, False),
 }
 
 
