@@ -62,15 +62,16 @@ def check_summable(tree: Any, where: str) -> Any:
 
 
 def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[Any],
-             positions: tuple[int, ...], rows: int,
+             positions: tuple[int, ...], rows: int, whole: int,
              ) -> tuple[Callable[..., Any], Callable[[Sequence[Any]], Any]]:
-  """``microbatched``'s ``stats_fn``, checked on micro-batches of ``rows`` and ``2 * rows`` rows.
+  """``microbatched``'s ``stats_fn``, checked on a micro-batch of ``rows`` rows beside the whole
+  batch of ``whole`` (the two sizes whose Python logic, ``x[:8]``, must agree; at least twice).
 
   ``avals``: the types of the array leaves of ``args`` on a micro-batch of
   ``rows`` rows (``_batch.shapes_at``'s, or a micro-batch's in the loop's own
-  context); those at ``positions`` get twice the rows for the second jaxpr.
-  The two jaxprs (read together by ``_row_trail.walk``) give the shapes and the
-  checks. Raises for a leaf that is not an array of numbers; that is not
+  context); those at ``positions`` get the whole batch's rows for the second
+  jaxpr. The two jaxprs (read together by ``_row_trail.walk``) give the shapes
+  and the checks. Raises for a leaf that is not an array of numbers; that is not
   linear in the rows (a max or a mean over them, a ratio of sums: its sum over
   the micro-batches is not the whole batch's); or that has a gradient: a
   float that a float param reaches through floats (a counted choice, an
@@ -85,17 +86,21 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
   def checked(*a: Any) -> Any:
     return check_summable(stats_fn(*a), "The statistics `global_stats` returns")
 
-  leaves = _arrays.ArrayLeaves.of(tuple(args))
-  doubled = jax.eval_shape(lambda xs: [jnp.concatenate([x, x]) if p[0].idx in positions else x
-                                       for x, p in zip(xs, leaves.paths, strict=True)], avals)
+  leaves, times = _arrays.ArrayLeaves.of(tuple(args)), max(whole // rows, 2)
+  grown = jax.eval_shape(lambda xs: [jnp.tile(x, (times,) + (1,) * (x.ndim - 1)) if (
+      p[0].idx in positions) else x for x, p in zip(xs, leaves.paths, strict=True)], avals)
   (small, shapes), (large, large_shapes) = (jax.make_jaxpr(
-      lambda *v: checked(*leaves.rebuild(v)), return_shape=True)(*a) for a in (avals, doubled))
+      lambda *v: checked(*leaves.rebuild(v)), return_shape=True)(*a) for a in (avals, grown))
+  if jax.tree.structure(shapes) != jax.tree.structure(large_shapes):
+    raise ValueError(
+        f"`global_stats` returns {jax.tree.structure(shapes)} on a micro-batch but"
+        f" {jax.tree.structure(large_shapes)} on the whole batch: return one structure.")
   flows = _row_trail.walk(large.jaxpr, small.jaxpr, [_row_trail.Flow(
       frozenset({_row_trail.BATCH} if p[0].idx in positions else ()), "", None,
       p[0].idx == _batch.PARAMS and jnp.issubdtype(x.dtype, jnp.inexact),
       not jnp.issubdtype(x.dtype, jnp.inexact))
-      for p, x in zip(leaves.paths, leaves.arrays, strict=True)], (2 * rows, rows), consts=[
-          _row_trail.count(c, d, 2) or _row_trail.NONE
+      for p, x in zip(leaves.paths, leaves.arrays, strict=True)], (times * rows, rows), consts=[
+          _row_trail.count(c, d, times) or _row_trail.NONE
           for c, d in zip(large.consts, small.consts, strict=True)])
   found, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   axes = []

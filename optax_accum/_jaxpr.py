@@ -63,7 +63,10 @@ class Rules(NamedTuple):
 
 
 def kind(eqn: Any) -> str:
-  """``CALL`` for a call (jit, checkpoint, custom rules, whatever JAX names it), else the name."""
+  """``CALL`` for a call (jit, checkpoint, custom rules, whatever JAX names it), else the name
+  (of what a ``call_hi_primitive`` calls from JAX 0.12: ``searchsorted``, ``ldexp``)."""
+  if eqn.primitive.name == "call_hi_primitive":
+    return type(eqn.params["_prim"]).__name__.lower()
   return CALL if eqn.primitive.name in _CALLS else eqn.primitive.name
 
 

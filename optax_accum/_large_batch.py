@@ -225,7 +225,7 @@ def check_large_batch(
     own, wide = kwargs, kwargs  # fn's keywords; with global_stats, the whole batch's `stats=`
     if global_stats is not None:  # (pooled like microbatched's, the float64 sum in float64)
       pooled = _global_stats.summable(global_stats, args, _batch.shapes_at(args, b_nums, rows // k),
-                                      b_nums, rows // k)[0]
+                                      b_nums, rows // k, rows)[0]
       on_all = _in_float64(pooled, args, {}, b_nums, programs["stats"])[0](args)
       on_part = _in_float64(pooled, micro(0), {}, b_nums, programs["stats"])[0]
       wide = {**kwargs, "stats": _global_stats.check_sums(on_all, [on_part(micro(j))

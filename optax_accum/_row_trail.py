@@ -43,17 +43,29 @@ _SUMS = ("reduce_sum", "dot_general", "scatter-add", "scatter_add")  # a sum ove
 # Linear in each operand that is a sum over the rows (a product or a ratio: in one of them).
 _LINEAR = frozenset("""neg convert_element_type reshape broadcast_in_dim transpose squeeze
   expand_dims slice dynamic_slice concatenate stack split pad reduce_sum copy copy_p select_n
-  gather sharding_constraint reshard mesh_cast stop_gradient reduce_precision real imag conj
+  gather sharding_constraint reshard mesh_cast stop_gradient real imag conj
   cumsum""".split())
 _SHAPED = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy", "copy_p",
            "convert_element_type")  # the same values, laid out anew
 _EXACT = _LINEAR | {"add", "sub", "mul", "add_any", "max", "min", "abs", "dot_general"}  # of wholes
-_MIXING = frozenset("""conv_general_dilated fft reduce_window reduce_window_sum reduce_window_max
-  reduce_window_min select_and_scatter_add select_and_gather_add""".split())  # rows in windows
-_WRITES = {**dict.fromkeys(("scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max"),
-                           2), "dynamic_update_slice": 1}  # the operand of what they write
-_ACROSS = {"sort": "dimension", "cumsum": "axis", "cumprod": "axis", "cummax": "axis",
-           "cummin": "axis", "cumlogsumexp": "axis", "rev": "dimensions"}  # mix rows in place
+_WRITES = {**dict.fromkeys("scatter scatter-add scatter-sub scatter-mul scatter-min scatter-max"
+                           .split(), 2), "dynamic_update_slice": 1}  # their values
+# What keeps each row's entries its own (where the rows' axis is not the one named: _ALONG).
+_ROWWISE = frozenset("""abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e
+  bessel_i1e cbrt ceil clamp clz complex conj convert_element_type copy copy_p cos cosh digamma
+  div eq eq_to erf erf_inv erfc exp exp2 expm1 floor fma fmuladd ge gt igamma igamma_grad_a
+  igammac imag integer_pow is_finite le le_to lgamma log log1p log2 logistic lt lt_to max min mul
+  mulhi ne neg nextafter not one_minus_square or polygamma population_count pow real ldexp
+  searchsorted reduce_precision regularized_incomplete_beta rem round rsqrt select_n shift_left
+  shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient sub tan tanh
+  xor zeta zeros_like bitcast_convert_type optimization_barrier sharding_constraint reshard
+  mesh_cast pvary pbroadcast device_put layout_constraint relayout name squeeze expand_dims
+  broadcast_in_dim transpose reshape dot_general reduce_sum reduce_max reduce_min reduce_prod
+  reduce_and reduce_or reduce_xor argmax argmin slice dynamic_slice pad gather iota
+  """.split()) | set(_WRITES)
+_ALONG = {"sort": "dimension", "cumsum": "axis", "cumprod": "axis", "cummax": "axis",
+          "cummin": "axis", "cumlogsumexp": "axis", "rev": "dimensions", "top_k": "axis",
+          "concatenate": "dimension", "split": "axis"}  # along the rows, they mix them
 
 
 class Flow(NamedTuple):
@@ -221,10 +233,12 @@ def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
     ins = _operands(ctx, a, b, ins)[0]
   in_loop = ctx.in_loop or name == "while" or (name == "scan" and a is None)
 
+  walked: list[list[Flow]] = []  # each jaxpr's outputs (a `while`'s condition's first)
+
   def inside(ins: list[Flow], trail: Trail | None) -> list[Flow]:
     others = iter(_jaxpr.inner(a)) if a is not None else itertools.repeat(None)
-    return _jaxpr.descend(b, ins, lambda j, x: walk(j, next(others), x, ctx.rows, trail,
-                                                    in_loop=in_loop, blind=blind), _either)
+    return _jaxpr.descend(b, ins, lambda j, x: walked.append(walk(
+        j, next(others), x, ctx.rows, trail, in_loop=in_loop, blind=blind)) or walked[-1], _either)
 
   outs = inside(ins, trail)
   if _jaxpr.differentiated_by_rule(b):  # (a straight-through rounding): floats are reached
@@ -240,15 +254,16 @@ def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   if any(o.rows != f.rows for o, f in zip(outs[:n], carry, strict=True)):
     outs = [o._replace(why=o.why or "a loop's carry made a sum, or a sum made a constant: the"
                        " next step gets what no step before it did") for o in outs]
-  if name == "cond" and (ins[0].rows or ins[0].why):  # chosen by the batch
-    outs = [o._replace(why=o.why or ins[0].why or "a choice (`cond`) by the batch's values")
+  chooser = {"cond": ins[0], "while": walked[0][0]}.get(name, NONE)  # (a `while`: how long)
+  if chooser.rows or chooser.why:  # chosen by the batch
+    outs = [o._replace(why=o.why or chooser.why or f"a choice (`{name}`) by the batch's values")
             for o in outs]
   return _marked(a, b, outs)
 
 
 def _op(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   """Any other equation (``b``; ``a`` its twin on small)."""
-  a, name = next(ctx.twins), b.primitive.name
+  a, name = next(ctx.twins), _jaxpr.kind(b)
   joined = _join(ins)
   if ctx.trail is not None:
     ctx.trail.visit(a, b, ins, ctx.in_loop)
@@ -269,14 +284,51 @@ def _op(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
                         for f, g, w in zip(follows, grads, wholes, strict=True)])
 
 
+def _axis(v: Any, w: Any) -> int | None:
+  """The axis on which ``v``'s shape differs from its twin ``w``'s: the rows' (one, or none)."""
+  return next((i for i, (m, n) in enumerate(zip(v.aval.shape, w.aval.shape, strict=True))
+               if m != n), None)
+
+
+def _rows_kept(name: str, a: Any, b: Any) -> str | None:
+  """Why ``b`` (``a`` its twin), whose results follow the rows, does not keep each row's
+  entries its own, if it does not."""
+  if name not in _ROWWISE | set(_ALONG):
+    return f"`{name}` of the rows, which is read as no step row by row"
+  out, p = _axis(b.outvars[0], a.outvars[0]), b.params
+  if out in np.atleast_1d(p.get(_ALONG.get(name, ""), ())).tolist():
+    return f"a `{name}` across the rows"
+  x = b.invars[0] if b.invars else None  # the operand it reads (or writes into)
+  axis = _axis(x, a.invars[0]) if x is not None else None
+  if axis is None:
+    return None
+  if name == "searchsorted":  # (into a sorted operand that holds the rows)
+    return "a `searchsorted` across the rows"
+  dims = p.get("dimension_numbers")
+  chosen = getattr(dims, "start_index_map", getattr(dims, "scatter_dims_to_operand_dims", ()))
+  if axis in chosen and axis not in dims.operand_batching_dims:
+    return f"rows chosen by an index (`{name}`: `x[i]`, `.at[i]`; `take_along_axis` keeps them)"
+  cut = {"slice": 0, "dynamic_slice": 0, "pad": 0, "dynamic_update_slice": 1}
+  if name in cut and b.invars[cut[name]].aval.shape[axis] != b.outvars[0].aval.shape[out]:
+    return f"rows cut or shifted (`{name}`)"
+  if name == "gather" and axis not in dims.operand_batching_dims and (
+      p["slice_sizes"][axis] != x.aval.shape[axis]):
+    return "rows cut (`gather`)"
+  if name == "reshape" and np.prod(x.aval.shape[:axis]) != np.prod(b.outvars[0].aval.shape[:out]):
+    return f"rows mixed by a `reshape` ({x.aval.shape} -> {b.outvars[0].aval.shape})"
+  return None
+
+
 def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
                follows: bool, rows: tuple[int, int]) -> tuple[str, str | None]:
   """What ``b`` makes of the rows (``a`` its twin): its results' ``rows`` where they do not
   follow them, and why they are no sum over the rows, if they are not."""
   batch = {f.rows for f in ins} - {""}
-  # Values of no row laid along the rows: evenly by a broadcast, else by position among them.
-  by_position = name in _WRITES and ins[_WRITES[name]].rows != "rows" if batch else (
-      name != "broadcast_in_dim")
+  # Values of no row laid along the rows: evenly (a broadcast, an iota along another axis), else
+  # by position among them; so is a write of them into rows.
+  by_position = name in _WRITES and ins[_WRITES[name]].rows != "rows" if batch else not (
+      name == "broadcast_in_dim" or (name == "iota" and b.params["dimension"] != _axis(
+          b.outvars[0], a.outvars[0])))
   if follows and by_position:
     return "", f"a position among the rows (`{name}` by their count: `arange`, `.at[i].set`)"
   if not batch and not follows:  # a constant; by their count where its params differ (`0.9 ** n`)
@@ -285,10 +337,9 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
   if any(counts) and name in ("div", "mul"):
     return "", "a mean over the rows"  # divided by the rows' count
   if follows:
-    axes = np.atleast_1d(b.params.get(_ACROSS.get(name, ""), ())).tolist()
-    if name in _MIXING or any(b.invars[0].aval.shape[d] != a.invars[0].aval.shape[d]
-                              for d in axes):
-      return "", f"a `{name}` across the rows"
+    why = _rows_kept(name, a, b)
+    if why:
+      return "", why
     for v, w in zip(b.outvars, a.outvars, strict=True):  # each row's entries its own: t per row
       grown = [(m, n) for m, n in zip(v.aval.shape, w.aval.shape, strict=True) if m != n]
       if grown and (len(grown) > 1 or grown[0][0] % rows[0] or grown[0][0] * rows[1] != (
@@ -307,7 +358,8 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
   if name in ("mul", "dot_general"):
     return ("sum", None) if sum(summed) == 1 else ("", "a product of sums over the rows")
   if name == "div" and summed == [True, False]:
-    return "sum", None
+    return ("sum", None) if jnp.issubdtype(b.outvars[0].aval.dtype, jnp.inexact) else (
+        "", "a sum divided as integers (`//`): each micro-batch's quotient truncates")
   if name == "div":
     return "", "a ratio of sums over the rows" if all(summed) else "a reciprocal of a sum over them"
   if name == "convert_element_type" and b.params["new_dtype"] == np.bool_:
@@ -318,9 +370,10 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
       ins[0].whole or jnp.issubdtype(b.params["new_dtype"], jnp.inexact)):
     return "", ("a float sum cut to an integer (`astype`), which may drop a fraction per"
                 " micro-batch: sum integers (`m.astype(jnp.int32).sum()`), or keep floats")
-  values = {"select_n": summed[1:], "concatenate": summed, "stack": summed, "pad": summed}.get(
-      name, summed[:1])  # the operands whose entries it holds (not a slice's index)
-  if name in _LINEAR and all(values) and not (name == "select_n" and ins[0].rows):
+  held = {"select_n": range(1, len(ins)), "dynamic_update_slice": (0, 1)}.get(name, range(
+      len(ins)) if name in ("concatenate", "stack", "pad") else (0,))  # (not an index, a choice)
+  if name in _LINEAR and all(summed[i] for i in held) and not any(
+      f.rows for i, f in enumerate(ins) if i not in held):
     return "sum", None
   return "", f"`{name}` of a sum over the rows (beside a constant)" if name in (
       "select_n", "concatenate", "stack", "pad") else f"`{name}` of a sum over the rows"

@@ -264,7 +264,7 @@ def _micro_batches(config: _Config, args: Sequence[Any], batch: _batch.Batch,
 def _statistics(config: _Config, args: Sequence[Any], batch: _batch.Batch) -> Any:
   """Stage 0: ``global_stats`` checked and summed over every micro-batch, then over ``axis_name``.
 
-  The check traces it on one micro-batch's types and on twice its rows
+  The check traces it on one micro-batch's types and on the whole batch's rows
   (``_global_stats.summable``); the pass evaluates the first trace on every
   micro-batch and adds it in the dtypes ``_arrays.sum_dtype`` gives (integers
   in int32 or wider). No gradient.
@@ -272,7 +272,7 @@ def _statistics(config: _Config, args: Sequence[Any], batch: _batch.Batch) -> An
   micro, varying = _micro_batches(config, args, batch)
   arrays = lambda i: _arrays.ArrayLeaves.of(tuple(micro(i))).arrays
   on = _global_stats.summable(config.global_stats, args, jax.eval_shape(arrays, jnp.zeros(
-      [], jnp.int32)), batch.positions, batch.per_device_rows // config.k)[1]
+      [], jnp.int32)), batch.positions, batch.per_device_rows // config.k, batch.rows)[1]
   init = jax.tree.map(lambda s: _arrays.filled(s, _arrays.sum_dtype(s.dtype, config.acc_dtype)),
                       jax.eval_shape(lambda i: on(arrays(i)), jnp.zeros([], jnp.int32)))
   out = _loop(config, lambda c, i: jax.tree.map(lambda t, x: t + jnp.asarray(x).astype(t.dtype),

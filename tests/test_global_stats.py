@@ -250,7 +250,9 @@ _straight_through.defjvp(lambda primals, tangents: (jnp.round(primals[0]), tange
     (lambda p, b: {"R": _straight_through(forward(p, b)[1][0][1]).sum(0)}, ValueError,
      r"\['R'\] has a gradient.*stop_gradient"),  # (through its own rule: round has none)
     (lambda p, b: {"square": jnp.ones((b["mask"].shape[0],) * 2)}, ValueError,
-     r"\['square'\] is rows paired, shifted or cut \(`broadcast_in_dim`: \(8, 8\) -> \(16, 16\)"),
+     r"\['square'\] is rows paired, shifted or cut \(`broadcast_in_dim`: \(8, 8\) -> \(64, 64\)"),
+    (lambda p, b: {f"n{len(b['mask'])}": b["mask"].sum()}, ValueError,
+     r"returns PyTreeDef\(\{'n8': \*\}\) on a micro-batch but PyTreeDef\(\{'n64': \*\}\)"),
     (lambda p, b: {"pairs": b["mask"].reshape(-1, 2 * T)}, ValueError,
      r"\['pairs'\] is rows paired, shifted or cut"),  # (two rows to an entry of the first axis)
 ])
@@ -627,6 +629,32 @@ _STATISTICS = {
     "a power of the rows' count": (lambda x, m: jnp.float32(0.9) ** x.shape[0] * jnp.sum(m),
                                    False),
     "an entry at the rows' count": (lambda x, m: jnp.arange(99.0)[x.shape[0]] * jnp.sum(m), False),
+    # Traced on the whole batch's rows, read step by step (a second adversarial review's).
+    "the first 8 rows": (lambda x, m: jnp.sum(m[:8]), False),
+    "ones, as many as min(n, 8)": (lambda x, m: jnp.sum(jnp.ones(min(x.shape[0], 8))), False),
+    "rows mixed by a reshape": (lambda x, m: jnp.sum(x.reshape(6, -1)[0]), False),
+    "the flattened rows' first n entries": (lambda x, m: jnp.sum(x.reshape(-1)[:x.shape[0]]),
+                                            False),
+    "rows shifted by a tile": (lambda x, m: jnp.sum(jnp.tile(m, 2)[1:x.shape[0] + 1] * m), False),
+    "rows chosen by unsigned indices": (lambda x, m: jnp.sum(
+        m[(x[:, 0] > 0).astype(jnp.uint32)]), False),
+    "rows overwritten by unsigned indices": (lambda x, m: jnp.sum(
+        m.at[(x[:, 0] > 0).astype(jnp.uint32)].set(0.0)), False),
+    "a segment_sum into a segment per row": (lambda x, m: jnp.sum(jax.ops.segment_sum(
+        m, (x[:, 0] > 0).astype(jnp.int32), num_segments=x.shape[0]) * m), False),
+    "top_k across the rows": (lambda x, m: jnp.sum(lax.top_k(x[:, 0], x.shape[0])[1]), False),
+    "qr of the rows": (lambda x, m: jnp.sum(jnp.linalg.qr(x[:, :2])[0]), False),
+    "a while loop as long as a sum says": (lambda x, m: lax.while_loop(
+        lambda c: c < 100.0, lambda c: c * 2.0, jnp.sum(m + 1.0)), False),
+    "a count divided as integers": (lambda x, m: lax.div(jnp.sum(m.astype(jnp.int32)), 3), False),
+    "a sum rounded to two mantissa bits": (lambda x, m: lax.reduce_precision(
+        jnp.sum(x[:, 0]), 8, 1), False),
+    "a sum picked by a count": (lambda x, m: jnp.sum(x, 0).at[jnp.sum(
+        m.astype(jnp.uint32))].get(mode="clip"), False),
+    "positions along the features": (lambda x, m: jnp.sum(
+        lax.broadcasted_iota(jnp.float32, x.shape, 1) * x), True),
+    "a per-row sort, a per-row pick": (lambda x, m: jnp.sum(jnp.take_along_axis(jnp.sort(
+        x, axis=1), (x[:, :1] > 0).astype(jnp.int32), axis=1)), True),
     "positions, by a Python loop": (lambda x, m: jnp.stack(
         [jnp.float32(1.0) * i for i in range(x.shape[0])]) @ m, False),
 }
