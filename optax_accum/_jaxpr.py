@@ -160,9 +160,10 @@ def inner(eqn: Any) -> list:
 
 
 def aligned(jaxpr: Any, other: Any) -> bool:
-  """Whether ``other`` holds ``jaxpr``'s equations in their order (its program on other shapes)."""
-  return other is not None and [e.primitive for e in jaxpr.eqns] == [
-      e.primitive for e in other.eqns]
+  """Whether ``other`` holds ``jaxpr``'s equations in their order (its program on other shapes):
+  the same primitives, with as many operands, results and jaxprs."""
+  eqn = lambda e: (e.primitive, len(e.invars), len(e.outvars), len(inner(e)))
+  return other is not None and list(map(eqn, jaxpr.eqns)) == list(map(eqn, other.eqns))
 
 
 def twins(jaxpr: Any, other: Any) -> Iterator:

@@ -290,6 +290,23 @@ def _axis(v: Any, w: Any) -> int | None:
                if m != n), None)
 
 
+def _by_count(a: Any, b: Any) -> str | None:
+  """What of ``b`` differs from its twin ``a`` other than its shapes along the rows: its rank, a
+  parameter (``integer_pow``'s ``y``, a slice's start on another axis), if anything."""
+  pairs = list(zip((*b.invars, *b.outvars), (*a.invars, *a.outvars), strict=True))
+  if any(len(v.aval.shape) != len(w.aval.shape) for v, w in pairs):
+    return "rank (a `squeeze` of one row?)"
+  axes = {i for v, w in pairs for i, (m, n) in enumerate(zip(
+      v.aval.shape, w.aval.shape, strict=True)) if m != n}  # (where shapes differ: the walk's)
+  for key, v in b.params.items():
+    u = a.params[key]
+    if not (isinstance(v, (jax_core.Jaxpr, jax_core.ClosedJaxpr)) or str(v) == str(u) or (
+        isinstance(v, tuple) and isinstance(u, tuple) and len(u) == len(v)
+        and {i for i, (m, n) in enumerate(zip(v, u, strict=True)) if m != n} <= axes)):
+      return f"`{key}`"
+  return None
+
+
 def _rows_kept(name: str, a: Any, b: Any) -> str | None:
   """Why ``b`` (``a`` its twin), whose results follow the rows, does not keep each row's
   entries its own, if it does not."""
@@ -308,9 +325,12 @@ def _rows_kept(name: str, a: Any, b: Any) -> str | None:
   chosen = getattr(dims, "start_index_map", getattr(dims, "scatter_dims_to_operand_dims", ()))
   if axis in chosen and axis not in dims.operand_batching_dims:
     return f"rows chosen by an index (`{name}`: `x[i]`, `.at[i]`; `take_along_axis` keeps them)"
-  cut = {"slice": 0, "dynamic_slice": 0, "pad": 0, "dynamic_update_slice": 1}
-  if name in cut and b.invars[cut[name]].aval.shape[axis] != b.outvars[0].aval.shape[out]:
-    return f"rows cut or shifted (`{name}`)"
+  if name in ("slice", "dynamic_slice", "pad") or name in _WRITES:  # all the rows, in place
+    i = _WRITES.get(name)
+    v, w = (b.invars[i], a.invars[i]) if i else (b.outvars[0], a.outvars[0])  # (what it writes)
+    if _axis(v, w) is None or v.aval.shape[_axis(v, w)] != x.aval.shape[axis] or (
+        name == "pad" and any(p["padding_config"][axis])):
+      return f"rows cut or shifted (`{name}`)"
   if name == "gather" and axis not in dims.operand_batching_dims and (
       p["slice_sizes"][axis] != x.aval.shape[axis]):
     return "rows cut (`gather`)"
@@ -331,9 +351,10 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
           b.outvars[0], a.outvars[0])))
   if follows and by_position:
     return "", f"a position among the rows (`{name}` by their count: `arange`, `.at[i].set`)"
-  if not batch and not follows:  # a constant; by their count where its params differ (`0.9 ** n`)
-    return "", None if all(isinstance(v, (jax_core.Jaxpr, jax_core.ClosedJaxpr)) or str(v) == str(
-        a.params[k]) for k, v in b.params.items()) else f"a function of the rows' count (`{name}`)"
+  if by_count := _by_count(a, b):  # (Python logic on the rows' count: `x ** (3 if n > 8 else 2)`)
+    return "", f"a function of the rows' count (`{name}`'s {by_count})"
+  if not batch and not follows:  # a constant
+    return "", None
   if any(counts) and name in ("div", "mul"):
     return "", "a mean over the rows"  # divided by the rows' count
   if follows:
@@ -347,6 +368,9 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
         return "", f"rows paired, shifted or cut (`{name}`: {w.aval.shape} -> {v.aval.shape})"
     return "", "a sum over the rows spread over them again" if "sum" in batch else None
   if batch == {"rows"}:  # values of the rows, reduced over them
+    dims = b.params.get("dimension_numbers")
+    if name.startswith("scatter") and _axis(b.invars[2], a.invars[2]) in dims.update_window_dims:
+      return "", f"rows written in place of others (`{name}`: `.at[:n].add`), not summed"
     if name in _SUMS:
       return "sum", None
     return "", f"{_MAXIMA[name]} over the rows" if name in _MAXIMA else f"`{name}` over the rows"

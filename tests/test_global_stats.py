@@ -253,6 +253,8 @@ _straight_through.defjvp(lambda primals, tangents: (jnp.round(primals[0]), tange
      r"\['square'\] is rows paired, shifted or cut \(`broadcast_in_dim`: \(8, 8\) -> \(64, 64\)"),
     (lambda p, b: {f"n{len(b['mask'])}": b["mask"].sum()}, ValueError,
      r"returns PyTreeDef\(\{'n8': \*\}\) on a micro-batch but PyTreeDef\(\{'n64': \*\}\)"),
+    (lambda p, b: {"r": b["mask"] if len(b["mask"]) > 8 else b["mask"][..., None]}, ValueError,
+     r"\['r'\] is of a rank that changes with the rows' count"),
     (lambda p, b: {"pairs": b["mask"].reshape(-1, 2 * T)}, ValueError,
      r"\['pairs'\] is rows paired, shifted or cut"),  # (two rows to an entry of the first axis)
 ])
@@ -651,6 +653,19 @@ _STATISTICS = {
         jnp.sum(x[:, 0]), 8, 1), False),
     "a sum picked by a count": (lambda x, m: jnp.sum(x, 0).at[jnp.sum(
         m.astype(jnp.uint32))].get(mode="clip"), False),
+    # A third review's: shifts that keep the shape, writes in place, Python logic in parameters.
+    "rows shifted by a pad of -1 and 1": (lambda x, m: jnp.sum(lax.pad(
+        m, 0.0, [(-1, 1, 0)]) * m), False),
+    "rows added at fixed places, .at[:n].add": (lambda x, m: jnp.zeros(30).at[:x.shape[0]].add(
+        m), False),
+    "a column chosen by the rows' count": (lambda x, m: jnp.sum(x[:, (x.shape[0] // 4) % 6]),
+                                           False),
+    "a power chosen by the rows' count": (lambda x, m: jnp.sum(
+        x[:, 0] ** (3 if x.shape[0] > 8 else 2)), False),
+    "as many copies as the rows' count says": (lambda x, m: jnp.sum(
+        jnp.stack([m] * (2 if x.shape[0] > 8 else 3))), False),
+    "as many branches as the rows' count says": (lambda x, m: lax.switch(2, [
+        lambda v, i=i: i * jnp.sum(v) for i in range(3 if x.shape[0] > 8 else 2)], m), False),
     "positions along the features": (lambda x, m: jnp.sum(
         lax.broadcasted_iota(jnp.float32, x.shape, 1) * x), True),
     "a per-row sort, a per-row pick": (lambda x, m: jnp.sum(jnp.take_along_axis(jnp.sort(
@@ -688,3 +703,14 @@ def test_a_statistic_is_linear_in_the_rows_or_refused(name: str) -> None:
   value, _ = fn(w, _X, _M)
   expected = loss(w, _X, _M, {"s": jnp.asarray(whole, jnp.float32)})
   np.testing.assert_allclose(value, expected, rtol=1e-5)
+
+
+def test_a_statistic_squeezed_on_one_row_is_refused_naming_its_rank() -> None:
+  """A micro-batch of one row: `jnp.squeeze` drops the rows' axis there and not on the whole
+  batch, so the two traces' ranks differ (the walk compared shapes axis by axis and crashed)."""
+  loss = lambda w, x, m, stats: jnp.sum((x @ w) * m) * jnp.sum(stats["s"])
+  fn = oa.microbatched(jax.value_and_grad(loss), 16, batch_argnums=(1, 2), normalize="sum",
+                       global_stats=lambda w, x, m: {"s": jnp.squeeze(x[:, :1])})
+  with pytest.raises(ValueError, match=r"\['s'\] is a function of the rows' count \(`squeeze`'s"
+                     r" rank"):
+    fn(jnp.ones(6), _X, _M)
