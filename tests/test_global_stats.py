@@ -683,7 +683,7 @@ def test_a_statistic_is_linear_in_the_rows_or_refused(name: str) -> None:
   stat, linear = _STATISTICS[name]
   x64, m64 = np.asarray(_X, np.float64), np.asarray(_M, np.float64)
   pool = lambda s, rows: np.sum(s, 0) if np.ndim(s) and np.shape(s)[0] % rows == 0 else s
-  with jax.enable_x64(True):
+  with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):  # (a TPU has no f64 fp8)
     whole = pool(np.asarray(stat(jnp.asarray(x64), jnp.asarray(m64))), 16)
     parts = sum(pool(np.asarray(stat(jnp.asarray(x64[i::4]), jnp.asarray(m64[i::4]))), 4)
                 for i in range(4))
