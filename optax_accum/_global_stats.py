@@ -106,7 +106,7 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
   axes = []
   for (path, a), b, flow in zip(found, jax.tree.leaves(large_shapes), flows, strict=True):
     where = jax.tree_util.keystr(path) or "its root"
-    axis = _rows_axis(a, b)
+    axis = _row_trail.grown_axis(a.shape, b.shape)
     why = flow.why or ("of a rank that changes with the rows' count" if len(a.shape) != len(
         b.shape) else None if flow.rows or axis is not None else "of no rows (a constant, or"
                        " the params'), which each micro-batch would add again")
@@ -149,14 +149,6 @@ def check_sums(whole: Any, parts: list[Any]) -> Any:
           " on the whole batch is not the sum of the micro-batches' that `microbatched` gives"
           " the loss. Return sums and counts (not a mean or a max) and divide in the loss.")
   return jax.tree.unflatten(jax.tree.structure(whole), out)
-
-
-def _rows_axis(a: Any, b: Any) -> int | None:
-  """The axis of a statistic that holds the rows (``a`` on fewer rows, ``b`` on more): the one
-  that grew (the walk refuses a statistic whose rows are not t entries along one axis)."""
-  if len(a.shape) != len(b.shape):
-    return None
-  return next((i for i, (m, n) in enumerate(zip(a.shape, b.shape, strict=True)) if m != n), None)
 
 
 # ------------------------------------------------------- across steps: accumulate

@@ -50,7 +50,10 @@ _SHAPED = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
 _EXACT = _LINEAR | {"add", "sub", "mul", "add_any", "max", "min", "abs", "dot_general"}  # of wholes
 _WRITES = {**dict.fromkeys("scatter scatter-add scatter-sub scatter-mul scatter-min scatter-max"
                            .split(), 2), "dynamic_update_slice": 1}  # their values
-# What keeps each row's entries its own (where the rows' axis is not the one named: _ALONG).
+_ALONG = {"sort": "dimension", "cumsum": "axis", "cumprod": "axis", "cummax": "axis",
+          "cummin": "axis", "cumlogsumexp": "axis", "rev": "dimensions", "top_k": "axis",
+          "concatenate": "dimension", "split": "axis"}  # along the rows, they mix them
+# What keeps each row's entries its own (_ALONG: where the rows' axis is not the one named).
 _ROWWISE = frozenset("""abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e
   bessel_i1e cbrt ceil clamp clz complex conj convert_element_type copy copy_p cos cosh digamma
   div eq eq_to erf erf_inv erfc exp exp2 expm1 floor fma fmuladd ge gt igamma igamma_grad_a
@@ -62,10 +65,7 @@ _ROWWISE = frozenset("""abs acos acosh add add_any and asin asinh atan atan2 ata
   mesh_cast pvary pbroadcast device_put layout_constraint relayout name squeeze expand_dims
   broadcast_in_dim transpose reshape dot_general reduce_sum reduce_max reduce_min reduce_prod
   reduce_and reduce_or reduce_xor argmax argmin slice dynamic_slice pad gather iota
-  """.split()) | set(_WRITES)
-_ALONG = {"sort": "dimension", "cumsum": "axis", "cumprod": "axis", "cummax": "axis",
-          "cummin": "axis", "cumlogsumexp": "axis", "rev": "dimensions", "top_k": "axis",
-          "concatenate": "dimension", "split": "axis"}  # along the rows, they mix them
+  """.split()) | set(_WRITES) | set(_ALONG)
 
 
 class Flow(NamedTuple):
@@ -284,10 +284,17 @@ def _op(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
                         for f, g, w in zip(follows, grads, wholes, strict=True)])
 
 
+def grown_axis(small: Sequence[int], large: Sequence[int]) -> int | None:
+  """The axis on which shape ``large`` differs from its twin ``small``: the rows' (one, or none;
+  none where their ranks differ, which the walk refuses)."""
+  if len(small) != len(large):
+    return None
+  return next((i for i, (m, n) in enumerate(zip(small, large, strict=True)) if m != n), None)
+
+
 def _axis(v: Any, w: Any) -> int | None:
-  """The axis on which ``v``'s shape differs from its twin ``w``'s: the rows' (one, or none)."""
-  return next((i for i, (m, n) in enumerate(zip(v.aval.shape, w.aval.shape, strict=True))
-               if m != n), None)
+  """:func:`grown_axis` of an equation's variable ``v`` and its twin ``w``."""
+  return grown_axis(w.aval.shape, v.aval.shape)
 
 
 def _by_count(a: Any, b: Any) -> str | None:
@@ -310,7 +317,7 @@ def _by_count(a: Any, b: Any) -> str | None:
 def _rows_kept(name: str, a: Any, b: Any) -> str | None:
   """Why ``b`` (``a`` its twin), whose results follow the rows, does not keep each row's
   entries its own, if it does not."""
-  if name not in _ROWWISE | set(_ALONG):
+  if name not in _ROWWISE:
     return f"`{name}` of the rows, which is read as no step row by row"
   out, p = _axis(b.outvars[0], a.outvars[0]), b.params
   if out in np.atleast_1d(p.get(_ALONG.get(name, ""), ())).tolist():
@@ -328,7 +335,8 @@ def _rows_kept(name: str, a: Any, b: Any) -> str | None:
   if name in ("slice", "dynamic_slice", "pad") or name in _WRITES:  # all the rows, in place
     i = _WRITES.get(name)
     v, w = (b.invars[i], a.invars[i]) if i else (b.outvars[0], a.outvars[0])  # (what it writes)
-    if _axis(v, w) is None or v.aval.shape[_axis(v, w)] != x.aval.shape[axis] or (
+    written = _axis(v, w)
+    if written is None or v.aval.shape[written] != x.aval.shape[axis] or (
         name == "pad" and any(p["padding_config"][axis])):
       return f"rows cut or shifted (`{name}`)"
   if name == "gather" and axis not in dims.operand_batching_dims and (
