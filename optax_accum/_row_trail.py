@@ -224,7 +224,8 @@ def _operands(ctx: _Walk, a: Any, b: Any, ins: list[Flow]) -> tuple[list[Flow], 
 def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   """A call, ``scan``, ``shard_map``, ``cond`` or ``while``: its jaxprs walked with their twins."""
   a, name, trail, blind = next(ctx.twins), b.primitive.name, ctx.trail, ctx.blind
-  if a is not None and a.params.get("length") != b.params.get("length"):
+  over_rows = a is not None and a.params.get("length") != b.params.get("length")
+  if over_rows:
     a, blind = None, blind or ("computed in a loop over the rows (`scan`, `fori_loop`,"
                                " `lax.map`: unread; write it with `jax.vmap` per row)")
   if trail is not None:
@@ -254,6 +255,8 @@ def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   if any(o.rows != f.rows for o, f in zip(outs[:n], carry, strict=True)):
     outs = [o._replace(why=o.why or "a loop's carry made a sum, or a sum made a constant: the"
                        " next step gets what no step before it did") for o in outs]
+  if over_rows:  # each result, one its body computed or one it passes on (a carry as `ys`)
+    outs = [o._replace(why=o.why or blind) for o in outs]
   chooser = {"cond": ins[0], "while": walked[0][0]}.get(name, NONE)  # (a `while`: how long)
   if chooser.rows or chooser.why:  # chosen by the batch
     outs = [o._replace(why=o.why or chooser.why or f"a choice (`{name}`) by the batch's values")

@@ -626,6 +626,8 @@ _STATISTICS = {
         jnp.zeros(x.shape[0]), jnp.ones(1), (0,)) @ x[:, 0], False),
     "decay weights, by a fori_loop": (lambda x, m: lax.fori_loop(
         0, x.shape[0], lambda i, w: w.at[i].set(0.9 ** i), jnp.ones(x.shape[0])) @ m, False),
+    "decay weights, a scan's carry passed on as its ys": (lambda x, m: lax.scan(
+        lambda c, r: (c * 0.9, c), 1.0, jnp.ones(x.shape[0]))[1] @ m, False),
     "a power, by a loop over the rows": (lambda x, m: lax.fori_loop(
         0, x.shape[0], lambda i, c: c * 0.9, 1.0) * jnp.sum(m), False),
     "a power of the rows' count": (lambda x, m: jnp.float32(0.9) ** x.shape[0] * jnp.sum(m),
