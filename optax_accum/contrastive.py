@@ -19,11 +19,10 @@ Activation memory peaks at one micro-batch's; the embeddings, their gradient
 and what the loss builds from them (the B x B similarity matrix) stay
 whole-batch. It costs one more forward pass.
 
-The losses themselves, in tiles: :func:`clip_loss` and :func:`siglip_loss`
-compute CLIP's and SigLIP's losses and their gradients exactly without the
-B x B matrix (memory linear in the batch), on one device or, with
-``axis_name``, with the blocks of ``y`` travelling a ring of devices. Either
-is a ``loss_fn`` for :func:`cached_microbatched`.
+``loss_fn`` is any function of the whole batch's embeddings: the dense
+formula, or a loss of the user's own that walks the similarity matrix in
+chunks when that matrix does not fit (the SigLIP paper's chunked sigmoid loss,
+say).
 
 Across devices each one embeds its own rows in both passes; the embeddings
 (never activations) are all-gathered, every device computes the loss on the
@@ -42,9 +41,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from optax_accum import _arrays, _batch, _per_device, _validation
-from optax_accum._tiled_contrastive import clip_loss, siglip_loss
 
-__all__ = ["cached_microbatched", "clip_loss", "siglip_loss"]
+__all__ = ["cached_microbatched"]
 
 
 def cached_microbatched(

@@ -3,10 +3,9 @@
 A test that passes on a wrong implementation checks nothing. Each mutant
 below is a wrong version of a public behaviour (a wrong divisor, an ignored
 weight, a buffer never reset, ...), made by wrapping the public function a
-test calls (``oa.accumulate``, ``oa.microbatched``, the tiled losses of
-``optax_accum.contrastive``: a test that claims a mutant calls them through
-the package) or by replacing ``jax.lax.cond``, the conditionals the core
-is built on, or ``jax.lax.ppermute``, the tiled losses' ring. None touches the core's private
+test calls (``oa.accumulate``, ``oa.microbatched``: a test that claims a
+mutant calls them through the package) or by replacing ``jax.lax.cond``, the
+conditionals the core is built on. None touches the core's private
 functions, so rewriting the core keeps them valid.
 
 A test claims the mutants it must catch with ``@pytest.mark.catches(name,
@@ -27,13 +26,11 @@ import optax
 import pytest
 
 import optax_accum as oa
-from optax_accum import contrastive, microbatching, offload
+from optax_accum import microbatching, offload
 
 Mutant = Callable[[pytest.MonkeyPatch], None]
 MUTANTS: dict[str, Mutant] = {}
 _accumulate, _microbatched = oa.accumulate, oa.microbatched  # the real ones
-_clip_loss, _siglip_loss = contrastive.clip_loss, contrastive.siglip_loss
-_ppermute = jax.lax.ppermute
 _host_state = oa.host_state
 _MISSING = object()
 
@@ -303,28 +300,6 @@ def cond_as_selects(patch: pytest.MonkeyPatch) -> None:
     t, f = true_fn(*operands), false_fn(*operands)
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), t, f)
   patch.setattr(jax.lax, "cond", cond)
-
-
-# ------------------------------------------------------------------ the tiled losses
-@mutant
-def temperature_gradient_misses_a_factor(patch: pytest.MonkeyPatch) -> None:
-  """The tiled losses' gradient for ``temperature`` misses a factor ``1 / temperature``
-  (the chain rule's last step)."""
-  def bent(t: Any) -> jax.Array:  # the value of t, with the derivative t
-    t = jnp.asarray(t)
-    return jax.lax.stop_gradient(t) * (1 + t - jax.lax.stop_gradient(t))
-
-  for name, real in (("clip_loss", _clip_loss), ("siglip_loss", _siglip_loss)):
-    patch.setattr(contrastive, name, lambda x, y, t, *rest, real=real, **kw: real(
-        x, y, bent(t), *rest, **kw))
-
-
-@mutant
-def ring_hops_two_devices(patch: pytest.MonkeyPatch) -> None:
-  """The ring's blocks hop two devices a step, not one: on an even ring each device meets
-  half the blocks, some twice (one ring step's block skipped, another repeated)."""
-  patch.setattr(jax.lax, "ppermute", lambda x, axis_name, perm: _ppermute(
-      x, axis_name, [(src, (2 * dst - src) % len(perm)) for src, dst in perm]))
 
 
 # ------------------------------------------------------------------ the state on the host

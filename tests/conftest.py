@@ -49,7 +49,7 @@ if tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2]) < (0, 11):
 # The MLIR locations of a program's ops hold, by JAX's default, up to 100 frames of their
 # Python traceback; under pytest most frames are pytest's, lowered and parsed again in each of
 # the suite's ~8000 compilations. The op's own frame (the HLO's source_file and source_line)
-# is kept: 5% less CPU time on test_accumulate.py and test_contrastive_losses.py. An
+# is kept: 5% less CPU time on test_accumulate.py (and on a loss test file since removed). An
 # environment variable, so that the processes the tests start compile the same way.
 # (--xla_cpu_parallel_codegen_split_count=1 would save 12-18% more, but changes XLA:CPU's
 # code enough that test_parking's bit-for-bit noise-tracking case differs by an ulp.)
