@@ -1,7 +1,7 @@
 """The batch rules, written once: every entry point that takes a batch reads one :class:`Batch`.
 
-``microbatched``, ``cached_microbatched``, ``local_value_and_grad``,
-``plan_k`` and ``check_large_batch`` each build one :class:`Batch` per call
+``microbatched``, ``cached_microbatched``, ``local_value_and_grad``
+and ``plan_k`` each build one :class:`Batch` per call
 (:func:`of`, the counterpart of ``_arrays.Layout``): the params are argument 0
 and never the batch; each position is named once and within the call; every
 batch leaf has a leading dim, the same number of rows and the same split over
@@ -11,8 +11,8 @@ each. Here too, what the two in-step wrappers do with the batch:
 ``num_microbatches``, the strided split (micro-batch ``i`` holds rows ``i, i +
 k, ...``: a reshape, so a batch sharded along its leading dim stays on its
 devices) and its inverse, the key of each device and micro-batch, the wrapped
-``fn``'s output unpacked (:func:`unpack`, which ``check_large_batch`` reads
-too), and each gradient given back in its param's layout.
+``fn``'s output unpacked (:func:`unpack`), and each gradient given back in its
+param's layout.
 """
 
 from __future__ import annotations

@@ -11,9 +11,7 @@ once per row count it compares) and pools a statistic kept per row, and
 ``microbatching`` sums it, evaluating that trace. Across
 steps, ``accumulate(k, opt, global_stats=like)`` carries the open window's
 running sum and the last window's total (:class:`GlobalStats`, :func:`init`,
-:func:`advance`, told by the window when it closes). ``check_large_batch``
-compares the whole batch's statistics with their sum over the micro-batches
-(:func:`check_sums`).
+:func:`advance`, told by the window when it closes).
 
 A statistic is computed in the forward and returned, never kept in a mutable
 counter: ``jax.checkpoint`` recomputes a forward, and a recomputation returns
@@ -27,7 +25,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.extend import core as jax_core
 
@@ -96,8 +93,7 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
         f"`global_stats` returns {jax.tree.structure(shapes)} on a micro-batch but"
         f" {jax.tree.structure(large_shapes)} on the whole batch: return one structure.")
   flows = _row_trail.walk(large.jaxpr, small.jaxpr, [_row_trail.Flow(
-      frozenset({_row_trail.BATCH} if p[0].idx in positions else ()), "", None,
-      p[0].idx == _batch.PARAMS and jnp.issubdtype(x.dtype, jnp.inexact),
+      "", None, p[0].idx == _batch.PARAMS and jnp.issubdtype(x.dtype, jnp.inexact),
       not jnp.issubdtype(x.dtype, jnp.inexact))
       for p, x in zip(leaves.paths, leaves.arrays, strict=True)], (times * rows, rows), consts=[
           _row_trail.count(c, d, times) or _row_trail.NONE
@@ -127,28 +123,6 @@ def summable(stats_fn: Callable[..., Any], args: Sequence[Any], avals: Sequence[
                               for x, axis in zip(treedef.flatten_up_to(out), axes, strict=True)])
   run = jax_core.jaxpr_as_fun(small)
   return lambda *a: pool(stats_fn(*a)), lambda arrays: pool(treedef.unflatten(run(*arrays)))
-
-
-def check_sums(whole: Any, parts: list[Any]) -> Any:
-  """Raises unless the statistics of the whole batch are their sum over the micro-batches.
-
-  ``check_large_batch``'s check, on values computed in float64. Integers are
-  compared in their own dtype (an int8 count may wrap), and returned as
-  ``microbatched`` sums them (``_arrays.sum_dtype``: int32); floats as they are.
-  """
-  out = []
-  for (path, w), *ps in zip(jax.tree_util.tree_flatten_with_path(whole)[0],
-                            *map(jax.tree.leaves, parts), strict=True):
-    terms, v = np.stack([np.asarray(x) for x in ps]), np.asarray(w)
-    total = terms.sum(0, dtype=np.int64 if np.issubdtype(v.dtype, np.integer) else None)
-    out.append(jnp.asarray(total.astype(_arrays.sum_dtype(v.dtype)))
-               if np.issubdtype(v.dtype, np.integer) else w)  # floats: float64, as they are
-    if np.any(np.abs(v - total.astype(v.dtype)) > 1e-9 * np.abs(terms).sum(0)):
-      raise ValueError(
-          f"`global_stats` is not a sum over rows: its {jax.tree_util.keystr(path) or 'root'}"
-          " on the whole batch is not the sum of the micro-batches' that `microbatched` gives"
-          " the loss. Return sums and counts (not a mean or a max) and divide in the loss.")
-  return jax.tree.unflatten(jax.tree.structure(whole), out)
 
 
 # ------------------------------------------------------- across steps: accumulate

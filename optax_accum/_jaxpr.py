@@ -1,20 +1,16 @@
 """The one jaxpr interpreter: a table of rules keyed by primitive, one descent into inner jaxprs.
 
-Three walks read a jaxpr equation by equation: ``_float64`` evaluates it with
-its floating values in float64, ``_row_trail`` follows the batch's rows (where
-each value comes from, whether it is linear in the rows, whether a gradient
-reaches it: for ``global_stats`` and the check), and ``offload`` inlines the
-calls of the update it streams, labels each value with the leaves it is
-computed from (beside the update traced on a block of rows: :func:`twins`)
-and binds, per piece, the part its outputs need (:func:`pruned`). Each is a
-:class:`Rules`, a rule per
-primitive and one for the rest, which :func:`interpret` runs. What JAX keeps
-inside an equation is read here alone: which primitives are calls (``CALL``,
-by every name JAX gives them), where an equation keeps its jaxprs
+Two walks read a jaxpr equation by equation: ``_row_trail`` follows the
+batch's rows (whether each value is linear in the rows, whether a gradient
+reaches it: for ``global_stats``), and ``offload`` inlines the calls of the
+update it streams, labels each value with the leaves it is computed from
+(beside the update traced on a block of rows: :func:`twins`) and binds, per
+piece, the part its outputs need (:func:`pruned`). Each is a :class:`Rules`, a
+rule per primitive and one for the rest, which :func:`interpret` runs. What JAX
+keeps inside an equation is read here alone: which primitives are calls
+(``CALL``, by every name JAX gives them), where an equation keeps its jaxprs
 (closed before JAX 0.11, open from it, their constants made operands:
-:func:`closed`) and which operands feed each (:func:`descend`, for a walk of
-what values depend on; :func:`map_jaxprs`, for a walk that binds an equation
-again with its jaxprs rewritten, as Equinox's finalisation does). A rename in
+:func:`closed`) and which operands feed each (:func:`descend`). A rename in
 a new JAX is one fix, here.
 
 Example: which inputs each output is computed from, through a call and a
@@ -171,19 +167,6 @@ def twins(jaxpr: Any, other: Any) -> Iterator:
   of ``jaxpr``'s in turn; None for each where the two hold other equations (or ``other`` is
   None)."""
   return iter(other.eqns if aligned(jaxpr, other) else [None] * len(jaxpr.eqns))
-
-
-def map_jaxprs(params: Mapping[str, Any], f: Callable[[Any], Any]) -> dict[str, Any]:
-  """``params`` with each jaxpr in them rewritten by ``f``: one in a tuple too (``cond``'s
-  branches, ``custom_linear_solve``'s functions)."""
-  is_jaxpr = lambda v: isinstance(v, (jax_core.Jaxpr, jax_core.ClosedJaxpr))
-
-  def one(v: Any) -> Any:
-    if isinstance(v, tuple) and any(map(is_jaxpr, v)):  # other tuples stay (a PartitionSpec)
-      return v._make(map(one, v)) if hasattr(v, "_make") else tuple(map(one, v))
-    return f(v) if is_jaxpr(v) else v
-
-  return {k: one(v) for k, v in params.items()}
 
 
 def pruned(jaxpr: Any, outs: Sequence, given: Any = ()) -> Any:

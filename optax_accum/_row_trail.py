@@ -4,15 +4,9 @@ A function of the batch is traced twice, on more rows (``large``: the whole
 batch) and on fewer (``small``: a micro-batch, or half as many), and one walk
 reads the two equation beside equation (``_jaxpr.twins``), into calls,
 ``scan``, ``cond`` and ``while`` (``_jaxpr.inner``): a value follows the rows
-where its shapes differ. Each value's :class:`Flow` says where it comes from (a
-batch argument, another argument, a captured constant, and ``_STAT``: a
-statistic of the batch, a value of the batch whose shape does not follow the
-rows), whether it is linear in the rows and why not (``microbatched``'s
-``global_stats`` must be), and whether a param's gradient reaches it. The
-check's :class:`Trail` sees each equation beside its twin: it refuses random
-numbers drawn per row from a key no batch argument feeds, and records the
-selections by the batch's values and the roundings on a statistic of the batch
-that the verdict's fix names.
+where its shapes differ. Each value's :class:`Flow` says whether it is linear
+in the rows and why not (``microbatched``'s ``global_stats`` must be), and
+whether a param's gradient reaches it.
 """
 
 from __future__ import annotations
@@ -21,20 +15,12 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
-from jax.extend import source_info_util
 
-from optax_accum import _float64, _jaxpr
+from optax_accum import _jaxpr
 
-_RANDOM = ("random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform")
-BATCH = "a batch argument"  # the label of a batch argument's leaves
-_CAPTURED = "captured"
-_STAT = "a statistic of the batch"  # of the batch, and its shape does not follow the rows
-_SELECT = {"top_k": "axis", "sort": "dimension", "argmax": "axes", "argmin": "axes",
-           "reduce_max": "axes", "reduce_min": "axes"}  # pick among the rows on these axes
 _ROUNDED = ("floor", "ceil", "round", "sign")  # whole numbers
 _CONSTANT = ("stop_gradient", *_ROUNDED)  # no gradient flows through
 _MAXIMA = {"reduce_max": "a max", "reduce_min": "a min", "argmax": "an argmax",
@@ -71,7 +57,6 @@ _ROWWISE = frozenset("""abs acos acosh add add_any and asin asinh atan atan2 ata
 class Flow(NamedTuple):
   """What :func:`walk` knows of a value."""
 
-  sources: frozenset  # the inputs it comes from (labelled by :func:`source`), and `_STAT`
   rows: str  # "": of no rows (the params, a constant); "rows": follows them; "sum": a sum over them
   why: str | None  # what makes it no sum over the rows: a max over them, a ratio of sums
   grad: bool  # a float that a float param reaches through floats
@@ -79,73 +64,21 @@ class Flow(NamedTuple):
   zero: bool = False  # zeros (a literal 0, `jnp.zeros`): a sum over no rows
 
 
-NONE = Flow(frozenset(), "", None, False)  # a constant's
-
-
-class Trail:
-  """What the check's walk of the whole batch's trace found, beside a micro-batch's.
-
-  It raises at random numbers drawn per row (their shapes differ from the
-  micro-batch's, or a loop over the rows or a ``while`` draws them) from a key no
-  batch argument feeds, and records each selection among the rows or by a
-  statistic of the batch (``cond``, ``select_n``, ``_SELECT``) and each rounding
-  (``round``, a cast to an 8-bit float: fp8) of a value that a statistic of the
-  batch scales.
-  """
-
-  def __init__(self) -> None:
-    self.at = ""  # the user's line of the equation being walked (inner ones have JAX's)
-    self.selections: list[str] = []
-    self.roundings: list[tuple[bool, str]] = []  # (of a sum over the rows?, what, where)
-    self.divided = False  # by a statistic of the batch (a count): normalisation mends it
-
-  def visit(self, a: Any, b: Any, ins: list[Flow], in_loop: bool) -> None:
-    """Records ``b``, an equation of the whole batch's trace (``a``: its twin, or None;
-    ``in_loop``: inside a loop whose trip count may follow the rows)."""
-    name, p = b.primitive.name, b.params
-    where = self.at = source_info_util.summarize(b.source_info) or self.at
-    first = ins[0].sources if ins and name != "rng_uniform" else frozenset()  # a key, a predicate
-    shapes = lambda e: [v.aval.shape for v in (*e.invars, *e.outvars)]
-    if name in _RANDOM and (in_loop or a is None or shapes(a) != shapes(b)):
-      _check_key(first)  # a draw per row
-    axes = np.atleast_1d(p.get(_SELECT.get(name, ""), ())).tolist()
-    among_rows = a is not None and BATCH in first and any(
-        b.invars[0].aval.shape[x] != a.invars[0].aval.shape[x] for x in axes)
-    self.divided |= name == "div" and _STAT in ins[1].sources
-    if among_rows or (_STAT in first and name in ("cond", "select_n")):
-      self.selections.append(f"`{name}` at {where}")
-    # A cast to fp8 rounds; one to an integer or a bool (a count, a guard) is exact there.
-    fp8 = _float64.quantiser(b)
-    if _STAT in first and (name == "round" or fp8):  # summed: the value is a statistic
-      summed = a is not None and a.invars[0].aval.shape == b.invars[0].aval.shape  # (a weight's)
-      self.roundings.append((summed, f"`{name}` to {fp8 or 'integers'} at {where}"))
-
-
-def source(path: Any, b_nums: tuple[int, ...]) -> Flow:
-  """The flow of an input leaf, labelled a batch argument or where a user finds it."""
-  where, *rest = path
-  at = jax.tree_util.keystr(tuple(rest[1:]))
-  if where.idx == 0:  # positional
-    i = rest[0].idx
-    label = BATCH if i in b_nums else f"argument {i}{at}"
-  else:
-    label = f"keyword `{rest[0].key}`{at}"
-  return Flow(frozenset({label}), "", None, False)
+NONE = Flow("", None, False)  # a constant's
 
 
 class _Walk(NamedTuple):
   twins: Iterator[Any]  # the equations of `small`, one beside each of `large`'s (or None)
   rows: tuple[int, int]  # the batch's rows in large and in small
-  trail: Trail | None
   in_loop: bool  # inside a loop whose trip count may follow the rows: its draws are per row
   blind: str | None  # why a value of the batch computed without a twin is no sum over the rows
 
 
 def walk(large: jax_core.Jaxpr, small: jax_core.Jaxpr | None, flows: list[Flow],
-         rows: tuple[int, int], trail: Trail | None = None, *, consts: list[Flow] | None = None,
+         rows: tuple[int, int], *, consts: list[Flow] | None = None,
          in_loop: bool = False, blind: str | None = None) -> list[Flow]:
   """The flows of ``large``'s outputs from its inputs' (and its constants', ``consts``: else
-  captured); ``small`` is the same program on fewer rows (``rows``: the batch's in each), or
+  of no rows); ``small`` is the same program on fewer rows (``rows``: the batch's in each), or
   None: nothing follows the rows.
 
   A statistic must be linear in the rows: a sum over them (a ``reduce_sum``, a
@@ -163,9 +96,8 @@ def walk(large: jax_core.Jaxpr, small: jax_core.Jaxpr | None, flows: list[Flow],
   if small is not None and not _jaxpr.aligned(large, small):
     blind = blind or ("computed by steps that change with the number of rows (a Python loop"
                       " over them, unread: write it with array operations, `jax.vmap` per row)")
-  captured = [Flow(frozenset({_CAPTURED}), "", None, False)] * len(large.constvars)
-  outs = _jaxpr.interpret(_RULES, large, captured if consts is None else consts, flows,
-                          _Walk(_jaxpr.twins(large, small), rows, trail, in_loop, blind))
+  outs = _jaxpr.interpret(_RULES, large, [NONE] * len(large.constvars) if consts is None else
+                          consts, flows, _Walk(_jaxpr.twins(large, small), rows, in_loop, blind))
   if small is None:
     return outs
   return [count(v.val, w.val, rows[0] // rows[1]) or f if isinstance(v, jax_core.Literal) and (
@@ -180,15 +112,13 @@ def count(big: Any, small: Any, ratio: int) -> Flow | None:
   if np.array_equal(big, small, equal_nan=True):
     return None
   if np.array_equal(big, ratio * np.asarray(small)):
-    return Flow(frozenset(), "sum", None, False, True)
-  return Flow(frozenset(), "", "a mean over the rows", False)
+    return Flow("sum", None, False, True)
+  return Flow("", "a mean over the rows", False)
 
 
 def _join(flows: Sequence[Flow]) -> Flow:
-  return Flow(frozenset().union(*(f.sources for f in flows)), max((f.rows for f in flows),
-                                                                    default=""),
-              next((f.why for f in flows if f.why), None), any(f.grad for f in flows),
-              all(f.whole for f in flows), all(f.zero for f in flows))
+  return Flow(max((f.rows for f in flows), default=""), next((f.why for f in flows if f.why), None),
+              any(f.grad for f in flows), all(f.whole for f in flows), all(f.zero for f in flows))
 
 
 def _either(flows: Sequence[Flow]) -> Flow:
@@ -201,21 +131,12 @@ def _either(flows: Sequence[Flow]) -> Flow:
   return joined
 
 
-def _marked(a: Any, b: Any, outs: list[Flow]) -> list[Flow]:
-  """``outs``, a value of the batch whose shape does not follow the rows marked a statistic."""
-  if a is None:
-    return outs
-  return [o._replace(sources=o.sources | {_STAT}) if BATCH in o.sources and (
-      v.aval.shape == w.aval.shape) else o for o, v, w in zip(outs, b.outvars, a.outvars,
-                                                               strict=True)]
-
-
 def _operands(ctx: _Walk, a: Any, b: Any, ins: list[Flow]) -> tuple[list[Flow], list[bool]]:
   """``ins``, a number the rows' count scales made a count (:func:`count`) and a value whose
   shape differs from its twin's following the rows; and which operands are such numbers."""
   counts = [count(v.val, w.val, ctx.rows[0] // ctx.rows[1]) if isinstance(
       v, jax_core.Literal) else None for v, w in zip(b.invars, a.invars, strict=True)]
-  return [c._replace(sources=f.sources) if c else f._replace(rows="rows") if not isinstance(
+  return [c if c else f._replace(rows="rows") if not isinstance(
       v, jax_core.Literal) and v.aval.shape != w.aval.shape else f  # (a batch argument's leaf)
           for f, c, v, w in zip(ins, counts, b.invars, a.invars, strict=True)], [
               c is not None for c in counts]
@@ -223,25 +144,23 @@ def _operands(ctx: _Walk, a: Any, b: Any, ins: list[Flow]) -> tuple[list[Flow], 
 
 def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   """A call, ``scan``, ``shard_map``, ``cond`` or ``while``: its jaxprs walked with their twins."""
-  a, name, trail, blind = next(ctx.twins), b.primitive.name, ctx.trail, ctx.blind
+  a, name, blind = next(ctx.twins), b.primitive.name, ctx.blind
   over_rows = a is not None and a.params.get("length") != b.params.get("length")
   if over_rows:
     a, blind = None, blind or ("computed in a loop over the rows (`scan`, `fori_loop`,"
                                " `lax.map`: unread; write it with `jax.vmap` per row)")
-  if trail is not None:
-    trail.visit(a, b, ins, ctx.in_loop)  # sets trail.at for the inner jaxprs
   if a is not None:
     ins = _operands(ctx, a, b, ins)[0]
   in_loop = ctx.in_loop or name == "while" or (name == "scan" and a is None)
 
   walked: list[list[Flow]] = []  # each jaxpr's outputs (a `while`'s condition's first)
 
-  def inside(ins: list[Flow], trail: Trail | None) -> list[Flow]:
+  def inside(ins: list[Flow]) -> list[Flow]:
     others = iter(_jaxpr.inner(a)) if a is not None else itertools.repeat(None)
     return _jaxpr.descend(b, ins, lambda j, x: walked.append(walk(
-        j, next(others), x, ctx.rows, trail, in_loop=in_loop, blind=blind)) or walked[-1], _either)
+        j, next(others), x, ctx.rows, in_loop=in_loop, blind=blind)) or walked[-1], _either)
 
-  outs = inside(ins, trail)
+  outs = inside(ins)
   if _jaxpr.differentiated_by_rule(b):  # (a straight-through rounding): floats are reached
     grad = any(f.grad for f in ins)
     outs = [o._replace(grad=o.grad or (grad and jnp.issubdtype(v.aval.dtype, jnp.inexact)))
@@ -251,7 +170,7 @@ def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   if any(o.rows != f.rows for o, f in zip(outs[:n], carry, strict=True)) and all(
       f.zero or o.rows == f.rows for o, f in zip(outs[:n], carry, strict=True)):
     carry = [_join([o, f]) for o, f in zip(outs[:n], carry, strict=True)]  # zeros made sums:
-    outs = inside(ins[:c] + carry + ins[c + n:], None)  # the body again, on sums
+    outs = inside(ins[:c] + carry + ins[c + n:])  # the body again, on sums
   if any(o.rows != f.rows for o, f in zip(outs[:n], carry, strict=True)):
     outs = [o._replace(why=o.why or "a loop's carry made a sum, or a sum made a constant: the"
                        " next step gets what no step before it did") for o in outs]
@@ -261,15 +180,13 @@ def _nested(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   if chooser.rows or chooser.why:  # chosen by the batch
     outs = [o._replace(why=o.why or chooser.why or f"a choice (`{name}`) by the batch's values")
             for o in outs]
-  return _marked(a, b, outs)
+  return outs
 
 
 def _op(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   """Any other equation (``b``; ``a`` its twin on small)."""
   a, name = next(ctx.twins), _jaxpr.kind(b)
   joined = _join(ins)
-  if ctx.trail is not None:
-    ctx.trail.visit(a, b, ins, ctx.in_loop)
   grad = joined.grad and name not in _CONSTANT
   grads = [grad and jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in b.outvars]
   wholes = [not jnp.issubdtype(v.aval.dtype, jnp.inexact) or name in _ROUNDED or (
@@ -283,8 +200,8 @@ def _op(ctx: _Walk, b: Any, ins: list[Flow]) -> list[Flow]:
   follows = [v.aval.shape != w.aval.shape for v, w in zip(b.outvars, a.outvars, strict=True)]
   rows, why = _not_a_sum(name, a, b, ins, counts, any(follows), ctx.rows)
   why = next((f.why for f in ins if f.why), None) or why
-  return _marked(a, b, [Flow(joined.sources, "rows" if f else rows, why, g, w, zero)
-                        for f, g, w in zip(follows, grads, wholes, strict=True)])
+  return [Flow("rows" if f else rows, why, g, w, zero)
+          for f, g, w in zip(follows, grads, wholes, strict=True)]
 
 
 def grown_axis(small: Sequence[int], large: Sequence[int]) -> int | None:
@@ -399,8 +316,8 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
     return "", "a ratio of sums over the rows" if all(summed) else "a reciprocal of a sum over them"
   if name == "convert_element_type" and b.params["new_dtype"] == np.bool_:
     return "", "a sum cast to bool (whether it is nonzero)"
-  if _float64.quantiser(b):  # (each micro-batch's sum rounds on the format's coarse grid)
-    return "", f"a sum rounded to {_float64.quantiser(b)}"
+  if _quantiser(b):  # (each micro-batch's sum rounds on the format's coarse grid)
+    return "", f"a sum rounded to {_quantiser(b)}"
   if name == "convert_element_type" and not (
       ins[0].whole or jnp.issubdtype(b.params["new_dtype"], jnp.inexact)):
     return "", ("a float sum cut to an integer (`astype`), which may drop a fraction per"
@@ -419,16 +336,13 @@ _RULES = _jaxpr.Rules(dict.fromkeys((_jaxpr.CALL, "scan", "shard_map", "cond", "
                                                    zero=not np.any(v.val)))
 
 
-def _check_key(labels: frozenset) -> None:
-  """Raises for random numbers per row unless their key comes from a batch argument's rows."""
-  if BATCH in labels and _STAT not in labels:
-    return  # per-example keys, split with the batch: the same draws for each example
-  named = sorted(x for x in labels - {BATCH, _STAT} if x != _CAPTURED)
-  key = ("a key the batch's values choose as a whole (one row's key, or one folded with a"
-         " statistic of the batch)" if _STAT in labels else named[0] if named else
-         "a key it captured" if labels else "a key it makes itself")
-  raise ValueError(
-      f"`fn` draws random numbers per row (a dropout mask) from {key}: the whole batch and"
-      " each micro-batch draw other numbers for the same examples, which no accumulation"
-      " matches. Check with dropout off (`deterministic=True`); to train, name the key in"
-      " `microbatched(..., rng_argnums=...)`, or put per-example keys in a batch argument.")
+def _quantiser(eqn: Any) -> str | None:
+  """The float format of 8 bits or fewer (fp8, fp4) that ``eqn`` rounds to (a cast, a
+  ``reduce_precision``), else None."""
+  p, name = eqn.params, eqn.primitive.name
+  if name == "convert_element_type" and jnp.issubdtype(p["new_dtype"], jnp.floating) and (
+      np.dtype(p["new_dtype"]).itemsize == 1):
+    return str(np.dtype(p["new_dtype"]))
+  if name == "reduce_precision" and p["exponent_bits"] + p["mantissa_bits"] + 1 <= 8:
+    return f"e{p['exponent_bits']}m{p['mantissa_bits']} (fp8)"
+  return None

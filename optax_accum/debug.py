@@ -20,10 +20,6 @@ question about it:
 All of them share one parser: the module is split into computations, and the
 computations reachable from the entry are walked through ``conditional``
 branches, ``while`` bodies and conditions, and calls.
-
-And one question about the gradient itself, asked by running the loss:
-:func:`check_large_batch` (is accumulating ``k`` micro-batches of my loss the
-large batch, and if not, why?).
 """
 
 from __future__ import annotations
@@ -35,14 +31,9 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from optax_accum._large_batch import LargeBatchReport, LeafError, check_large_batch
-
 __all__ = [
     "Collective",
     "Copy",
-    "LargeBatchReport",
-    "LeafError",
-    "check_large_batch",
     "conditionals",
     "copies",
     "hlo_collectives",

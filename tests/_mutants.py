@@ -88,7 +88,7 @@ def _patch_microbatched(patch: pytest.MonkeyPatch, change: Callable) -> None:
     return lambda *args, **kwargs: change(real(*args, **kwargs), fn, k, options, args, kwargs)
 
   patch.setattr(oa, "microbatched", microbatched)
-  patch.setattr(microbatching, "microbatched", microbatched)  # what check_large_batch calls
+  patch.setattr(microbatching, "microbatched", microbatched)
 
 
 def _mean_of(options: dict[str, Any], k: Any) -> bool:

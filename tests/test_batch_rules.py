@@ -1,7 +1,7 @@
 """One set of batch rules: every entry point that takes a batch raises the same error.
 
-`microbatched`, `cached_microbatched`, `local_value_and_grad`, `plan_k` and
-`check_large_batch` each read their batch arguments through one
+`microbatched`, `cached_microbatched`, `local_value_and_grad` and `plan_k`
+each read their batch arguments through one
 `_batch.Batch`: fed the same bad input, each raises the same error (a test per
 rule). Fed the same inputs, the two in-step wrappers give the same answer (a
 loss that does not couple the examples, with dropout). The
@@ -22,7 +22,6 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
-from optax_accum.debug import check_large_batch
 
 D, H = 8, 4
 
@@ -133,12 +132,11 @@ def test_same_error(name):
   assert errors["microbatched"] == errors["cached_microbatched"]
 
 
-# ------------------------------------------- one rule, five entry points, one error
+# ------------------------------------------- one rule, four entry points, one error
 # Every entry point that takes a batch builds one `_batch.Batch` per call. Each rule below
-# feeds the same bad input to all five and expects one message (plan_k's `k` comes from
+# feeds the same bad input to all four and expects one message (plan_k's `k` comes from
 # `candidates`, which its message names where the others name `num_microbatches=k`).
-ENTRIES = ("microbatched", "cached_microbatched", "local_value_and_grad", "plan_k",
-           "check_large_batch")
+ENTRIES = ("microbatched", "cached_microbatched", "local_value_and_grad", "plan_k")
 
 
 def any_loss(p: dict, *args) -> jax.Array:
@@ -173,10 +171,8 @@ def _call(entry: str, args: tuple, batch_argnums, k: int, named: dict):
                                           batch_argnums=batch_argnums, **named))(*args)
   if entry == "local_value_and_grad":
     return oa.sharding.local_value_and_grad(any_loss, "data", batch_argnums=batch_argnums)(*args)
-  if entry == "plan_k":
-    return oa.plan_k(lambda k: any_loss, *args, batch_argnums=batch_argnums,
-                     memory_limit=2**30, candidates=[k])
-  return check_large_batch(jax.value_and_grad(any_loss), k, batch_argnums=batch_argnums)(*args)
+  return oa.plan_k(lambda k: any_loss, *args, batch_argnums=batch_argnums,
+                   memory_limit=2**30, candidates=[k])
 
 
 def errors_of(entries: tuple, args: tuple, batch_argnums, exc, pattern, **kw) -> set:
@@ -252,7 +248,7 @@ def test_k_must_divide_each_devices_rows(entry):
 @pytest.mark.parametrize("entry", ["cached_microbatched", "local_value_and_grad"])
 def test_the_devices_must_divide_the_batch(entry):
   """A batch named split over the data axis (`axis_name`) whose rows the 8 devices do not
-  divide: plan_k and check_large_batch take no `axis_name`, and a batch placed on the mesh
+  divide: plan_k takes no `axis_name`, and a batch placed on the mesh
   has rows the devices divide."""
   args = (make_params(), make_batch(20))
   found = errors_of((entry, "microbatched"), args, 1, ValueError,

@@ -15,7 +15,6 @@ from jax import lax
 
 import optax_accum as oa
 from optax_accum import _jaxpr
-from optax_accum.debug import check_large_batch
 
 
 def computed_from(fn, *names):
@@ -61,19 +60,3 @@ def test_the_rows_walk_follows_a_call():
   fn = oa.microbatched(jax.value_and_grad(loss), 2, normalize="sum", global_stats=most)
   with pytest.raises(ValueError, match=r"statistic at \['n'\] is a max over the rows"):
     fn(jnp.ones(3), jnp.ones((8, 3)))
-
-
-def test_the_key_walk_follows_a_while_loops_constants_and_carry():
-  """A key a ``while`` body draws a mask per row from is the key argument's, not the batch's
-  (the carry holds the batch)."""
-
-  def loss(w, x, key):
-    def body(c):
-      return c[0] + 1, jax.random.bernoulli(key, 0.5, c[1].shape)
-
-    keep = lax.while_loop(lambda c: c[0] < 1, body, (0, x[:, 0] > 0))[1]
-    return jnp.mean((x @ w) ** 2 * keep)
-
-  x = jax.random.normal(jax.random.key(1), (8, 3))
-  with pytest.raises(ValueError, match=r"draws random numbers per row .*from argument 2"):
-    check_large_batch(jax.value_and_grad(loss), 2)(jnp.ones(3), x, jax.random.key(0))
