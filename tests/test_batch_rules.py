@@ -1,6 +1,6 @@
 """One set of batch rules: every entry point that takes a batch raises the same error.
 
-`microbatched`, `cached_microbatched`, `local_value_and_grad`, `plan_k` and
+`microbatched`, `cached_microbatched`, `local_value_and_grad` and
 `check_large_batch` each read their batch arguments through one
 `_batch.Batch`: fed the same bad input, each raises the same error (a test per
 rule). Fed the same inputs, the two in-step wrappers give the same answer (a
@@ -11,8 +11,6 @@ holds rows `i, i + k, ...` of a device's rows, its key is
 """
 
 from __future__ import annotations
-
-import re
 
 import jax
 import jax.numpy as jnp
@@ -133,12 +131,10 @@ def test_same_error(name):
   assert errors["microbatched"] == errors["cached_microbatched"]
 
 
-# ------------------------------------------- one rule, five entry points, one error
+# ------------------------------------------- one rule, four entry points, one error
 # Every entry point that takes a batch builds one `_batch.Batch` per call. Each rule below
-# feeds the same bad input to all five and expects one message (plan_k's `k` comes from
-# `candidates`, which its message names where the others name `num_microbatches=k`).
-ENTRIES = ("microbatched", "cached_microbatched", "local_value_and_grad", "plan_k",
-           "check_large_batch")
+# feeds the same bad input to all four and expects one message.
+ENTRIES = ("microbatched", "cached_microbatched", "local_value_and_grad", "check_large_batch")
 
 
 def any_loss(p: dict, *args) -> jax.Array:
@@ -173,20 +169,16 @@ def _call(entry: str, args: tuple, batch_argnums, k: int, named: dict):
                                           batch_argnums=batch_argnums, **named))(*args)
   if entry == "local_value_and_grad":
     return oa.sharding.local_value_and_grad(any_loss, "data", batch_argnums=batch_argnums)(*args)
-  if entry == "plan_k":
-    return oa.plan_k(lambda k: any_loss, *args, batch_argnums=batch_argnums,
-                     memory_limit=2**30, candidates=[k])
   return check_large_batch(jax.value_and_grad(any_loss), k, batch_argnums=batch_argnums)(*args)
 
 
 def errors_of(entries: tuple, args: tuple, batch_argnums, exc, pattern, **kw) -> set:
-  """Each entry point's error on ``args``, one message once `candidates` reads as the others."""
+  """Each entry point's error on ``args``: one message, if they agree."""
   found = set()
   for entry in entries:
     with pytest.raises(exc, match=pattern) as info:
       call(entry, args, batch_argnums, **kw)
-    found.add(re.sub(r"a k in `candidates`", f"num_microbatches={kw.get('k', 2)}",
-                     str(info.value)))
+    found.add(str(info.value))
   return found
 
 
@@ -223,15 +215,15 @@ def test_each_rule_one_error_from_every_entry_point(rule, entry):
   assert len(found) == 1, found  # the message microbatched gives, word for word
 
 
-K_RULE = r"A batch of 16 examples cannot be split into 3 equal micro-batches \({}\)\."
+K_RULE = (r"A batch of 16 examples cannot be split into 3 equal micro-batches"
+          r" \(num_microbatches=3\)\.")
 
 
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if e != "local_value_and_grad"])
 def test_k_must_divide_the_batch(entry):
   """No k in local_value_and_grad: each device's rows are one micro-batch there."""
   args = (make_params(), make_batch(16))
-  name = "a k in `candidates`" if entry == "plan_k" else "num_microbatches=3"
-  with pytest.raises(ValueError, match=K_RULE.format(name) + r" Use a k that divides 16 \(one"
+  with pytest.raises(ValueError, match=K_RULE + r" Use a k that divides 16 \(one"
                      r" of \[1, 2, 4, 8, 16\]\), or pad the batch to a multiple of 3"):
     call(entry, args, 1, k=3)
 
@@ -252,7 +244,7 @@ def test_k_must_divide_each_devices_rows(entry):
 @pytest.mark.parametrize("entry", ["cached_microbatched", "local_value_and_grad"])
 def test_the_devices_must_divide_the_batch(entry):
   """A batch named split over the data axis (`axis_name`) whose rows the 8 devices do not
-  divide: plan_k and check_large_batch take no `axis_name`, and a batch placed on the mesh
+  divide: check_large_batch takes no `axis_name`, and a batch placed on the mesh
   has rows the devices divide."""
   args = (make_params(), make_batch(20))
   found = errors_of((entry, "microbatched"), args, 1, ValueError,
