@@ -1,4 +1,4 @@
-"""The benchmark for one GPU or TPU: train steps, a transformer too large for one step, plan_k.
+"""The benchmark for one GPU or TPU: train steps, a transformer too large for one step, its k.
 
 Sizes come from the device's memory; what does not fit is a row, never a crash (NOTES.md).
 
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import optax_accum as oa
-from optax_accum.planning import HEADROOM, compiled_peak_bytes
 
+HEADROOM = 0.9  # programs are sized within this fraction of the device's memory
 TRANSFORMER = {"d_model": 1024, "heads": 16, "layers": 4, "seq": 512, "vocab": 8192, "batch": 64}
 SMOKE = {"d_model": 32, "heads": 2, "layers": 1, "seq": 16, "vocab": 64, "batch": 512}
 LIMITS = {"update_and_apply_mid": 1.15, "accumulate_mid": 1.7, "update_and_apply_emit": 1.15}
@@ -58,7 +58,7 @@ def compile_fit(fn: Callable[..., Any], args: Any, donate: tuple[int, ...] = ())
     compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
   except Exception as e:  # XlaRuntimeError, whose module moves between jax versions
     return {"compiled": None, "peak": oom_bytes(e)}
-  return {"compiled": compiled, "peak": compiled_peak_bytes(compiled),
+  return {"compiled": compiled, "peak": harness.peak_bytes(compiled),
           "temp": compiled.memory_analysis().temp_size_in_bytes}
 
 
@@ -114,7 +114,9 @@ def accumulation(limit: int, rounds: int, windows: int,
 
 def transformer(tf: dict[str, int], limit: int, iters: int, log: Callable[[str], None]) -> dict:
   """The global batch doubled from ``tf["batch"]`` until its full step needs more than twice
-  ``limit`` (plan_k's k / 2 is then microbatched too); rows at k = 1, k / 2 and k."""
+  ``limit`` (k / 2 is then microbatched too); rows at k = 1, k / 2 and k, the smallest k whose
+  compiled peak is within :data:`HEADROOM` of ``limit`` (every candidate compiled: the peaks
+  need not fall as k grows)."""
   params = jax.jit(functools.partial(bm.init_params, vocab=tf["vocab"], d_model=tf["d_model"],
                                      layers=tf["layers"], seq=tf["seq"]))(jax.random.key(0))
   vg, batch = jax.value_and_grad(bm.make_loss(heads=tf["heads"], remat=False)), tf["batch"]
@@ -123,14 +125,18 @@ def transformer(tf: dict[str, int], limit: int, iters: int, log: Callable[[str],
     batch *= 2
   log(f"transformer: global batch {batch}, full step {gib(full['peak'])} GiB")
   data = {"tokens": jax.random.randint(jax.random.key(1), (batch, tf["seq"]), 0, tf["vocab"])}
-  micro = functools.cache(lambda k: oa.microbatched(vg, k))  # JAX's cache then serves plan_k's
-  plan = oa.plan_k(micro, params, data, memory_limit=int(HEADROOM * limit),  # programs below
-                   candidates=[2**i for i in range(7) if batch % 2**i == 0])
-  log(str(plan))
-  args, half = (params, data), plan.k // 2
+  micro, args = functools.cache(lambda k: oa.microbatched(vg, k)), (params, data)
+  fits = {j: compile_fit(micro(j), args) for j in (2**i for i in range(7)) if batch % j == 0}
+  peaks = {j: fit["peak"] for j, fit in fits.items()}
+  k = min((j for j, fit in fits.items() if fit["compiled"] and fit["peak"] <= HEADROOM * limit),
+          default=None)
+  log(f"compiled peaks (GiB): {', '.join(f'k={j} {gib(p)}' for j, p in peaks.items())}; k = {k}")
+  if k is None:
+    raise SystemExit(f"transformer: no k in {list(fits)} fits within {gib(limit)} GiB.")
+  half = k // 2
   # The reference: the float64 mean of plain jax.value_and_grad on k slices, at "highest".
   with jax.default_matmul_precision("highest"):
-    parts = [jax.jit(vg)(params, {"tokens": t}) for t in jnp.split(data["tokens"], plan.k)]
+    parts = [jax.jit(vg)(params, {"tokens": t}) for t in jnp.split(data["tokens"], k)]
   mean = lambda *xs: np.mean(np.asarray(xs, np.float64), axis=0).astype(np.float32)
   ref = float(mean(*[v for v, _ in parts])), jax.tree.map(mean, *[g for _, g in parts])
   del parts
@@ -151,16 +157,15 @@ def transformer(tf: dict[str, int], limit: int, iters: int, log: Callable[[str],
     return {**row, "ran": True, "status": "ran", "step_ms": 1e3 * harness.median(secs[0])}
 
   rows = [row("full batch", 1, full)]
-  rows += [row(f"microbatched k={k}", k, compile_fit(micro(k), args))
-           for k in sorted({max(2, half), plan.k})]
-  k_high = 2 * plan.k if batch % (2 * plan.k) == 0 else plan.k  # ("highest" holds more)
+  rows += [row(f"microbatched k={j}", j, fits[j]) for j in sorted({max(2, half), k})]
+  k_high = 2 * k if batch % (2 * k) == 0 else k  # ("highest" holds more)
   with jax.default_matmul_precision("highest"):
     rows.append(row(f'k={k_high}, matmuls "highest"', k_high, compile_fit(micro(k_high), args)))
   ran = {r["k"]: r["ran"] for r in rows[:-1]}
-  verdict = ("exact: k ran, k / 2 did not" if ran[plan.k] and not ran[max(1, half)] else
-             "one power of two on the safe side: k / 2 ran too" if ran[plan.k] else
-             "**wrong**: the planned k did not run")
-  return {"config": tf, "batch": batch, "rows": rows, "plan": str(plan), "verdict": verdict,
+  verdict = ("exact: k ran, k / 2 did not" if ran[k] and not ran[max(1, half)] else
+             "one power of two on the safe side: k / 2 ran too" if ran[k] else
+             "**wrong**: the chosen k did not run")
+  return {"config": tf, "batch": batch, "rows": rows, "k": k, "peaks": peaks, "verdict": verdict,
           "params": sum(x.size for x in jax.tree.leaves(params))}
 
 
@@ -179,7 +184,7 @@ def markdown(result: dict[str, Any]) -> str:
       f"`bench_microbatched.py`'s model ({json.dumps(tf['config'])[1:-1]}), {tf['params']:,}"
       f" params; its value and gradient at global batch {tf['batch']}, the first power of two"
       " from the config's whose full step needs over twice the memory. Reference: the float64"
-      " mean of `jax.value_and_grad` on slices of the planned k's micro-batch size at matmul"
+      " mean of `jax.value_and_grad` on slices of the chosen k's micro-batch size at matmul"
       " precision \"highest\".", "", *harness.table(
           "config | status | peak (GiB) | temporaries (GiB) | step (ms) | loss rel. diff |"
           " max rel. grad diff", "llrrrrr",
@@ -187,7 +192,9 @@ def markdown(result: dict[str, Any]) -> str:
             *(f"{r[c]:{f}}" if c in r else "-" for c, f in (
                 ("step_ms", ".1f"), ("loss_diff", ".1e"), ("grad_diff", ".1e")))]
            for r in tf["rows"]]), "",
-      f"## plan_k against the chip: {tf['verdict']}", "", "```", tf["plan"], "```", ""])
+      f"## The compiled peaks against the chip: {tf['verdict']}", "",
+      f"k = {tf['k']}, the smallest whose compiled peak is within {HEADROOM} of the memory;"
+      " peaks (GiB): " + ", ".join(f"k={k} {gib(p)}" for k, p in tf["peaks"].items()), ""])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -44,7 +44,6 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
 from optax_accum import debug
-from optax_accum.planning import compiled_peak_bytes
 
 # The H200's properties for XLA's GPU compiler (a stream_executor
 # GpuTargetConfigProto in text form): SM 9.0, 132 SMs, 4.8 TB/s, 50 MiB L2.
@@ -146,7 +145,7 @@ def compile_all(n_params: int, k: int, sharding: NamedSharding | None) -> list[d
              "conditionals": debug.conditionals(compiled),
              "copies": sum(not c.fill for c in copies),
              "temps_ratio": compiled.memory_analysis().temp_size_in_bytes / param_bytes,
-             "bytes_per_param_held": compiled_peak_bytes(compiled) / n_params}
+             "bytes_per_param_held": harness.peak_bytes(compiled) / n_params}
       if key.startswith("oa_"):  # 1.05x where f32 updates leave a bf16 buffer (protocol, f32)
         limit = TEMPS_LIMIT + (key == "oa_mean_bf16_buffer_protocol" and dtype == jnp.float32)
         row.update(temps_limit=limit, met=row["conditionals"] >= 1 and row["temps_ratio"] <= limit)
@@ -179,7 +178,7 @@ def markdown(result: dict[str, Any]) -> str:
       " Train steps `step(params, state, grads) -> (params, state)`, params and state donated,"
       f" adam, window k = {meta['k']}, {size_label(meta['params'])} params in {LEAVES} leaves;"
       " one compiled program per row (mid and emitting steps are its two runtime paths)."
-      " Counted with `optax_accum.debug`; bytes held: `planning.compiled_peak_bytes` over the"
+      " Counted with `optax_accum.debug`; bytes held: `harness.peak_bytes` over the"
       " parameter count.", "",
       f"## {result['target']}", "", *table(result["accelerator"], expect=True), "",
       f"## CPU (same process: jaxlib {meta['versions']['jaxlib']})", "",

@@ -79,6 +79,14 @@ def mib(n_bytes: float) -> str:
   return f"{n_bytes / 2**20:.2f}"
 
 
+def peak_bytes(compiled: Any) -> int:
+  """A compiled program's peak per device: ``argument + output + temp - alias`` bytes of its
+  ``memory_analysis()`` (XLA's ``peak_memory_in_bytes`` leaves the temporaries out on XLA:CPU)."""
+  m = compiled.memory_analysis()
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
+
+
 def pyplot() -> Any:
   """``matplotlib.pyplot`` on the Agg backend (no display)."""
   import matplotlib

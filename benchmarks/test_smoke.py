@@ -60,4 +60,4 @@ def test_accelerator_cpu_smoke(tmp_path: Path) -> None:  # --quick is --cpu-smok
   full, *micro = result["transformer"]["rows"]  # the full batch, k / 2, k, k at "highest"
   assert not full["ran"] and full["status"].startswith("does not fit")
   assert micro[-1]["ran"] and micro[-2]["ran"] and micro[-1]["grad_diff"] < 1e-5
-  assert "plan_k against the chip: exact" in (tmp_path / "cpu.md").read_text()
+  assert "The compiled peaks against the chip: exact" in (tmp_path / "cpu.md").read_text()

@@ -9,9 +9,7 @@ The model is a Flax NNX character-level transformer; the text is the source
 of Python's own standard library, one line per sequence, padded to
 ``--seq-len``. The loss is token-weighted: the sum of per-token
 cross-entropy over the real tokens of the whole batch, divided by their
-number. ``k`` is the smallest number of micro-batches whose compiled step
-fits ``--memory-limit`` MiB (:func:`optax_accum.plan_k`), unless ``--k``
-fixes it.
+number. Each optimizer step's batch is ``--k`` micro-batches (default 4).
 
 **Part 1: equal to the large batch.** Five arms start from the same
 initialisation and see the same batches, sorted by length as
@@ -77,8 +75,7 @@ class Config:
   """The demo's settings, one per command-line flag."""
 
   steps: int = 300
-  k: int | None = None  # None: plan_k chooses it under memory_limit_mib
-  memory_limit_mib: float = 16.0
+  k: int = 4
   batch_size: int = 32
   seq_len: int = 64
   d_model: int = 64
@@ -139,14 +136,6 @@ def micro_batch(batches: Batch, i: int, j: int, k: int) -> dict[str, jax.Array]:
   """Micro-batch ``j`` of ``k`` (contiguous rows) of batch ``i``, on the device."""
   size = batches["inputs"].shape[1] // k
   return {name: jnp.asarray(v[i, j * size:(j + 1) * size]) for name, v in batches.items()}
-
-
-def batch_types(cfg: Config) -> dict[str, jax.ShapeDtypeStruct]:
-  """The types of one global batch: what ``plan_k`` compiles against."""
-  shape = (cfg.batch_size, cfg.seq_len)
-  return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32),
-          "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
-          "mask": jax.ShapeDtypeStruct(shape, jnp.float32)}
 
 
 # --------------------------------------------------------------------------------- model
@@ -238,29 +227,6 @@ def build_step(arm: str, loss_terms: LossTerms, base: optax.GradientTransformati
     updates, opt_state = tx.update(grads, opt_state, params, **kw)
     return optax.apply_updates(params, updates), opt_state, total, count
   return tx, step, k
-
-
-def choose_k(cfg: Config, loss_terms: LossTerms, params: Any
-             ) -> tuple[Config, oa.planning.Plan | None]:
-  """``cfg`` with its ``k``: as given, or the smallest whose compiled
-  ``microbatched`` step fits ``cfg.memory_limit_mib`` (the plan is printed)."""
-  if cfg.k is not None:
-    return cfg, None
-  base = optax.adam(cfg.lr)
-  plan = oa.plan_k(lambda k: build_step("microbatched", loss_terms, base, k)[1], params,
-                   jax.eval_shape(base.init, params), batch_types(cfg), batch_argnums=2,
-                   memory_limit=int(cfg.memory_limit_mib * 2**20))
-  print(plan, flush=True)
-  return dataclasses.replace(cfg, k=plan.k), plan
-
-
-def plan_summary(plan: oa.planning.Plan | None) -> dict[str, Any] | None:
-  """The plan as JSON, or None when ``--k`` was given."""
-  if plan is None:
-    return None
-  return {"k": plan.k, "micro_batch_size": plan.micro_batch_size,
-          "peak_bytes": plan.peak_bytes, "memory_limit": plan.memory_limit,
-          "candidates": list(plan.candidates), "table": [row._asdict() for row in plan.table]}
 
 
 def compiled_step(step: Callable[..., Any], *args: Any) -> tuple[Any, float]:
@@ -552,10 +518,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
     p.add_argument(f"--{name}", default=getattr(d, name.replace("-", "_")), help=text, **kw)
 
   flag("steps", "optimizer steps per arm", type=int)
-  p.add_argument("--k", type=int, help="micro-batches per optimizer step (default: the"
-                 " smallest whose compiled step fits --memory-limit, chosen by plan_k)")
-  p.add_argument("--memory-limit", dest="memory_limit_mib", type=float, help="MiB per device"
-                 f" for plan_k (default {d.memory_limit_mib:g}: k = 4 on XLA:CPU); not with --k")
+  flag("k", "micro-batches per optimizer step", type=int)
   flag("batch-size", "sequences per optimizer step (the large batch), divisible by k", type=int)
   flag("seq-len", "tokens per sequence", type=int)
   flag("d-model", "model width", type=int)
@@ -576,12 +539,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
   p.add_argument("--no-progress", dest="progress", action="store_false",
                  help="no progress bars (nor, with stderr redirected, a line per stage)")
   a = p.parse_args(argv)
-  if a.k is not None and a.memory_limit_mib is not None:
-    p.error("pass --k (a fixed k) or --memory-limit (plan_k chooses k), not both.")
-  a.memory_limit_mib = d.memory_limit_mib if a.memory_limit_mib is None else a.memory_limit_mib
-  if not a.memory_limit_mib > 0:
-    p.error(f"--memory-limit must be > 0 (MiB per device); got {a.memory_limit_mib}.")
-  if a.k is not None and (a.k < 1 or a.batch_size % a.k):
+  if a.k < 1 or a.batch_size % a.k:
     p.error(f"--batch-size ({a.batch_size}) must be divisible by --k ({a.k}).")
   if a.d_model % a.heads:
     p.error(f"--d-model ({a.d_model}) must be divisible by --heads ({a.heads}).")
@@ -601,7 +559,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       seq_len=cfg.seq_len, d_model=cfg.d_model, layers=cfg.layers, heads=cfg.heads,
       rngs=nnx.Rngs(cfg.seed)))
   loss_terms = make_loss_terms(graphdef)
-  cfg, plan = choose_k(cfg, loss_terms, params0)
   tokens = batches["mask"].reshape(cfg.steps, cfg.k, -1).sum(-1)
   n_params = sum(x.size for x in jax.tree.leaves(params0))
   print(f"{len(lines):,} lines, {n_params:,} params, {cfg.steps} steps of {cfg.batch_size}"
@@ -610,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   arms = run_part1(cfg, loss_terms, params0, batches, eval_batches)
   diff = {arm: r["max_abs_loss_diff_vs_full"] for arm, r in arms.items()}
   results: dict[str, Any] = {
-      "config": dataclasses.asdict(cfg), "plan": plan_summary(plan), "num_params": int(n_params),
+      "config": dataclasses.asdict(cfg), "num_params": int(n_params),
       "padding_fraction": float(1 - batches["mask"].mean()),
       "micro_batch_real_tokens": {"min": float(tokens.min()), "max": float(tokens.max())},
       "arms": arms, "exact_arms_max_abs_loss_diff": max(diff["accumulate"], diff["microbatched"]),

@@ -14,9 +14,8 @@ Train with a large effective batch on a device that holds a small one:
 * on many devices, ``axis_name=`` and :mod:`optax_accum.sharding`;
 * the inner optimizer's state in host memory between optimizer steps:
   :func:`host_state` (:mod:`optax_accum.offload`);
-* how many micro-batches: :func:`plan_k` from the compiled step's memory, and
-  the gradient noise scale of every window (:func:`noise_scale`,
-  :func:`adaptive_k`) for the window.
+* how many micro-batches: the gradient noise scale of every window
+  (:func:`noise_scale`, :func:`adaptive_k`).
 
 Flax users get the fast path from :mod:`optax_accum.flax`; what a compiled step
 does can be checked with :mod:`optax_accum.debug`.
@@ -40,7 +39,6 @@ from optax_accum.gradient_noise import adaptive_k, noise_scale
 from optax_accum.microbatching import microbatched
 from optax_accum.multi_steps import MultiSteps
 from optax_accum.offload import host_state
-from optax_accum.planning import plan_k
 from optax_accum.precision import Policy, mixed_precision
 
 __version__ = "0.2.0"
@@ -58,7 +56,6 @@ __all__ = [
     "microbatched",
     "mixed_precision",
     "noise_scale",
-    "plan_k",
     "update_and_apply",
 ]
 

@@ -1,7 +1,7 @@
 """The batch rules, written once: every entry point that takes a batch reads one :class:`Batch`.
 
-``microbatched``, ``cached_microbatched``, ``local_value_and_grad``
-and ``plan_k`` each build one :class:`Batch` per call
+``microbatched``, ``cached_microbatched`` and ``local_value_and_grad``
+each build one :class:`Batch` per call
 (:func:`of`, the counterpart of ``_arrays.Layout``): the params are argument 0
 and never the batch; each position is named once and within the call; every
 batch leaf has a leading dim, the same number of rows and the same split over
@@ -55,17 +55,14 @@ class Batch(NamedTuple):
     """The number of devices the rows are split over."""
     return self.rows // self.per_device_rows
 
-  def check_divides(self, k: int, given: str | None = None) -> None:
-    """Raises unless the rows split into ``k`` equal micro-batches on each device.
-
-    ``given``: where ``k`` comes from, for the message (``num_microbatches=k``).
-    """
+  def check_divides(self, k: int) -> None:
+    """Raises unless the rows split into ``k`` equal micro-batches on each device."""
     for per, devices in ((self.rows, 1), (self.per_device_rows, self.devices)):
       if per % k:
         where = f" on each of {devices} devices (mesh axes {self.axes})" if devices > 1 else ""
         raise ValueError(
             f"A batch of {self.rows} examples cannot be split into {k} equal"
-            f" micro-batches{where} ({given or f'num_microbatches={k}'}). Use a k that divides"
+            f" micro-batches{where} (num_microbatches={k}). Use a k that divides"
             f" {per} (one of {divisors(per)[:12]}), or pad the batch to a multiple of"
             f" {k * devices} and mask the padded rows out of the loss.")
 

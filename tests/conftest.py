@@ -235,7 +235,6 @@ XLA_CPU_DOCTESTS = {
     "optax_accum.debug.conditionals": "XLA:CPU keeps a conditional of two cheap branches"
                                       " (a GPU's compiler turns it into selects)",
     "optax_accum.debug.copies": "the copy instructions XLA:CPU emits for a transpose",
-    "optax_accum.planning.plan_k": "the compiled peaks per k, so the k chosen",
 }
 # Slow tests whose processes run on JAX_PLATFORMS=cpu: they test nothing about another backend
 # (and on an accelerator a process of theirs could not open the chip this one holds).

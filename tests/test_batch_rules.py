@@ -1,18 +1,15 @@
 """One set of batch rules: every entry point that takes a batch raises the same error.
 
-`microbatched`, `cached_microbatched`, `local_value_and_grad` and `plan_k`
-each read their batch arguments through one
-`_batch.Batch`: fed the same bad input, each raises the same error (a test per
-rule). Fed the same inputs, the two in-step wrappers give the same answer (a
-loss that does not couple the examples, with dropout). The
-reference cuts the micro-batches and folds the keys by hand: micro-batch `i`
+`microbatched`, `cached_microbatched` and `local_value_and_grad` each read
+their batch arguments through one `_batch.Batch`: fed the same bad input, each
+raises the same error (a test per rule). Fed the same inputs, the two in-step
+wrappers give the same answer (a loss that does not couple the examples, with
+dropout). The reference cuts the micro-batches and folds the keys by hand: micro-batch `i`
 holds rows `i, i + k, ...` of a device's rows, its key is
 `fold_in(fold_in(key, device), i)` (no device fold on one device).
 """
 
 from __future__ import annotations
-
-import re
 
 import jax
 import jax.numpy as jnp
@@ -132,11 +129,10 @@ def test_same_error(name):
   assert errors["microbatched"] == errors["cached_microbatched"]
 
 
-# ------------------------------------------- one rule, four entry points, one error
+# ------------------------------------------- one rule, three entry points, one error
 # Every entry point that takes a batch builds one `_batch.Batch` per call. Each rule below
-# feeds the same bad input to all four and expects one message (plan_k's `k` comes from
-# `candidates`, which its message names where the others name `num_microbatches=k`).
-ENTRIES = ("microbatched", "cached_microbatched", "local_value_and_grad", "plan_k")
+# feeds the same bad input to all three and expects one message.
+ENTRIES = ("microbatched", "cached_microbatched", "local_value_and_grad")
 
 
 def any_loss(p: dict, *args) -> jax.Array:
@@ -169,20 +165,16 @@ def _call(entry: str, args: tuple, batch_argnums, k: int, named: dict):
   if entry == "cached_microbatched":
     return jax.jit(oa.cached_microbatched(any_embed, lambda p, e, *a: jnp.mean(e ** 2), k,
                                           batch_argnums=batch_argnums, **named))(*args)
-  if entry == "local_value_and_grad":
-    return oa.sharding.local_value_and_grad(any_loss, "data", batch_argnums=batch_argnums)(*args)
-  return oa.plan_k(lambda k: any_loss, *args, batch_argnums=batch_argnums,
-                   memory_limit=2**30, candidates=[k])
+  return oa.sharding.local_value_and_grad(any_loss, "data", batch_argnums=batch_argnums)(*args)
 
 
 def errors_of(entries: tuple, args: tuple, batch_argnums, exc, pattern, **kw) -> set:
-  """Each entry point's error on ``args``, one message once `candidates` reads as the others."""
+  """Each entry point's error on ``args``: one message, if they agree."""
   found = set()
   for entry in entries:
     with pytest.raises(exc, match=pattern) as info:
       call(entry, args, batch_argnums, **kw)
-    found.add(re.sub(r"a k in `candidates`", f"num_microbatches={kw.get('k', 2)}",
-                     str(info.value)))
+    found.add(str(info.value))
   return found
 
 
@@ -219,15 +211,15 @@ def test_each_rule_one_error_from_every_entry_point(rule, entry):
   assert len(found) == 1, found  # the message microbatched gives, word for word
 
 
-K_RULE = r"A batch of 16 examples cannot be split into 3 equal micro-batches \({}\)\."
+K_RULE = (r"A batch of 16 examples cannot be split into 3 equal micro-batches"
+          r" \(num_microbatches=3\)\.")
 
 
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if e != "local_value_and_grad"])
 def test_k_must_divide_the_batch(entry):
   """No k in local_value_and_grad: each device's rows are one micro-batch there."""
   args = (make_params(), make_batch(16))
-  name = "a k in `candidates`" if entry == "plan_k" else "num_microbatches=3"
-  with pytest.raises(ValueError, match=K_RULE.format(name) + r" Use a k that divides 16 \(one"
+  with pytest.raises(ValueError, match=K_RULE + r" Use a k that divides 16 \(one"
                      r" of \[1, 2, 4, 8, 16\]\), or pad the batch to a multiple of 3"):
     call(entry, args, 1, k=3)
 
@@ -248,8 +240,7 @@ def test_k_must_divide_each_devices_rows(entry):
 @pytest.mark.parametrize("entry", ["cached_microbatched", "local_value_and_grad"])
 def test_the_devices_must_divide_the_batch(entry):
   """A batch named split over the data axis (`axis_name`) whose rows the 8 devices do not
-  divide: plan_k takes no `axis_name`, and a batch placed on the mesh
-  has rows the devices divide."""
+  divide (a batch placed on the mesh has rows the devices divide)."""
   args = (make_params(), make_batch(20))
   found = errors_of((entry, "microbatched"), args, 1, ValueError,
                     r"A batch of 20 examples cannot be split evenly over the 8 devices of mesh"

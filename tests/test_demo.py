@@ -15,11 +15,9 @@ core's tests' job (tests/test_noise_scale.py).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -27,9 +25,7 @@ import pytest
 
 pytest.importorskip("flax.nnx")
 
-from flax import nnx
-
-from tests._reference import XLA_CPU, load_example, premise
+from tests._reference import XLA_CPU, load_example
 
 demo = load_example("demo")  # after the skip: the demo needs Flax
 
@@ -59,7 +55,6 @@ def test_writes_json_and_readable_pngs(tiny_run):
   assert set(saved["arms"]) == {"full_batch", "accumulate", "accumulate_bf16", "microbatched",
                                 "mean_of_means"}
   assert saved["config"]["steps"] == 6 and saved["config"]["k"] == 2
-  assert saved["plan"] is None  # --k given: no plan
   for arm, r in saved["arms"].items():
     assert len(r["losses"]) == 6, arm
     assert all(np.isfinite(r["losses"])), arm
@@ -164,43 +159,10 @@ def test_bad_flags_name_the_fix(capsys):
   assert "--steps" in capsys.readouterr().out
 
 
-def test_without_k_plan_k_chooses_it_under_the_budget_and_prints_the_table(capsys):
-  """Tiny model, batch 8: the budget is the compiled peak of k = 2 (computed here),
-  so the plan must be k = 2, and the arms then use it."""
-  cfg = demo.parse_args(["--batch-size", "8", "--seq-len", "16", "--d-model", "16",
-                         "--layers", "1", "--heads", "2"])
-  assert cfg.k is None and cfg.memory_limit_mib == 16.0
-  model = demo.CharTransformer(seq_len=16, d_model=16, layers=1, heads=2, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(model)
-  loss_terms = demo.make_loss_terms(graphdef)
-  base = optax.adam(cfg.lr)
-  state = jax.eval_shape(base.init, params)
-  peaks = {}
-  for k in (1, 2):
-    _, step, _ = demo.build_step("microbatched", loss_terms, base, k)
-    m = jax.jit(step).lower(params, state, demo.batch_types(cfg)).compile().memory_analysis()
-    peaks[k] = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                - m.alias_size_in_bytes)
-  premise(peaks[1] > peaks[2], f"a tiny model's compiled peak falls from k = 1 to k = 2 ({peaks})")
-  cfg = dataclasses.replace(cfg, memory_limit_mib=peaks[2] / 2**20)
-  planned, plan = demo.choose_k(cfg, loss_terms, params)
-  assert planned.k == plan.k == 2 and plan.peak_bytes == peaks[2]
-  assert plan.candidates == (1, 2, 4, 8)
-  out = capsys.readouterr().out
-  assert "plan_k: k = 2 (micro-batches of 4)" in out and "peak (MiB)" in out
-  summary = demo.plan_summary(plan)
-  assert json.loads(json.dumps(summary))["table"][0]["k"] == plan.table[0].k
-  assert demo.choose_k(dataclasses.replace(cfg, k=4), loss_terms, params) == (
-      dataclasses.replace(cfg, k=4), None)
-
-
-def test_k_and_memory_limit_flags(capsys):
+def test_k_flag(capsys):
+  """k is fixed: 4 by default (micro-batches of 8 of the default batch of 32), or ``--k``."""
+  assert demo.parse_args([]).k == 4 and demo.Config().k == 4
   assert demo.parse_args(["--k", "8"]).k == 8
-  assert demo.parse_args(["--memory-limit", "64"]).memory_limit_mib == 64.0
   with pytest.raises(SystemExit):
-    demo.main(["--k", "4", "--memory-limit", "16"])
-  assert "--k (a fixed k) or --memory-limit (plan_k chooses k), not both" in (
-      capsys.readouterr().err)
-  with pytest.raises(SystemExit):
-    demo.main(["--memory-limit", "0"])
-  assert "--memory-limit must be > 0" in capsys.readouterr().err
+    demo.main(["--k", "0"])
+  assert "must be divisible by --k (0)" in capsys.readouterr().err

@@ -532,10 +532,7 @@ def test_a_restored_state_stays_home(tmp_path: Path) -> None:
 @pytest.mark.catches("host_state_single_device_placement")
 def test_ahead_of_time_compilation_from_the_state_s_own_shardings() -> None:
   """``ShapeDtypeStruct`` s with the state's own shardings (one device) are typed in host
-  memory, lower, compile (``memory_analysis``) and return the state in ``pinned_host``;
-  ``plan_k`` plans a step with ``host_state`` from them."""
-  from optax_accum.planning import plan_k
-
+  memory, lower, compile (``memory_analysis``) and return the state in ``pinned_host``."""
   tx = oa.host_state(adam())
   structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                          (fresh(PARAMS), tx.init(fresh(PARAMS)), batch(0, 16)))
@@ -552,16 +549,14 @@ def test_ahead_of_time_compilation_from_the_state_s_own_shardings() -> None:
   assert compiled.memory_analysis() is not None
   kinds = {s.memory_kind for s in jax.tree.leaves(compiled.output_shardings[1])}
   assert kinds == {HOST}, kinds
-  plan = plan_k(make_step, structs[0], structs[2], structs[1], memory_limit=1 << 30)
-  assert plan.k == 1 and plan.peak_bytes <= 1 << 30
-  # `eval_shape`'s structs: JAX 0.12 keeps their memory kind (they plan as the state's own);
+  # `eval_shape`'s structs: JAX 0.12 keeps their memory kind (they compile as the state's own);
   # JAX 0.10.2 drops it, and host_state's error names the fix.
   bare = jax.eval_shape(tx.init, fresh(PARAMS))
   if {jax.typeof(x).memory_space for x in jax.tree.leaves(bare)} == {jax.memory.Space.Host}:
-    assert plan_k(make_step, structs[0], structs[2], bare, memory_limit=1 << 30).k == 1
+    assert make_step(1).lower(structs[0], structs[2], bare).compile().memory_analysis()
   else:
-    with pytest.raises(RuntimeError, match=r"state_shardings\(tx, params\)"):
-      plan_k(make_step, structs[0], structs[2], bare, memory_limit=1 << 30)
+    with pytest.raises(ValueError, match=r"state_shardings\(tx, params\)"):
+      make_step(1).lower(structs[0], structs[2], bare)
 
 
 def test_a_platform_without_host_memory_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

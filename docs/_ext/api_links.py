@@ -14,9 +14,9 @@ pages needs from it:
 * **Links into other projects' docs.** A reference to a name of ``jax``,
   ``optax``, ``flax`` or the standard library that no page of ours documents
   resolves to that project's page for it (``missing-reference``).
-* **Links to our own names under another public path.** ``optax_accum.plan_k``
-  is documented as ``optax_accum.planning.plan_k``; a reference to either
-  reaches the entry.
+* **Links to our own names under another public path.**
+  ``optax_accum.offload.host_state`` is documented as ``optax_accum.host_state``;
+  a reference to either reaches the entry.
 * **A check.** After an html build, an API page that still contains a private
   path (``jaxlib._jax``, ``optax._src``) is a warning, so ``-W`` fails.
 """

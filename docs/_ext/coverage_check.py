@@ -12,8 +12,8 @@ never from a list kept here:
 A name counts as documented when an autodoc entry (``autofunction``,
 ``autoclass``, ``autodata``, ...) exists for it under the module that exports
 it, or, for a function or class, for the same object under another public
-path (``optax_accum.plan_k`` is the object documented as
-``optax_accum.planning.plan_k``). An entry for a ``optax_accum`` name that is
+path (``optax_accum.offload.host_state`` is the object documented as
+``optax_accum.host_state``). An entry for a ``optax_accum`` name that is
 in no ``__all__`` (a removed or deprecated name) fails the build too, so the
 reference never documents what the package no longer exports.
 """
