@@ -28,13 +28,6 @@ def test_bench_accumulate_quick(tmp_path: Path) -> None:
   assert (tmp_path / "accumulate.png").stat().st_size > 0
 
 
-def test_bench_large_batch_quick(tmp_path: Path) -> None:
-  result = run("bench_large_batch.py", tmp_path, "large_batch")
-  assert [r["k"] for r in result["records"]] == [2, 8]
-  assert all(r["cause"] == "equal" and r["numpy_peak_bytes"] > 0 for r in result["records"])
-  assert (tmp_path / "large_batch.png").stat().st_size > 0
-
-
 def test_bench_host_state_quick(tmp_path: Path) -> None:  # and --tpu's run, on the CPU
   result = run("bench_host_state.py", tmp_path, "host_state_tpu", "--tpu")
   tpu, rows = result["tpu"], result["memory"]  # (XLA:CPU: 22 device B/param, 14)
