@@ -337,12 +337,10 @@ _RULES = _jaxpr.Rules(dict.fromkeys((_jaxpr.CALL, "scan", "shard_map", "cond", "
 
 
 def _quantiser(eqn: Any) -> str | None:
-  """The float format of 8 bits or fewer (fp8, fp4) that ``eqn`` rounds to (a cast, a
-  ``reduce_precision``), else None."""
-  p, name = eqn.params, eqn.primitive.name
-  if name == "convert_element_type" and jnp.issubdtype(p["new_dtype"], jnp.floating) and (
-      np.dtype(p["new_dtype"]).itemsize == 1):
+  """The float format of 8 bits or fewer (fp8, fp4) that ``eqn`` casts to, else None (a
+  ``reduce_precision`` is no cast: it is refused as not linear)."""
+  p = eqn.params
+  if eqn.primitive.name == "convert_element_type" and jnp.issubdtype(
+      p["new_dtype"], jnp.floating) and np.dtype(p["new_dtype"]).itemsize == 1:
     return str(np.dtype(p["new_dtype"]))
-  if name == "reduce_precision" and p["exponent_bits"] + p["mantissa_bits"] + 1 <= 8:
-    return f"e{p['exponent_bits']}m{p['mantissa_bits']} (fp8)"
   return None
