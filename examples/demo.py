@@ -561,7 +561,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   loss_terms = make_loss_terms(graphdef)
   tokens = batches["mask"].reshape(cfg.steps, cfg.k, -1).sum(-1)
   n_params = sum(x.size for x in jax.tree.leaves(params0))
-  print(f"{len(lines):,} lines, {n_params:,} params, {cfg.steps} steps of {cfg.batch_size}"
+  print(f"{len(lines):,} lines of Python (the first {cfg.max_files} .py files of the standard"
+        f" library), {n_params:,} params, {cfg.steps} steps of {cfg.batch_size}"
         f" sequences = {cfg.k} micro-batches of {cfg.batch_size // cfg.k}, real tokens per"
         f" micro-batch {tokens.min():.0f}..{tokens.max():.0f}", flush=True)
   arms = run_part1(cfg, loss_terms, params0, batches, eval_batches)
