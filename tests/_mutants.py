@@ -26,7 +26,7 @@ import optax
 import pytest
 
 import optax_accum as oa
-from optax_accum import microbatching, offload
+from optax_accum import offload
 
 Mutant = Callable[[pytest.MonkeyPatch], None]
 MUTANTS: dict[str, Mutant] = {}
@@ -88,7 +88,6 @@ def _patch_microbatched(patch: pytest.MonkeyPatch, change: Callable) -> None:
     return lambda *args, **kwargs: change(real(*args, **kwargs), fn, k, options, args, kwargs)
 
   patch.setattr(oa, "microbatched", microbatched)
-  patch.setattr(microbatching, "microbatched", microbatched)
 
 
 def _mean_of(options: dict[str, Any], k: Any) -> bool:
