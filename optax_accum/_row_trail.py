@@ -316,8 +316,8 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
     return "", "a ratio of sums over the rows" if all(summed) else "a reciprocal of a sum over them"
   if name == "convert_element_type" and b.params["new_dtype"] == np.bool_:
     return "", "a sum cast to bool (whether it is nonzero)"
-  if _quantiser(b):  # (each micro-batch's sum rounds on the format's coarse grid)
-    return "", f"a sum rounded to {_quantiser(b)}"
+  if fp8 := _quantiser(b):  # (each micro-batch's sum rounds on the format's coarse grid)
+    return "", f"a sum rounded to {fp8}"
   if name == "convert_element_type" and not (
       ins[0].whole or jnp.issubdtype(b.params["new_dtype"], jnp.inexact)):
     return "", ("a float sum cut to an integer (`astype`), which may drop a fraction per"
