@@ -126,7 +126,8 @@ def transformer(tf: dict[str, int], limit: int, iters: int, log: Callable[[str],
   log(f"transformer: global batch {batch}, full step {gib(full['peak'])} GiB")
   data = {"tokens": jax.random.randint(jax.random.key(1), (batch, tf["seq"]), 0, tf["vocab"])}
   micro, args = functools.cache(lambda k: oa.microbatched(vg, k)), (params, data)
-  fits = {j: compile_fit(micro(j), args) for j in (2**i for i in range(7)) if batch % j == 0}
+  fits = {1: full} | {j: compile_fit(micro(j), args) for j in (2**i for i in range(1, 7))
+                      if batch % j == 0}  # (k = 1: the full step, compiled above)
   peaks = {j: fit["peak"] for j, fit in fits.items()}
   k = min((j for j, fit in fits.items() if fit["compiled"] and fit["peak"] <= HEADROOM * limit),
           default=None)
