@@ -299,6 +299,8 @@ def _not_a_sum(name: str, a: Any, b: Any, ins: list[Flow], counts: list[bool],
     dims = b.params.get("dimension_numbers")
     if name.startswith("scatter") and _axis(b.invars[2], a.invars[2]) in dims.update_window_dims:
       return "", f"rows written in place of others (`{name}`: `.at[:n].add`), not summed"
+    if name.startswith("scatter") and not ins[0].zero:  # (each micro-batch adds its base again)
+      return "", f"rows added into a base that is not zeros (`{name}`: `ones(E).at[i].add`)"
     if name in _SUMS:
       return "sum", None
     return "", f"{_MAXIMA[name]} over the rows" if name in _MAXIMA else f"`{name}` over the rows"

@@ -544,6 +544,10 @@ _STATISTICS = {
         lambda c, r: (jnp.cos(c), None), jnp.zeros((), m.dtype), x)[0] + jnp.sum(m), False),
     "a sum rounded to fp8": (lambda x, m: lax.reduce_precision(jnp.sum(x, 0), 2, 2), False),
     "a sum cast to fp8": (lambda x, m: jnp.sum(x, 0).astype(jnp.float8_e4m3fn), False),
+    "counts added into ones": (lambda x, m: jnp.ones(3).at[jnp.argmax(x[:, :3], -1)].add(m),
+                               False),
+    "counts added into zeros": (lambda x, m: jnp.zeros(3).at[jnp.argmax(x[:, :3], -1)].add(m),
+                                True),
     "a count carried by a scan from a count": (lambda x, m: lax.scan(
         lambda c, _: (c + jnp.sum(m), None), jnp.sum(m), None, length=2)[0], True),
     "count plus one": (lambda x, m: jnp.sum(m) + 1.0, False),
