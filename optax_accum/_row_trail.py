@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
@@ -108,7 +109,10 @@ def walk(large: jax_core.Jaxpr, small: jax_core.Jaxpr | None, flows: list[Flow],
 def count(big: Any, small: Any, ratio: int) -> Flow | None:
   """The flow of a number the rows' count scales (a literal or a constant that differs between
   the traces): a count where it is ``ratio`` times the smaller, else a function of it (a mean's
-  divisor); None where the two are equal."""
+  divisor); None where the two are equal (a value traced outside, the one both traces captured)."""
+  if isinstance(big, jax.core.Tracer) or isinstance(small, jax.core.Tracer):
+    return None if big is small else Flow("", "a traced value that differs between the traces",
+                                          False)
   if np.array_equal(big, small, equal_nan=True):
     return None
   if np.array_equal(big, ratio * np.asarray(small)):

@@ -706,3 +706,20 @@ def test_a_statistic_squeezed_on_one_row_is_refused_naming_its_rank() -> None:
   with pytest.raises(ValueError, match=r"\['s'\] is a function of the rows' count \(`squeeze`'s"
                      r" rank"):
     fn(jnp.ones(6), _X, _M)
+
+
+def test_a_stats_fn_closing_over_a_value_traced_outside_reads_it_as_a_constant() -> None:
+  """A ``stats_fn`` that closes over an argument of the jitted step (a scale): both traces
+  capture the one tracer, a constant of no rows (it crashed reading it as a number)."""
+  loss = lambda w, x, m, stats: jnp.sum((x @ w) ** 2 * m) * jnp.sum(stats["s"])
+
+  @jax.jit
+  def step(w, x, m, scale):
+    return oa.microbatched(jax.value_and_grad(loss), 4, batch_argnums=(1, 2), normalize="sum",
+                           global_stats=lambda w, x, m: {"s": jnp.sum(m) * scale})(w, x, m)
+
+  w = jnp.linspace(-1.0, 1.0, 6)
+  value, grads = step(w, _X, _M, 3.0)
+  whole, whole_grads = jax.value_and_grad(loss)(w, _X, _M, {"s": jnp.sum(_M) * 3.0})
+  np.testing.assert_allclose(value, whole, rtol=1e-5)
+  np.testing.assert_allclose(grads, whole_grads, rtol=1e-5)
